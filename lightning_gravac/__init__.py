@@ -1,0 +1,25 @@
+"""lightning-gravac: compressed, adaptive gradient communication for PyTorch Lightning DDP."""
+
+from pytorch_lightning.strategies import StrategyRegistry
+
+from lightning_gravac.callbacks import Controller, Static
+from lightning_gravac.compressors import Compressor, ErrorFeedback, Payload, get_compressor, list_compressors
+from lightning_gravac.strategies import CompressionState, GraVACStrategy, StepStats
+
+if "gravac" not in StrategyRegistry:
+    GraVACStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompressionState",
+    "Compressor",
+    "Controller",
+    "ErrorFeedback",
+    "GraVACStrategy",
+    "Payload",
+    "Static",
+    "StepStats",
+    "get_compressor",
+    "list_compressors",
+]

@@ -1,0 +1,92 @@
+"""The base of every compression controller."""
+
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning import Callback
+from typing_extensions import override
+
+from lightning_gravac.strategies.state import CompressionState, StepStats
+
+
+class Controller(Callback):
+    """A callback that reads each step's compression statistics and sets the compression factor.
+
+    Statistics come from the comm hook and crossed the network, so they are identical on every rank, and so is
+    every decision made from them: ranks that chose different factors would send payloads of different sizes
+    and deadlock the collective. Subclasses implement :meth:`observe` (and may override :meth:`metrics`);
+    they change the factor by setting ``self.cf`` (or per-parameter factors in the state).
+
+    Each step it logs, through ``LightningModule.log`` so that every logger and ``trainer.callback_metrics`` on
+    every rank see them: ``gravac/cf`` (factor in force), ``gravac/achieved_cf`` (dense / sent bytes),
+    ``gravac/gain`` (``sum ||C(g)||^2 / sum ||g||^2``), ``gravac/bytes_sent``, ``gravac/bytes_dense``,
+    ``gravac/compress_ms``, ``gravac/comm_ms`` (this rank's host time) and ``gravac/collective``
+    (the fraction of buckets that were reduced rather than gathered: 0 all gathered, 1 all reduced).
+
+    Raises:
+        ValueError: at fit start, if the trainer's strategy is not a ``GraVACStrategy``.
+    """
+
+    def __init__(self, cf: float = 1.0) -> None:
+        self.cf = cf
+        self._state: CompressionState | None = None
+
+    @property
+    def state(self) -> CompressionState:
+        """The strategy's compression state (available from ``setup`` on)."""
+        if self._state is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a GraVACStrategy yet.")
+        return self._state
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        from lightning_gravac.strategies.gravac import GraVACStrategy
+
+        if not isinstance(trainer.strategy, GraVACStrategy):
+            raise ValueError(
+                f"{type(self).__name__} controls GraVACStrategy's compression, but the trainer's strategy is "
+                f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=GraVACStrategy(...))` or drop the callback."
+            )
+        self._state = trainer.strategy.compression_state
+        self._state.cf = self.cf
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stats = self.state.pop_stats()
+        if stats is None:  # no communication this batch (gradient accumulation)
+            return
+        metrics = self.metrics(stats)
+        self.observe(stats, trainer)
+        self.state.cf = self.cf
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def observe(self, stats: StepStats, trainer: "pl.Trainer") -> None:
+        """Take one step's statistics into account and decide the next factor. Static controllers do nothing."""
+
+    def metrics(self, stats: StepStats) -> dict[str, float]:
+        """The ``gravac/*`` metrics of the step that produced ``stats``."""
+        return {
+            "gravac/cf": self.state.cf,
+            "gravac/achieved_cf": stats.achieved_cf,
+            "gravac/gain": stats.gain,
+            "gravac/bytes_sent": float(stats.bytes_sent),
+            "gravac/bytes_dense": float(stats.bytes_dense),
+            "gravac/compress_ms": 1e3 * stats.compress_s,
+            "gravac/comm_ms": 1e3 * stats.comm_s,
+            "gravac/collective": 1.0 - stats.gathered / stats.buckets,
+        }
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"cf": self.cf}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.cf = state_dict["cf"]
+        if self._state is not None:
+            self._state.cf = self.cf
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cf={self.cf})"

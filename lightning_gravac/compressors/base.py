@@ -1,0 +1,157 @@
+"""The compressor interface and the name -> class registry.
+
+A compressor is pure tensor math: ``compress`` turns one tensor into a :class:`Payload` whose wire
+tensors have sizes fixed by ``(numel, cf, dtype)`` alone, and ``decompress`` turns a payload back into a
+tensor of the input's shape and dtype. Compressors never talk to the network; the comm hook does.
+"""
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+import torch
+from torch import Tensor
+
+#: Bytes of one index on the wire. Indices are int32 relative to the tensor they address.
+INDEX_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One compressed tensor.
+
+    Attributes:
+        wire: the tensors that cross the network, in a fixed order. Their sizes depend on the input's numel,
+            dtype and the compression factor only, so every rank sends the same number of bytes.
+        shape: shape of the tensor that was compressed.
+        dtype: dtype of the tensor that was compressed.
+        local: tensors needed to decode that never cross the network, because every rank can derive them
+            (Random-K's indices come from a shared seed).
+    """
+
+    wire: tuple[Tensor, ...]
+    shape: torch.Size
+    dtype: torch.dtype
+    local: tuple[Tensor, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this payload puts on the wire."""
+        return sum(t.numel() * t.element_size() for t in self.wire)
+
+    def with_wire(self, wire: Sequence[Tensor]) -> "Payload":
+        """The same payload with other wire tensors: another rank's, unpacked from a gathered buffer."""
+        return Payload(tuple(wire), self.shape, self.dtype, self.local)
+
+
+class Compressor(ABC):
+    """Base class of every gradient compressor.
+
+    Subclasses set :attr:`name` and implement :meth:`compress` and :meth:`decompress`. The other methods have
+    correct generic implementations that a method may override with a faster one.
+
+    Class attributes:
+        name: the registry name (``get_compressor(name)``).
+        biased: whether the method is biased; error feedback defaults to on for biased methods.
+        passthrough: whether the method sends the gradient unchanged; the hook then uses plain all-reduce.
+        summable: whether the payloads of different ranks can be summed element-wise and decoded once
+            (they share support, as Random-K's seeded indices do). The hook then all-reduces the payload
+            instead of gathering it.
+    """
+
+    name: ClassVar[str]
+    biased: bool = True
+    summable: ClassVar[bool] = False
+    passthrough: ClassVar[bool] = False
+
+    @abstractmethod
+    def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
+        """Compress ``tensor`` so that it costs about ``1/cf`` of its dense bytes on the wire.
+
+        Args:
+            tensor: the tensor to compress (any shape; fp32, fp16 or bf16).
+            cf: compression factor, dense bytes / sent bytes, at least 1.
+            key: a stable name of what is compressed (the parameter's name); methods with per-tensor state
+                or shared randomness use it.
+            step: the training step; methods with shared randomness use it so that all ranks agree.
+        """
+
+    @abstractmethod
+    def decompress(self, payload: Payload) -> Tensor:
+        """Decode ``payload`` to a dense tensor of the original shape and dtype."""
+
+    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        """Add ``scale`` times the sum of several decoded payloads to the flat tensor ``out``.
+
+        ``stacked`` holds the payloads of several ranks: each wire tensor has a leading rank dimension. The sum
+        runs in rank order, so every rank computes the same bits.
+        """
+        for rank in range(stacked.wire[0].shape[0]):
+            out.add_(self.decompress(stacked.with_wire([w[rank] for w in stacked.wire])).view(-1), alpha=scale)
+
+    def residual_(self, tensor: Tensor, payload: Payload) -> None:
+        """Turn the error-fed ``tensor`` in place into the residual ``tensor - decompress(payload)``."""
+        tensor.sub_(self.decompress(payload))
+
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        """Squared L2 norm of the decoded payload, in float64."""
+        return self.decompress(payload).double().square().sum()
+
+    def achieved_cf(self, payload: Payload) -> float:
+        """Dense bytes / wire bytes of ``payload``."""
+        dense = math.prod(payload.shape) * torch.empty((), dtype=payload.dtype).element_size()
+        return dense / payload.nbytes
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def validate_cf(cf: float, argument: str = "cf") -> float:
+    """Check that a compression factor is a finite number of at least 1 and return it as a float."""
+    if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf < 1:
+        raise ValueError(f"`{argument}` must be a finite number >= 1 (1 means dense), got {cf!r}.")
+    return float(cf)
+
+
+def sparse_k(numel: int, cf: float, dtype: torch.dtype, index_bytes: int = INDEX_BYTES) -> int:
+    """Number of entries a sparsifier keeps so that values plus indices cost ``1/cf`` of the dense bytes.
+
+    ``cf`` is a ratio of bytes, so with fp32 values and int32 indices an entry costs two elements and
+    ``cf=100`` keeps ``numel/200`` entries; without indices (``index_bytes=0``) it keeps ``numel/100``.
+    Rounded up (never compress harder than asked), at least one entry, at most ``numel``.
+    """
+    value_bytes = torch.empty((), dtype=dtype).element_size()
+    k = math.ceil(numel * value_bytes / (cf * (value_bytes + index_bytes)))
+    return max(1, min(numel, k))
+
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+_C = TypeVar("_C", bound=type[Compressor])
+
+
+def register_compressor(cls: _C) -> _C:
+    """Class decorator: make ``cls`` available to :func:`get_compressor` under ``cls.name``."""
+    if cls.name in _REGISTRY:
+        raise ValueError(f"A compressor named {cls.name!r} is already registered ({_REGISTRY[cls.name].__name__}).")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def list_compressors() -> list[str]:
+    """Names of all registered compressors, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_compressor(name: str, **options: object) -> Compressor:
+    """Instantiate the compressor registered as ``name`` with ``options``.
+
+    Raises:
+        ValueError: if no compressor is registered under ``name``; the message lists the known names.
+    """
+    try:
+        cls: Callable[..., Compressor] = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"Unknown compressor {name!r}. Known compressors: {', '.join(list_compressors())}.") from None
+    return cls(**options)

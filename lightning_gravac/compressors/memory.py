@@ -1,0 +1,70 @@
+"""Error feedback: the residual memory that wraps any compressor."""
+
+from collections.abc import Iterator
+
+from torch import Tensor
+
+from lightning_gravac.compressors.base import Compressor, Payload
+
+
+class ErrorFeedback:
+    """Per-parameter residuals: what compression left out, added back into the next gradient.
+
+    Residuals are keyed by parameter name, never by bucket: DDP rebuilds its buckets after the first iteration,
+    and a checkpoint must name what it restores.
+
+    With ``g = grad + residual`` the error-fed gradient and ``d`` its decoded payload, the new residual is
+    ``g - d``, so ``residual + d == g`` and nothing the compressor dropped is lost, only delayed.
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, Tensor] = {}
+
+    def compensate_(self, key: str, tensor: Tensor) -> None:
+        """Add the stored residual of ``key`` to ``tensor`` in place (nothing if there is none)."""
+        residual = self._residuals.get(key)
+        if residual is not None:
+            tensor.add_(residual.view_as(tensor))
+
+    def update(self, key: str, compressor: Compressor, error_fed: Tensor, payload: Payload) -> Tensor:
+        """Store ``error_fed - decompress(payload)`` as the residual of ``key`` and return it.
+
+        ``error_fed`` is left untouched; the residual reuses the previous residual's storage when it can.
+        """
+        residual = self._residuals.get(key)
+        if residual is None or residual.shape != error_fed.shape or residual.dtype != error_fed.dtype:
+            residual = error_fed.clone()
+        else:
+            residual.copy_(error_fed)
+        compressor.residual_(residual, payload)
+        self._residuals[key] = residual
+        return residual
+
+    def set(self, key: str, residual: Tensor) -> None:
+        """Store ``residual`` as the residual of ``key``."""
+        self._residuals[key] = residual
+
+    def discard(self, key: str) -> None:
+        """Forget the residual of ``key``: it was sent in full."""
+        self._residuals.pop(key, None)
+
+    def get(self, key: str) -> Tensor | None:
+        """The residual of ``key``, or ``None``."""
+        return self._residuals.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._residuals
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._residuals)
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The residuals, as detached copies, by parameter name."""
+        return {key: residual.detach().clone() for key, residual in self._residuals.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Replace all residuals with ``state``."""
+        self._residuals = {key: residual.clone() for key, residual in state.items()}

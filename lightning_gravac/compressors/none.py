@@ -1,0 +1,33 @@
+"""The identity: plain DDP all-reduce, no compression."""
+
+from torch import Tensor
+
+from lightning_gravac.compressors.base import Compressor, Payload, register_compressor
+
+
+@register_compressor
+class NoCompression(Compressor):
+    """Send the gradient as it is. Under ``GraVACStrategy`` every bucket takes the plain all-reduce path.
+
+    Also the method the hook uses for layers whose factor is 1 inside an otherwise compressed bucket.
+    """
+
+    name = "none"
+    biased = False
+    summable = True
+    passthrough = True
+
+    def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
+        return Payload((tensor.reshape(-1).clone(),), tensor.shape, tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        return payload.wire[0].view(payload.shape).clone()
+
+    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        out.add_(stacked.wire[0].sum(0), alpha=scale)
+
+    def residual_(self, tensor: Tensor, payload: Payload) -> None:
+        tensor.zero_()
+
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        return payload.wire[0].double().square().sum()

@@ -1,0 +1,70 @@
+"""Random-K sparsification with indices every rank derives from a shared seed."""
+
+import zlib
+
+import torch
+from torch import Tensor
+
+from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sparse_k
+
+
+@register_compressor
+class RandomK(Compressor):
+    """Keep ``k`` entries chosen uniformly without replacement; only their values cross the network.
+
+    The indices come from a generator seeded with ``(seed, step, key)``, so every rank picks the same ones:
+    the payloads of all ranks share support, the hook sums them with an all-reduce, and no index is sent.
+    ``cf=100`` therefore keeps 1% of the entries (no index bytes to pay for).
+
+    Args:
+        seed: base seed; must be the same on every rank.
+        unbiased: scale the kept values by ``numel / k`` so that the decoded tensor is an unbiased estimate of
+            the input. Use it without error feedback; with error feedback (the default) leave it off.
+    """
+
+    name = "randomk"
+    summable = True
+
+    def __init__(self, seed: int = 0, unbiased: bool = False) -> None:
+        self.seed = seed
+        self.unbiased = unbiased
+        self.biased = not unbiased
+
+    def indices(self, numel: int, k: int, *, key: str, step: int, device: torch.device) -> Tensor:
+        """The ``k`` indices this ``(seed, step, key)`` selects out of ``numel``; identical on every rank."""
+        # A dedicated generator: the global RNG differs between ranks (and belongs to the user).
+        generator = torch.Generator(device="cpu")
+        mixed = ((self.seed * 1_000_003 + step) * 4_294_967_311 + zlib.crc32(key.encode())) % (1 << 63)
+        generator.manual_seed(mixed)
+        return torch.randperm(numel, generator=generator)[:k].to(device)
+
+    def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
+        flat = tensor.reshape(-1)
+        k = sparse_k(flat.numel(), cf, flat.dtype, index_bytes=0)
+        indices = self.indices(flat.numel(), k, key=key, step=step, device=flat.device)
+        values = flat[indices]
+        if self.unbiased:
+            values = values * (flat.numel() / k)
+        return Payload((values,), tensor.shape, tensor.dtype, local=(indices,))
+
+    def decompress(self, payload: Payload) -> Tensor:
+        (values,), (indices,) = payload.wire, payload.local
+        out = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=values.device)
+        out[indices] = values
+        return out.view(payload.shape)
+
+    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        (values,), (indices,) = stacked.wire, stacked.local
+        out.index_add_(0, indices.repeat(values.shape[0]), values.reshape(-1), alpha=scale)
+
+    def residual_(self, tensor: Tensor, payload: Payload) -> None:
+        if self.unbiased:
+            super().residual_(tensor, payload)
+        else:
+            tensor.view(-1).index_fill_(0, payload.local[0], 0)
+
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        return payload.wire[0].double().square().sum()
+
+    def __repr__(self) -> str:
+        return f"RandomK(seed={self.seed}, unbiased={self.unbiased})"

@@ -1,0 +1,116 @@
+"""GraVACStrategy: DDP whose gradients cross the network compressed."""
+
+from typing import Any
+
+import pytorch_lightning as pl
+from lightning_utilities.core.rank_zero import rank_zero_info
+from pytorch_lightning.strategies import DDPStrategy
+from lightning_fabric.strategies.registry import _StrategyRegistry
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_gravac.compressors.base import Compressor, get_compressor
+from lightning_gravac.strategies.hook import gravac_hook
+from lightning_gravac.strategies.state import CompressionState, Granularity
+
+_GRANULARITIES = ("layer", "bucket")
+_OWN_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
+
+
+class GraVACStrategy(DDPStrategy):
+    """Distributed data-parallel training with compressed gradients and an adaptive compression factor.
+
+    A DDP communication hook compresses every gradient bucket before it crosses the network; a controller
+    callback (:class:`~lightning_gravac.Static` for now, the default when the trainer has none) sets the factor.
+    Works on CPU (gloo) and CUDA (NCCL): unlike stock Lightning, the hook is registered on every device type.
+
+    Args:
+        compressor: a registered compressor name (see :func:`~lightning_gravac.list_compressors`) or an instance.
+        granularity: ``"layer"`` compresses each parameter's gradient on its own (per-layer factors possible);
+            ``"bucket"`` compresses each DDP bucket as one tensor (fewer, larger selections).
+        error_feedback: keep what compression dropped and add it to the next gradient. ``None`` turns it on for
+            biased methods (all sparsifiers) and off for unbiased ones.
+        **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
+            ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
+
+    Raises:
+        ValueError: for an unknown compressor or granularity, or a ``ddp_comm_hook`` argument.
+
+    Example::
+
+        Trainer(accelerator="cpu", devices=2, strategy=GraVACStrategy(compressor="topk"), callbacks=[Static(cf=100)])
+    """
+
+    strategy_name = "gravac"
+
+    def __init__(
+        self,
+        compressor: str | Compressor = "topk",
+        granularity: Granularity = "layer",
+        error_feedback: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        clashing = [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]
+        if clashing:
+            raise ValueError(
+                f"GraVACStrategy registers its own DDP comm hook; remove {', '.join(clashing)} "
+                "or use DDPStrategy for a hook of your own."
+            )
+        if isinstance(compressor, str):
+            compressor = get_compressor(compressor)
+        elif not isinstance(compressor, Compressor):
+            raise ValueError(f"`compressor` must be a compressor name or a Compressor, got {compressor!r}.")
+        if granularity not in _GRANULARITIES:
+            raise ValueError(f"`granularity` must be one of {_GRANULARITIES}, got {granularity!r}.")
+        super().__init__(**kwargs)
+        self.compression_state = CompressionState(
+            compressor=compressor,
+            error_feedback=compressor.biased if error_feedback is None else error_feedback,
+            granularity=granularity,
+        )
+
+    @property
+    def compressor(self) -> Compressor:
+        """The compressor the hook uses."""
+        return self.compression_state.compressor
+
+    @override
+    def setup_environment(self) -> None:
+        # Before the process group exists, so a bad combination fails at once instead of in a collective, and
+        # before the trainer's `setup` hooks, so a default controller added here gets them like any callback.
+        self._attach_controller(self.lightning_module.trainer)
+        super().setup_environment()
+
+    def _attach_controller(self, trainer: "pl.Trainer") -> None:
+        from lightning_gravac.callbacks.controller import Controller
+        from lightning_gravac.callbacks.static import Static
+
+        controllers = [c for c in trainer.callbacks if isinstance(c, Controller)]
+        if len(controllers) > 1:
+            names = ", ".join(type(c).__name__ for c in controllers)
+            raise ValueError(f"GraVACStrategy takes one compression controller, the trainer has {len(controllers)}: "
+                             f"{names}. Keep one.")
+        if not controllers:
+            default = Static()
+            rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
+            trainer.callbacks.append(default)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        self.compression_state.bind(self.model.module)
+        # Stock Lightning registers hooks on CUDA only; DDP's comm hooks work with gloo on CPU as well.
+        self.model.register_comm_hook(self.compression_state, gravac_hook)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "gravac", cls, description="DDP with compressed gradients and an adaptive compression factor"
+        )
+        strategy_registry.register(
+            "gravac_spawn",
+            cls,
+            description="GraVACStrategy with `start_method` 'spawn'",
+            start_method="spawn",
+        )

@@ -1,0 +1,148 @@
+"""The state the comm hook reads and the statistics it leaves for the controller."""
+
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_gravac.compressors.base import Compressor
+from lightning_gravac.compressors.memory import ErrorFeedback
+from lightning_gravac.compressors.none import NoCompression
+
+Granularity = Literal["layer", "bucket"]
+
+#: Value of the ``collective`` statistic: payloads all-gathered, or a dense (or summable) all-reduce.
+GATHER, REDUCE = 0, 1
+
+
+@dataclass
+class BucketRecord:
+    """What one bucket of one step cost and kept. Norms are summed over ranks, so equal on every rank."""
+
+    bytes_sent: int
+    bytes_dense: int
+    collective: int
+    sq_norm: float = 0.0
+    sq_norm_sent: float = 0.0
+    compress_s: float = 0.0
+    comm_s: float = 0.0
+
+
+@dataclass
+class StepStats:
+    """One step's statistics, summed over its buckets.
+
+    ``bytes_sent`` counts what this rank put into the collectives: values and int32 indices (or packed bits),
+    the 16-byte statistics header of each compressed bucket and the padding to 8 bytes. ``bytes_dense`` is what
+    plain DDP would have sent (numel x element size). Both are identical on every rank; so are the norms,
+    which crossed the network. The timings are this rank's own.
+    """
+
+    bytes_sent: int = 0
+    bytes_dense: int = 0
+    sq_norm: float = 0.0
+    sq_norm_sent: float = 0.0
+    compress_s: float = 0.0
+    comm_s: float = 0.0
+    gathered: int = 0
+    buckets: int = 0
+
+    @property
+    def gain(self) -> float:
+        """``sum_ranks ||C(g)||^2 / sum_ranks ||g||^2`` for the error-fed gradient ``g``; 1.0 when dense."""
+        return self.sq_norm_sent / self.sq_norm if self.sq_norm > 0 else 1.0
+
+    @property
+    def achieved_cf(self) -> float:
+        """Dense bytes / bytes sent."""
+        return self.bytes_dense / self.bytes_sent if self.bytes_sent else 1.0
+
+    @classmethod
+    def of(cls, records: list[BucketRecord]) -> "StepStats":
+        stats = cls(buckets=len(records))
+        for r in records:
+            stats.bytes_sent += r.bytes_sent
+            stats.bytes_dense += r.bytes_dense
+            stats.sq_norm += r.sq_norm
+            stats.sq_norm_sent += r.sq_norm_sent
+            stats.compress_s += r.compress_s
+            stats.comm_s += r.comm_s
+            stats.gathered += r.collective == GATHER
+        return stats
+
+
+@dataclass
+class CompressionState:
+    """Everything the comm hook needs, owned by :class:`~lightning_gravac.GraVACStrategy`.
+
+    Created with the strategy (so it pickles with it for ``ddp_spawn``) and bound to the DDP model and process
+    group when the hook is registered.
+    """
+
+    # What to do: fixed for the run.
+    compressor: Compressor
+    error_feedback: bool
+    granularity: Granularity = "layer"
+
+    # What the controller decides; must be identical on every rank.
+    cf: float = 1.0
+    param_cf: dict[str, float] = field(default_factory=dict)
+    collect_stats: bool = True
+
+    # Bound at hook registration.
+    process_group: dist.ProcessGroup | None = None
+    world_size: int = 1
+    param_names: dict[int, str] = field(default_factory=dict)
+
+    # Carried across steps.
+    memory: ErrorFeedback = field(default_factory=ErrorFeedback)
+    step: int = 0
+
+    _records: list[BucketRecord] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    identity: Compressor = field(default_factory=NoCompression)
+
+    def bind(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
+        """Name the parameters of ``module`` (the unwrapped model) and remember the group."""
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.param_names = {id(p): name for name, p in module.named_parameters()}
+
+    def cf_of(self, name: str) -> float:
+        """The factor in force for parameter ``name``: its own if the controller set one, else the global one."""
+        if self.compressor.passthrough:
+            return 1.0
+        return self.param_cf.get(name, self.cf)
+
+    def record(self, record: BucketRecord) -> None:
+        # Records arrive from the hook's future callbacks, which may run on the backend's thread.
+        with self._lock:
+            self._records.append(record)
+
+    def pop_stats(self) -> StepStats | None:
+        """The statistics of the buckets communicated since the last call, or ``None`` if there were none
+        (a gradient-accumulation step). Advances :attr:`step` when there were."""
+        with self._lock:
+            records, self._records = self._records, []
+        if not records:
+            return None
+        self.step += 1
+        return StepStats.of(records)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_lock")
+        state["process_group"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def sq_norm(tensor: Tensor) -> Tensor:
+    """Squared L2 norm accumulated in float64, without a float64 copy of ``tensor``."""
+    return torch.linalg.vector_norm(tensor, dtype=torch.float64).square()

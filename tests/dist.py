@@ -1,0 +1,71 @@
+"""Run a function on N local ranks with real torch.distributed (gloo), the way torchrun would.
+
+Each rank is a fresh spawned interpreter with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` set, so a
+Lightning ``Trainer`` inside it sees an external launcher and does not re-execute pytest. Results are saved
+before the worker ends with ``os._exit``: gloo sometimes aborts at interpreter exit after a clean run, and
+that must not read as a failure of the code under test.
+"""
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: str, kwargs: dict) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, **kwargs)
+        torch.save(result, Path(out, f"{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - anything the rank raised goes back to the test
+        Path(out, f"{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout: float = 240, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` ranks and return the results by rank.
+
+    Raises:
+        AssertionError: with every failing rank's traceback, or if a rank has not finished within ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, out, kwargs)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = {r: Path(out, f"{r}.err").read_text() for r in range(world_size) if Path(out, f"{r}.err").exists()}
+        assert not errors, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items())
+        assert not hung, f"ranks {hung} did not finish within {timeout}s"
+        missing = [r for r in range(world_size) if not Path(out, f"{r}.pt").exists()]
+        assert not missing, f"ranks {missing} exited without a result"
+        return [torch.load(Path(out, f"{r}.pt"), weights_only=False) for r in range(world_size)]
