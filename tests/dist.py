@@ -3,9 +3,11 @@
 Each rank is a fresh spawned interpreter with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` set, so a
 Lightning ``Trainer`` inside it sees an external launcher and does not re-execute pytest. Results are saved
 before the worker ends with ``os._exit``: gloo sometimes aborts at interpreter exit after a clean run, and
-that must not read as a failure of the code under test.
+that must not read as a failure of the code under test. For the same reason ``fn`` must not destroy the process
+group: tearing down DDP's reducer after its group is gone can hang, and ``os._exit`` makes teardown moot.
 """
 
+import faulthandler
 import multiprocessing as mp
 import os
 import socket
@@ -24,7 +26,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: str, kwargs: dict) -> None:
+def _worker(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, out: str, timeout: float, kwargs: dict
+) -> None:
+    # If this rank hangs, its stacks land in a file the parent reports, instead of a bare timeout.
+    stacks = open(Path(out, f"{rank}.stacks"), "w")  # noqa: SIM115 - must outlive this frame
+    faulthandler.dump_traceback_later(max(1.0, timeout - 5), file=stacks)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -44,7 +51,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, out: 
     os._exit(0)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout: float = 240, **kwargs: Any) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout: float = 60, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` ranks and return the results by rank.
 
     Raises:
@@ -53,7 +60,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout: float 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, out, kwargs)) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, out, timeout, kwargs)) for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:
@@ -65,7 +72,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout: float 
                 p.join()
         errors = {r: Path(out, f"{r}.err").read_text() for r in range(world_size) if Path(out, f"{r}.err").exists()}
         assert not errors, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items())
-        assert not hung, f"ranks {hung} did not finish within {timeout}s"
+        stacks = "".join(f"--- rank {r} ---\n{Path(out, f'{r}.stacks').read_text()}" for r in hung)
+        assert not hung, f"ranks {hung} did not finish within {timeout}s:\n{stacks}"
         missing = [r for r in range(world_size) if not Path(out, f"{r}.pt").exists()]
         assert not missing, f"ranks {missing} exited without a result"
         return [torch.load(Path(out, f"{r}.pt"), weights_only=False) for r in range(world_size)]
