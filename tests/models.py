@@ -1,5 +1,6 @@
 """Small learnable tasks for the tests, top-level so that spawned ranks can import them."""
 
+import itertools
 from typing import Any
 
 import pytorch_lightning as pl
@@ -16,7 +17,7 @@ class TeacherRegression(pl.LightningModule):
         super().__init__()
         layers: list[nn.Module] = []
         dims = [n_in] + [width] * depth
-        for a, b in zip(dims[:-1], dims[1:]):
+        for a, b in itertools.pairwise(dims):
             layers += [nn.Linear(a, b), nn.Tanh()]
         self.net = nn.Sequential(*layers, nn.Linear(dims[-1], 1))
         self.lr, self.momentum = lr, momentum

@@ -37,7 +37,7 @@ class TestEveryCompressor:
         g = _grad(dtype=dtype)
         a = get_compressor(name).compress(g, cf=10, key="w", step=5)
         b = get_compressor(name).compress(g.clone(), cf=10, key="w", step=5)
-        assert all(torch.equal(x, y) for x, y in zip(a.wire, b.wire))
+        assert all(torch.equal(x, y) for x, y in zip(a.wire, b.wire, strict=True))
 
 
 @pytest.mark.parametrize("cf", [2, 10, 100, 1000])
@@ -55,12 +55,15 @@ def test_topk_keeps_exactly_the_largest_magnitudes(cf):
     assert torch.count_nonzero(decoded) == k and torch.equal(decoded[expected], g[expected])
 
 
-@pytest.mark.parametrize(("cf", "dtype", "index_bytes", "k"), [
-    (100, torch.float32, 4, 50),      # value + int32 index = 2 fp32 elements: cf 100 keeps numel / 200
-    (100, torch.float32, 0, 100),     # no indices sent (Random-K): numel / 100
-    (100, torch.float16, 4, 34),      # 2 + 4 bytes an entry: ceil(10000 * 2 / 600)
-    (1e9, torch.float32, 4, 1),       # at least one entry
-])
+@pytest.mark.parametrize(
+    ("cf", "dtype", "index_bytes", "k"),
+    [
+        (100, torch.float32, 4, 50),  # value + int32 index = 2 fp32 elements: cf 100 keeps numel / 200
+        (100, torch.float32, 0, 100),  # no indices sent (Random-K): numel / 100
+        (100, torch.float16, 4, 34),  # 2 + 4 bytes an entry: ceil(10000 * 2 / 600)
+        (1e9, torch.float32, 4, 1),  # at least one entry
+    ],
+)
 def test_sparse_k_accounting(cf, dtype, index_bytes, k):
     assert sparse_k(10_000, cf, dtype, index_bytes) == k
 
@@ -133,6 +136,6 @@ def test_layout_packs_mixed_dtypes_aligned_and_unpacks_every_rank():
     rows = torch.stack([layout.pack(payloads, header), layout.pack(payloads, 2 * header)])
     headers, stacked = layout.unpack(rows, payloads)
     assert torch.equal(headers, torch.tensor([[1.5, 2.5], [3.0, 5.0]], dtype=torch.float64))
-    for local, both in zip(payloads, stacked):
-        for w, s in zip(local.wire, both.wire):
+    for local, both in zip(payloads, stacked, strict=True):
+        for w, s in zip(local.wire, both.wire, strict=True):
             assert s.shape == (2, *w.shape) and torch.equal(s[0], w) and torch.equal(s[1], w)

@@ -11,10 +11,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dist import run_distributed
 from lightning_gravac.compressors import get_compressor, sparse_k
 from lightning_gravac.strategies.hook import gravac_hook
 from lightning_gravac.strategies.state import GATHER, REDUCE, CompressionState
+
+from harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -33,7 +34,7 @@ def _all_ranks(t: torch.Tensor) -> list[torch.Tensor]:
 def _reference_step(compressor, names, grads, residuals, cf, granularity, step):
     """Mean over ranks of decode(compress(grad + residual)); updates ``residuals``; returns (expected, norms)."""
     world = dist.get_world_size()
-    fed = {n: g + residuals.get(n, torch.zeros_like(g)) for n, g in zip(names, grads)}
+    fed = {n: g + residuals.get(n, torch.zeros_like(g)) for n, g in zip(names, grads, strict=True)}
     decoded = {}
     if granularity == "bucket":
         flat = torch.cat([fed[n].reshape(-1) for n in names])
@@ -49,8 +50,10 @@ def _reference_step(compressor, names, grads, residuals, cf, granularity, step):
     for n in names:
         residuals[n] = fed[n] - decoded[n]
         expected[n] = sum(d * (1.0 / world) for d in _all_ranks(decoded[n]))
-    sq = torch.tensor([sum(fed[n].double().square().sum() for n in names),
-                       sum(decoded[n].double().square().sum() for n in names)], dtype=torch.float64)
+    sq = torch.tensor(
+        [sum(fed[n].double().square().sum() for n in names), sum(decoded[n].double().square().sum() for n in names)],
+        dtype=torch.float64,
+    )
     dist.all_reduce(sq)
     return expected, sq
 
@@ -76,16 +79,22 @@ def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb):
         expected, sq = _reference_step(state.compressor, names, grads, residuals, cf, granularity, step)
         stats = state.pop_stats()
         got = dict(model.named_parameters())
-        results.append({
-            "max_err": max((got[n].grad - expected[n]).abs().max().item() for n in names),
-            "equal": all(torch.equal(got[n].grad, expected[n]) for n in names),
-            "gain": stats.gain, "expected_gain": (sq[1] / sq[0]).item(),
-            "gathered": stats.gathered, "buckets": stats.buckets,
-            "bytes_sent": stats.bytes_sent, "bytes_dense": stats.bytes_dense,
-            "residual_err": max((state.memory.get(n) - residuals[n]).abs().max().item() for n in names)
-            if granularity == "layer" else 0.0,
-            "grads": {n: got[n].grad.clone() for n in names},
-        })
+        results.append(
+            {
+                "max_err": max((got[n].grad - expected[n]).abs().max().item() for n in names),
+                "equal": all(torch.equal(got[n].grad, expected[n]) for n in names),
+                "gain": stats.gain,
+                "expected_gain": (sq[1] / sq[0]).item(),
+                "gathered": stats.gathered,
+                "buckets": stats.buckets,
+                "bytes_sent": stats.bytes_sent,
+                "bytes_dense": stats.bytes_dense,
+                "residual_err": max((state.memory.get(n) - residuals[n]).abs().max().item() for n in names)
+                if granularity == "layer"
+                else 0.0,
+                "grads": {n: got[n].grad.clone() for n in names},
+            }
+        )
     return results
 
 
@@ -109,7 +118,7 @@ def test_hook_averages_the_compressed_error_fed_gradients(compressor, cf, granul
             assert s["gain"] == pytest.approx(s["expected_gain"], rel=1e-9)
             assert s["gathered"] == (s["buckets"] if collective == GATHER else 0)
     # Both ranks hold the same averaged gradient, bit for bit.
-    for a, b in zip(ranks[0], ranks[1]):
+    for a, b in zip(ranks[0], ranks[1], strict=True):
         assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
     if cap < 1:
         # DDP starts with one bucket and rebuilds smaller ones after the first iteration: residuals, keyed by

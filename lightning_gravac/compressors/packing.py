@@ -80,5 +80,5 @@ class Layout:
         for slot in self.slots:
             view = rows[:, slot.offset : slot.offset + slot.nbytes].view(slot.dtype)
             wires[slot.payload][slot.wire] = view.reshape(ranks, *slot.shape)
-        stacked = [p.with_wire([t for t in w if t is not None]) for p, w in zip(payloads, wires)]
+        stacked = [p.with_wire([t for t in w if t is not None]) for p, w in zip(payloads, wires, strict=True)]
         return header, stacked

@@ -3,9 +3,9 @@
 from typing import Any
 
 import pytorch_lightning as pl
+from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_utilities.core.rank_zero import rank_zero_info
 from pytorch_lightning.strategies import DDPStrategy
-from lightning_fabric.strategies.registry import _StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -78,22 +78,27 @@ class GraVACStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         # Before the process group exists, so a bad combination fails at once instead of in a collective, and
         # before the trainer's `setup` hooks, so a default controller added here gets them like any callback.
-        self._attach_controller(self.lightning_module.trainer)
+        if self.lightning_module is not None:
+            self._attach_controller(self.lightning_module.trainer)
         super().setup_environment()
 
     def _attach_controller(self, trainer: "pl.Trainer") -> None:
         from lightning_gravac.callbacks.controller import Controller
         from lightning_gravac.callbacks.static import Static
 
-        controllers = [c for c in trainer.callbacks if isinstance(c, Controller)]
+        # `Trainer.callbacks` is public but assigned by Lightning's callback connector, invisible to type checkers.
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        controllers = [c for c in callbacks if isinstance(c, Controller)]
         if len(controllers) > 1:
             names = ", ".join(type(c).__name__ for c in controllers)
-            raise ValueError(f"GraVACStrategy takes one compression controller, the trainer has {len(controllers)}: "
-                             f"{names}. Keep one.")
+            raise ValueError(
+                f"GraVACStrategy takes one compression controller, the trainer has {len(controllers)}: "
+                f"{names}. Keep one."
+            )
         if not controllers:
             default = Static()
             rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
-            trainer.callbacks.append(default)
+            callbacks.append(default)
 
     @override
     def _register_ddp_hooks(self) -> None:

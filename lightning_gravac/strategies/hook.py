@@ -48,14 +48,14 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if all(cf == 1.0 for cf in cfs):
         if state.error_feedback:
             # Going dense sends what was pending too: the residuals are added in and become zero.
-            for name, grad in zip(names, grads):
+            for name, grad in zip(names, grads, strict=True):
                 state.memory.compensate_(name, grad)
                 state.memory.discard(name)
         return _plain_allreduce(state, buffer)
 
     start = time.perf_counter()
     if state.error_feedback:
-        for name, grad in zip(names, grads):
+        for name, grad in zip(names, grads, strict=True):
             state.memory.compensate_(name, grad)
     segments = _segments(state, names, grads, cfs, buffer)
     payloads = [s.compressor.compress(s.tensor, s.cf, key=s.key, step=state.step) for s in segments]
@@ -95,7 +95,7 @@ def _segments(
         return [_Segment(f"bucket:{names[0]}", buffer, state.cf, state.compressor)]
     return [
         _Segment(name, grad, cf, state.identity if cf == 1.0 else state.compressor)
-        for name, grad, cf in zip(names, grads, cfs)
+        for name, grad, cf in zip(names, grads, cfs, strict=True)
     ]
 
 
@@ -104,7 +104,7 @@ def _header(
 ) -> Tensor | None:
     if not state.collect_stats:
         return None
-    sent = torch.stack([s.compressor.sent_sq_norm(p) for s, p in zip(segments, payloads)]).sum()
+    sent = torch.stack([s.compressor.sent_sq_norm(p) for s, p in zip(segments, payloads, strict=True)]).sum()
     return torch.stack([sq_norm(buffer), sent.to(buffer.device)])
 
 
@@ -117,7 +117,7 @@ def _update_residuals(
     buffer: Tensor,
 ) -> None:
     if state.granularity == "layer":
-        for segment, payload in zip(segments, payloads):
+        for segment, payload in zip(segments, payloads, strict=True):
             if segment.compressor.passthrough:
                 state.memory.discard(segment.key)
             else:
@@ -127,13 +127,13 @@ def _update_residuals(
     residual = buffer.clone()
     segment.compressor.residual_(residual, payload)
     # Stored per parameter (views of one tensor): DDP may regroup parameters into other buckets.
-    for name, grad in zip(names, grads):
+    for name, grad in zip(names, grads, strict=True):
         offset = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
         state.memory.set(name, residual[offset : offset + grad.numel()].view_as(grad))
 
 
 def _decode_into(segments: Sequence[_Segment], stacked: Sequence[Payload], scale: float) -> None:
-    for segment, payload in zip(segments, stacked):
+    for segment, payload in zip(segments, stacked, strict=True):
         segment.compressor.aggregate_(segment.tensor.view(-1), payload, scale)
 
 
@@ -163,8 +163,15 @@ def _gather_payloads(
         headers, stacked = layout.unpack(gathered.view(world, layout.nbytes), payloads)
         buffer.zero_()
         _decode_into(segments, stacked, 1.0 / world)
-        _record(state, layout.nbytes, dense_bytes, GATHER, headers.sum(0) if header is not None else None,
-                encode_s + time.perf_counter() - received, received - launched)
+        _record(
+            state,
+            layout.nbytes,
+            dense_bytes,
+            GATHER,
+            headers.sum(0) if header is not None else None,
+            encode_s + time.perf_counter() - received,
+            received - launched,
+        )
         return buffer
 
     return work.get_future().then(decode)
@@ -233,8 +240,9 @@ def _launch_reduce(
     def done(fut: Future[list[Future[object]]]) -> Tensor:
         received = time.perf_counter()
         result = finish()
-        _record(state, sent, dense_bytes, REDUCE, header, encode_s + time.perf_counter() - received,
-                received - launched)
+        _record(
+            state, sent, dense_bytes, REDUCE, header, encode_s + time.perf_counter() - received, received - launched
+        )
         return result
 
     return torch.futures.collect_all(futures).then(done)

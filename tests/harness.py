@@ -30,7 +30,7 @@ def _worker(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, out: str, timeout: float, kwargs: dict
 ) -> None:
     # If this rank hangs, its stacks land in a file the parent reports, instead of a bare timeout.
-    stacks = open(Path(out, f"{rank}.stacks"), "w")  # noqa: SIM115 - must outlive this frame
+    stacks = open(Path(out, f"{rank}.stacks"), "w")
     faulthandler.dump_traceback_later(max(1.0, timeout - 5), file=stacks)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -45,7 +45,7 @@ def _worker(
     try:
         result = fn(rank, world_size, **kwargs)
         torch.save(result, Path(out, f"{rank}.pt"))
-    except BaseException:  # noqa: BLE001 - anything the rank raised goes back to the test
+    except BaseException:
         Path(out, f"{rank}.err").write_text(traceback.format_exc())
         os._exit(1)
     os._exit(0)
@@ -60,7 +60,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout: float 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, out, timeout, kwargs)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, port, out, timeout, kwargs)) for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         for p in procs:
