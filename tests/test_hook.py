@@ -12,10 +12,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gravac.compressors import get_compressor, sparse_k
+from lightning_gravac.launch import run_distributed
 from lightning_gravac.strategies.hook import gravac_hook
 from lightning_gravac.strategies.state import GATHER, REDUCE, CompressionState
-
-from harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 

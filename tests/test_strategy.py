@@ -6,11 +6,12 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
-from lightning_gravac import Controller, GraVACStrategy, Static
+from lightning_gravac import Controller, GraVACStrategy, RunSummary, Static
 from lightning_gravac.callbacks.static import DEFAULT_CF
+from lightning_gravac.launch import run_distributed
+from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
-from harness import run_distributed
-from models import RecordMetrics, TeacherRegression, loader, teacher_data, trainer_kwargs, weights
+from models import loader, trainer_kwargs, weights
 
 
 def _fit(world_size: int, strategy, callbacks=(), steps: int = 12, **model_kwargs) -> tuple[nn.Module, pl.Trainer]:
@@ -39,14 +40,14 @@ def test_cf1_equals_stock_ddp_bit_for_bit(granularity):
 
 
 def _dense_vs_topk(rank, world_size, cf):
-    data = teacher_data()
+    data = teacher_dataset()
     out = {}
     for name, factor in [("dense", 1), ("topk", cf)]:
-        record = RecordMetrics()
+        record = RunSummary()
         model, _ = _fit(world_size, GraVACStrategy("topk"), [Static(cf=factor), record], steps=200, width=256, lr=0.1)
         with torch.no_grad():
             loss = nn.functional.mse_loss(model(data.tensors[0]), data.tensors[1]).item()
-        out[name] = {"loss": loss, "metrics": record.steps, "weights": weights(model)}
+        out[name] = {"loss": loss, "metrics": record.history, "weights": weights(model)}
     return out
 
 
@@ -74,10 +75,10 @@ def test_topk_cf100_learns_like_dense_and_sends_a_hundredth():
 
 
 def _by_registry_name(rank, world_size):
-    record = RecordMetrics()
+    record = RunSummary()
     _, trainer = _fit(world_size, "gravac", [record], steps=3)
     controllers = [c for c in trainer.callbacks if isinstance(c, Controller)]
-    return type(trainer.strategy).__name__, [repr(c) for c in controllers], record.steps[-1]["gravac/cf"]
+    return type(trainer.strategy).__name__, [repr(c) for c in controllers], record.history[-1]["gravac/cf"]
 
 
 @pytest.mark.distributed

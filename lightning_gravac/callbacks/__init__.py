@@ -2,5 +2,6 @@
 
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.callbacks.static import Static
+from lightning_gravac.callbacks.summary import RunSummary
 
-__all__ = ["Controller", "Static"]
+__all__ = ["Controller", "RunSummary", "Static"]

@@ -1,0 +1,6 @@
+"""``python -m lightning_gravac fit --config recipes/<name>.yaml``."""
+
+from lightning_gravac.cli import cli_main
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,67 @@
+"""A synthetic task that needs no download: a student MLP learns a fixed random teacher MLP."""
+
+import itertools
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TeacherRegression(pl.LightningModule):
+    """An MLP regressor with a known, reachable minimum: the teacher that made the data.
+
+    Args:
+        width: hidden width; parameters grow as ``width**2 * (depth - 1)``.
+        depth: number of hidden layers.
+        n_in: input features (must match the data).
+        lr: SGD learning rate.
+        momentum: SGD momentum.
+    """
+
+    def __init__(self, width: int = 64, depth: int = 2, n_in: int = 16, lr: float = 0.05, momentum: float = 0.0):
+        super().__init__()
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        for a, b in itertools.pairwise([n_in] + [width] * depth):
+            layers += [nn.Linear(a, b), nn.Tanh()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+        self.lr, self.momentum = lr, momentum
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, on_step=True, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def teacher_dataset(n: int = 2048, n_in: int = 16, seed: int = 0) -> TensorDataset:
+    """``n`` inputs from N(0, I) and the outputs of a random one-hidden-layer tanh teacher."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n_in, generator=g)
+    w1, w2 = torch.randn(n_in, 32, generator=g) / n_in**0.5, torch.randn(32, 1, generator=g) / 32**0.5
+    return TensorDataset(x, torch.tanh(x @ w1) @ w2)
+
+
+class TeacherDataModule(pl.LightningDataModule):
+    """The teacher's data. Each rank reads its own shard (Lightning adds the distributed sampler).
+
+    Args:
+        n: number of samples.
+        n_in: input features.
+        batch_size: per-rank batch size.
+        seed: seed of the teacher and the inputs.
+    """
+
+    def __init__(self, n: int = 2048, n_in: int = 16, batch_size: int = 32, seed: int = 0) -> None:
+        super().__init__()
+        self.n, self.n_in, self.batch_size, self.seed = n, n_in, batch_size, seed
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(teacher_dataset(self.n, self.n_in, self.seed), batch_size=self.batch_size, shuffle=True)

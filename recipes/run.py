@@ -1,0 +1,12 @@
+"""Run a recipe: ``python recipes/run.py [recipes/<name>.yaml] [dotted.key=value ...]``.
+
+With no argument it runs the quickstart: a small model on synthetic data, 2 CPU processes, no download.
+Overrides use omegaconf's dotted syntax, e.g. ``trainer.max_steps=50 model.init_args.lr=0.05``.
+"""
+
+import sys
+
+from lightning_gravac.cli import run_recipe
+
+if __name__ == "__main__":
+    run_recipe(sys.argv[1:])
