@@ -23,6 +23,7 @@ def trainer_kwargs(world_size: int, **overrides: Any) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
+        log_every_n_steps=1,
     )
     kwargs.update(overrides)
     return kwargs

@@ -8,12 +8,15 @@ from pytorch_lightning import Callback
 from pytorch_lightning.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_gravac.callbacks.controller import Controller
+
 
 class RunSummary(Callback):
-    """Collects the ``gravac/*`` metrics of every step and prints a table when training ends (rank 0).
+    """Collects the controller's ``gravac/*`` metrics of every step and prints a table when training ends (rank 0).
 
     The table: steps, final value of ``monitor``, bytes sent against dense DDP's, the mean compression factor and
-    the wall time. :attr:`history` keeps one row a step for plots and tests.
+    the wall time. :attr:`history` keeps one row a step for plots and tests. Its place among the callbacks does not
+    matter: a step is collected once the controller has seen it.
 
     Args:
         monitor: the logged metric to report (default ``train_loss``).
@@ -23,17 +26,35 @@ class RunSummary(Callback):
         self.monitor = monitor
         self.history: list[dict[str, float]] = []
         self._start = 0.0
+        self._controller: Controller | None = None
+        self._seen = 0
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._start = time.perf_counter()
+        # Callbacks: public, but assigned by Lightning's callback connector, so invisible to type checkers.
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        self._controller = next((c for c in callbacks if isinstance(c, Controller)), None)
+        self._seen = self._controller.state.step if self._controller is not None else 0
+
+    def _collect(self, trainer: "pl.Trainer") -> None:
+        # Called before and after every batch, so that a controller placed after this callback is read too.
+        controller = self._controller
+        if controller is None or controller.state.step == self._seen:
+            return
+        self._seen = controller.state.step
+        row = {"step": float(controller.state.step), **controller.last_metrics}
+        if self.monitor in trainer.callback_metrics:
+            row[self.monitor] = float(trainer.callback_metrics[self.monitor])
+        self.history.append(row)
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
+        self._collect(trainer)
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
-        metrics = trainer.callback_metrics
-        if "gravac/cf" in metrics:
-            row = {k: float(v) for k, v in metrics.items() if k.startswith("gravac/") or k == self.monitor}
-            self.history.append({"step": float(trainer.global_step), **row})
+        self._collect(trainer)
 
     def table(self, wall_s: float) -> str:
         """The summary as text."""
@@ -56,6 +77,10 @@ class RunSummary(Callback):
         return "\n".join([line, *(f"{k:<{width}}  {v:>20}" for k, v in rows), line])
 
     @override
-    @rank_zero_only
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        print(self.table(time.perf_counter() - self._start))
+        self._collect(trainer)
+        self._print(time.perf_counter() - self._start)
+
+    @rank_zero_only
+    def _print(self, wall_s: float) -> None:
+        print(self.table(wall_s))

@@ -28,6 +28,11 @@ class TeacherRegression(pl.LightningModule):
         self.net = nn.Sequential(*layers, nn.Linear(width, 1))
         self.lr, self.momentum = lr, momentum
 
+    @property
+    def num_parameters(self) -> int:
+        """Number of trainable parameters."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
