@@ -6,8 +6,7 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
-from lightning_gravac import Controller, GraVACStrategy, RunSummary, Static
-from lightning_gravac.callbacks.static import DEFAULT_CF
+from lightning_gravac import Controller, GraVAC, GraVACStrategy, RunSummary, Static
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
@@ -85,8 +84,8 @@ def _by_registry_name(rank, world_size):
 def test_registry_name_runs_with_the_default_controller():
     for strategy, controllers, cf in run_distributed(_by_registry_name):
         assert strategy == "GraVACStrategy"
-        assert controllers == [f"Static(cf={DEFAULT_CF})"]
-        assert cf == DEFAULT_CF
+        assert controllers == [repr(GraVAC())]
+        assert cf == GraVAC().cf_min  # GraVAC starts at cf_min
 
 
 @pytest.mark.distributed

@@ -50,7 +50,7 @@ class Controller(Callback):
                 f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=GraVACStrategy(...))` or drop the callback."
             )
         self._state = trainer.strategy.compression_state
-        self._state.cf = self.cf
+        self.apply(self._state)
 
     @override
     def on_train_batch_end(
@@ -61,7 +61,7 @@ class Controller(Callback):
             return
         self.last_metrics = self.metrics(stats)
         self.observe(stats, trainer)
-        self.state.cf = self.cf
+        self.apply(self.state)
         # `LightningModule.log` costs about 0.4 ms a metric a call (3 ms a step for ours), and on the steps Lightning
         # does not write to its loggers the values are dropped: log on the steps it writes, as it decides right after.
         if getattr(trainer._logger_connector, "should_update_logs", True):
@@ -69,6 +69,10 @@ class Controller(Callback):
 
     def observe(self, stats: StepStats, trainer: "pl.Trainer") -> None:
         """Take one step's statistics into account and decide the next factor. Static controllers do nothing."""
+
+    def apply(self, state: CompressionState) -> None:
+        """Hand the current decisions to the comm hook: the factor (and, in subclasses, probes or per-layer factors)."""
+        state.cf = self.cf
 
     def metrics(self, stats: StepStats) -> dict[str, float]:
         """The ``gravac/*`` metrics of the step that produced ``stats``."""
@@ -91,7 +95,7 @@ class Controller(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.cf = state_dict["cf"]
         if self._state is not None:
-            self._state.cf = self.cf
+            self.apply(self._state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cf={self.cf})"

@@ -9,7 +9,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import ClassVar, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -59,12 +59,17 @@ class Compressor(ABC):
         summable: whether the payloads of different ranks can be summed element-wise and decoded once
             (they share support, as Random-K's seeded indices do). The hook then all-reduces the payload
             instead of gathering it.
+        nesting: how a controller's probes of other factors are computed. ``"exact"``: compressing the payload
+            further equals compressing the input at the higher factor, so one selection serves every factor
+            (Top-K); ``"approximate"``: it is close (threshold methods); ``"none"``: each probe compresses the
+            input again (the generic :meth:`probe`).
     """
 
     name: ClassVar[str]
     biased: bool = True
     summable: ClassVar[bool] = False
     passthrough: ClassVar[bool] = False
+    nesting: ClassVar[Literal["exact", "approximate", "none"]] = "none"
 
     @abstractmethod
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
@@ -81,6 +86,21 @@ class Compressor(ABC):
     @abstractmethod
     def decompress(self, payload: Payload) -> Tensor:
         """Decode ``payload`` to a dense tensor of the original shape and dtype."""
+
+    def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
+        """``||C_cf(tensor)||^2`` for each factor in ``cfs``, as a float64 tensor; no side effects.
+
+        The generic version compresses once per factor. Methods with state (momentum) must override it so that a
+        probe does not advance that state.
+        """
+        norms = [self.sent_sq_norm(self.compress(tensor, cf, key=key, step=step)) for cf in cfs]
+        return torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=tensor.device)
+
+    def compress_and_probe(
+        self, tensor: Tensor, cf: float, probe_cfs: Sequence[float], *, key: str = "", step: int = 0
+    ) -> tuple[Payload, Tensor]:
+        """:meth:`compress` at ``cf`` and :meth:`probe` at ``probe_cfs`` together (multi-level where nested)."""
+        return self.compress(tensor, cf, key=key, step=step), self.probe(tensor, probe_cfs, key=key, step=step)
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         """Add ``scale`` times the sum of several decoded payloads to the flat tensor ``out``.

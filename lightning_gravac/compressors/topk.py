@@ -1,5 +1,7 @@
 """Top-K sparsification: keep the k entries of largest magnitude."""
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -25,6 +27,7 @@ class TopK(Compressor):
     """
 
     name = "topk"
+    nesting = "exact"
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         flat = tensor.reshape(-1)
@@ -32,6 +35,29 @@ class TopK(Compressor):
         # sorted=False: the order of the selection is irrelevant and sorting it costs O(k log k).
         _, indices = torch.topk(flat.abs(), k, sorted=False)
         return Payload((flat[indices], indices.to(torch.int32)), tensor.shape, tensor.dtype)
+
+    def compress_and_probe(
+        self, tensor: Tensor, cf: float, probe_cfs: Sequence[float], *, key: str = "", step: int = 0
+    ) -> tuple[Payload, Tensor]:
+        """Multi-level Top-K: one selection, sorted by magnitude, at the least aggressive of all the factors.
+
+        The top ``k`` of any more aggressive factor is a prefix of it, so the payload at ``cf`` is a slice and
+        every probe's ``||C(g)||^2`` is a prefix sum of squares: one top-k and one sort of its ``k`` values, instead
+        of one top-k a factor.
+        """
+        flat = tensor.reshape(-1)
+        ks = [sparse_k(flat.numel(), c, flat.dtype) for c in (cf, *probe_cfs)]
+        _, indices = torch.topk(flat.abs(), max(ks), sorted=True)
+        values = flat[indices]
+        prefix_sq = values.double().square().cumsum(0)
+        k = ks[0]
+        payload = Payload((values[:k], indices[:k].to(torch.int32)), tensor.shape, tensor.dtype)
+        return payload, prefix_sq[torch.tensor(ks[1:], device=prefix_sq.device, dtype=torch.long) - 1]
+
+    def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
+        if not cfs:
+            return torch.zeros(0, dtype=torch.float64, device=tensor.device)
+        return self.compress_and_probe(tensor, min(cfs), cfs, key=key, step=step)[1]
 
     def decompress(self, payload: Payload) -> Tensor:
         values, indices = payload.wire

@@ -21,7 +21,7 @@ class GraVACStrategy(DDPStrategy):
     """Distributed data-parallel training with compressed gradients and an adaptive compression factor.
 
     A DDP communication hook compresses every gradient bucket before it crosses the network; a controller
-    callback (:class:`~lightning_gravac.Static` for now, the default when the trainer has none) sets the factor.
+    callback sets the factor: :class:`~lightning_gravac.GraVAC` with its defaults when the trainer has none.
     Works on CPU (gloo) and CUDA (NCCL): unlike stock Lightning, the hook is registered on every device type.
 
     Args:
@@ -84,7 +84,7 @@ class GraVACStrategy(DDPStrategy):
 
     def _attach_controller(self, trainer: "pl.Trainer") -> None:
         from lightning_gravac.callbacks.controller import Controller
-        from lightning_gravac.callbacks.static import Static
+        from lightning_gravac.callbacks.gravac import GraVAC
 
         # `Trainer.callbacks` is public but assigned by Lightning's callback connector, invisible to type checkers.
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -96,7 +96,7 @@ class GraVACStrategy(DDPStrategy):
                 f"{names}. Keep one."
             )
         if not controllers:
-            default = Static()
+            default = GraVAC()
             rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
             callbacks.append(default)
 

@@ -24,9 +24,6 @@ from lightning_gravac.compressors.base import Compressor, Payload
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.strategies.state import GATHER, REDUCE, BucketRecord, CompressionState, sq_norm
 
-#: float64 statistics each compressed bucket carries: sum of ||g||^2 and of ||C(g)||^2 over ranks.
-_HEADER = 2
-
 
 @dataclass(frozen=True)
 class _Segment:
@@ -45,21 +42,28 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     grads = bucket.gradients()
     cfs = [state.cf_of(name) for name in names]
 
-    if all(cf == 1.0 for cf in cfs):
-        if state.error_feedback:
-            # Going dense sends what was pending too: the residuals are added in and become zero.
-            for name, grad in zip(names, grads, strict=True):
-                state.memory.compensate_(name, grad)
-                state.memory.discard(name)
+    dense = all(cf == 1.0 for cf in cfs)
+    if dense and not state.probe_cfs:
+        _flush_residuals(state, names, grads)
         return _plain_allreduce(state, buffer)
 
     start = time.perf_counter()
+    if dense:
+        # Sending dense while the controller still measures what compression would keep.
+        _flush_residuals(state, names, grads)
+        segments = _segments(state, names, grads, cfs, buffer)
+        probes = [state.compressor.probe(s.tensor, state.probe_cfs, key=s.key, step=state.step) for s in segments]
+        header = _header(state, buffer, [sq_norm(buffer)], probes)
+        buffer.mul_(1.0 / state.world_size)
+        return _launch_reduce(state, buffer, header, start, buffer.numel() * buffer.element_size(), lambda: buffer)
+
     if state.error_feedback:
         for name, grad in zip(names, grads, strict=True):
             state.memory.compensate_(name, grad)
     segments = _segments(state, names, grads, cfs, buffer)
-    payloads = [s.compressor.compress(s.tensor, s.cf, key=s.key, step=state.step) for s in segments]
-    header = _header(state, buffer, segments, payloads)
+    payloads, probes = _compress(state, segments)
+    sent = [s.compressor.sent_sq_norm(p) for s, p in zip(segments, payloads, strict=True)]
+    header = _header(state, buffer, sent, probes)
     if state.error_feedback:
         _update_residuals(state, segments, payloads, names, grads, buffer)
 
@@ -67,10 +71,36 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     world = state.world_size
     if all(s.compressor.summable for s in segments):
         return _reduce_payloads(state, buffer, segments, payloads, header, start, dense_bytes)
-    layout = Layout.of(payloads, header_numel=_HEADER if header is not None else 0)
+    layout = Layout.of(payloads, header_numel=header.numel() if header is not None else 0)
     if world * layout.nbytes < 2 * dense_bytes:
         return _gather_payloads(state, buffer, segments, payloads, header, layout, start, dense_bytes)
     return _reduce_decoded(state, buffer, segments, payloads, header, start, dense_bytes)
+
+
+def _flush_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> None:
+    if state.error_feedback:
+        # Going dense sends what was pending too: the residuals are added in and become zero.
+        for name, grad in zip(names, grads, strict=True):
+            state.memory.compensate_(name, grad)
+            state.memory.discard(name)
+
+
+def _compress(state: CompressionState, segments: list[_Segment]) -> tuple[list[Payload], list[Tensor]]:
+    """Each segment's payload, and the norms at the probe factors (one multi-level selection where nested)."""
+    payloads, probes = [], []
+    for s in segments:
+        if not state.probe_cfs:
+            payloads.append(s.compressor.compress(s.tensor, s.cf, key=s.key, step=state.step))
+        elif s.compressor is state.compressor:
+            payload, probe = s.compressor.compress_and_probe(
+                s.tensor, s.cf, state.probe_cfs, key=s.key, step=state.step
+            )
+            payloads.append(payload)
+            probes.append(probe)
+        else:  # a layer sent dense inside a compressed bucket: probe what the method would keep
+            payloads.append(s.compressor.compress(s.tensor, s.cf, key=s.key, step=state.step))
+            probes.append(state.compressor.probe(s.tensor, state.probe_cfs, key=s.key, step=state.step))
+    return payloads, probes
 
 
 def _plain_allreduce(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
@@ -99,13 +129,14 @@ def _segments(
     ]
 
 
-def _header(
-    state: CompressionState, buffer: Tensor, segments: list[_Segment], payloads: list[Payload]
-) -> Tensor | None:
-    if not state.collect_stats:
+def _header(state: CompressionState, buffer: Tensor, sent: list[Tensor], probes: list[Tensor]) -> Tensor | None:
+    """``[||g||^2, ||C(g)||^2, *probe norms]`` in float64, this rank's part of the sums; ``None`` if not wanted."""
+    if not state.collect_stats and not state.probe_cfs:
         return None
-    sent = torch.stack([s.compressor.sent_sq_norm(p) for s, p in zip(segments, payloads, strict=True)]).sum()
-    return torch.stack([sq_norm(buffer), sent.to(buffer.device)])
+    parts = [sq_norm(buffer).view(1), torch.stack(sent).sum().view(1).to(buffer.device)]
+    if probes:
+        parts.append(torch.stack(probes).sum(0).to(buffer.device))
+    return torch.cat(parts)
 
 
 def _update_residuals(
@@ -257,5 +288,7 @@ def _record(
     compress_s: float,
     comm_s: float,
 ) -> None:
-    sq_norm_total, sq_norm_sent = norms.tolist() if norms is not None else (0.0, 0.0)
-    state.record(BucketRecord(bytes_sent, dense_bytes, collective, sq_norm_total, sq_norm_sent, compress_s, comm_s))
+    values = norms.tolist() if norms is not None else [0.0, 0.0]
+    state.record(
+        BucketRecord(bytes_sent, dense_bytes, collective, values[0], values[1], compress_s, comm_s, tuple(values[2:]))
+    )

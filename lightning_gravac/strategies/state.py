@@ -29,6 +29,7 @@ class BucketRecord:
     sq_norm_sent: float = 0.0
     compress_s: float = 0.0
     comm_s: float = 0.0
+    probe_sq: tuple[float, ...] = ()
 
 
 @dataclass
@@ -38,7 +39,8 @@ class StepStats:
     ``bytes_sent`` counts what this rank put into the collectives: values and int32 indices (or packed bits),
     the 16-byte statistics header of each compressed bucket and the padding to 8 bytes. ``bytes_dense`` is what
     plain DDP would have sent (numel x element size). Both are identical on every rank; so are the norms,
-    which crossed the network. The timings are this rank's own.
+    which crossed the network. The timings are this rank's own. ``probe_sq[i]`` is ``sum_ranks ||C(g)||^2`` at the
+    factor ``probe_cfs[i]`` the controller asked the hook to measure.
     """
 
     bytes_sent: int = 0
@@ -49,6 +51,14 @@ class StepStats:
     comm_s: float = 0.0
     gathered: int = 0
     buckets: int = 0
+    probe_cfs: tuple[float, ...] = ()
+    probe_sq: list[float] = field(default_factory=list)
+
+    def probe_gains(self) -> dict[float, float]:
+        """The gain at each probed factor, ``sum ||C_cf(g)||^2 / sum ||g||^2``."""
+        if self.sq_norm <= 0:
+            return dict.fromkeys(self.probe_cfs, 1.0)
+        return {cf: sq / self.sq_norm for cf, sq in zip(self.probe_cfs, self.probe_sq, strict=True)}
 
     @property
     def gain(self) -> float:
@@ -61,9 +71,11 @@ class StepStats:
         return self.bytes_dense / self.bytes_sent if self.bytes_sent else 1.0
 
     @classmethod
-    def of(cls, records: list[BucketRecord]) -> "StepStats":
-        stats = cls(buckets=len(records))
+    def of(cls, records: list[BucketRecord], probe_cfs: tuple[float, ...] = ()) -> "StepStats":
+        stats = cls(buckets=len(records), probe_cfs=probe_cfs, probe_sq=[0.0] * len(probe_cfs))
         for r in records:
+            if r.probe_sq:
+                stats.probe_sq = [a + b for a, b in zip(stats.probe_sq, r.probe_sq, strict=True)]
             stats.bytes_sent += r.bytes_sent
             stats.bytes_dense += r.bytes_dense
             stats.sq_norm += r.sq_norm
@@ -91,6 +103,7 @@ class CompressionState:
     cf: float = 1.0
     param_cf: dict[str, float] = field(default_factory=dict)
     collect_stats: bool = True
+    probe_cfs: tuple[float, ...] = ()  # factors whose gain the hook measures as well (GraVAC's candidates)
 
     # Bound at hook registration.
     process_group: dist.ProcessGroup | None = None
@@ -130,7 +143,7 @@ class CompressionState:
         if not records:
             return None
         self.step += 1
-        return StepStats.of(records)
+        return StepStats.of(records, self.probe_cfs)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -1,0 +1,335 @@
+"""GraVAC: gradient-variance-aware adaptive compression (Tyagi & Swany, IEEE CLOUD 2023)."""
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities.data import extract_batch_size
+from typing_extensions import override
+
+from lightning_gravac.callbacks.controller import Controller
+from lightning_gravac.compressors.base import validate_cf
+from lightning_gravac.strategies.state import CompressionState, StepStats
+
+Policy = Literal["exponential", "geometric"]
+Search = Literal["sequential", "model"]
+Interval = Literal["step", "epoch"]
+
+DENSE = 1.0
+
+
+@dataclass
+class _Tally:
+    """What one factor cost and kept while it was sent during the current window."""
+
+    steps: int = 0
+    seconds: float = 0.0  # this rank's; reduced with MAX at the window's end
+    comm_seconds: float = 0.0  # this rank's; reduced with MAX at the window's end
+    gain: float = 0.0
+    moved_bytes: float = 0.0  # bytes a rank moves on the link, ring model
+
+
+@dataclass
+class _Link:
+    """A fitted model of a step: ``seconds = other + moved_bytes * seconds_per_byte``."""
+
+    other_seconds: float
+    seconds_per_byte: float
+
+
+def _validate_fraction(value: float, argument: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"`{argument}` must be in (0, 1], got {value!r}.")
+    return float(value)
+
+
+def _validate_choice(value: str, argument: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"`{argument}` must be one of {allowed}, got {value!r}.")
+    return value
+
+
+def moved_bytes(payload_bytes: float, dense_bytes: float, world_size: int) -> float:
+    """Bytes one rank moves on the link for one bucket, with the hook's choice of collective.
+
+    Ring all-reduce moves ``2 (N-1)/N`` of the buffer; all-gather moves ``(N-1)`` payloads. The hook gathers when
+    that is fewer bytes, so the cost is the smaller of the two.
+    """
+    n = world_size
+    return min((n - 1) * payload_bytes, 2 * (n - 1) / n * dense_bytes)
+
+
+class GraVAC(Controller):
+    """Adapt the compression factor to what compression loses (gain) and what the link costs (throughput).
+
+    Every step the hook measures, summed over ranks, the *gain* ``||C_cf(g)||^2 / ||g||^2`` of the error-fed gradient
+    ``g`` at ``cf_min`` and at a more aggressive *candidate* (multi-level: Top-K selects once, at ``cf_min``, and the
+    candidate is a prefix of that selection). The next step sends the candidate if its gain is at least ``epsilon``,
+    else ``cf_min`` if that is, else the dense gradient. Decisions use the gains the previous step brought through the
+    collective, so every rank decides the same. Every ``window`` steps (or epochs) it measures each sent factor's
+    *compression throughput* ``Tc = N * batch / t_step * gain`` (``t_step`` of the slowest rank), promotes the
+    candidate to ``cf_min`` when their gains are within ``omega``, advances the candidate (``policy``: exponential
+    ``cf_min * 2, 4, 16, 256...`` or geometric ``cf_min * 2, 4, 8, ...``, never above ``cf_max``), and settles on the
+    less aggressive of the two best factors when their throughputs are within ``omega`` (checked again every window).
+
+    ``search="model"`` goes beyond the paper: the hook measures the gain of every factor on the policy's ladder each
+    step (one selection serves them all for Top-K), a link model ``t_step = other + bytes * s_per_byte`` is fitted
+    to each window, and the factor with the highest predicted ``Tc`` (dense among them) is sent from the first
+    window's end on.
+
+    Tuning: ``epsilon`` is the share of the gradient's energy a step must keep (lower it for methods or models
+    whose gradients are not heavy-tailed); ``window`` should cover enough steps for a stable step time (hundreds
+    on a busy cluster, tens on a quiet one); ``alpha`` smooths the gains (default ``N/100`` clamped to
+    [0.02, 0.5], the paper's choice, so small jobs react within tens of steps).
+
+    Args:
+        cf_min: least aggressive factor, where compression starts.
+        cf_max: most aggressive factor ever used.
+        epsilon: minimum gain a factor must keep to be sent, in (0, 1].
+        omega: relative tolerance for promotion and plateau, in (0, 1].
+        window: steps (or epochs) between search decisions.
+        policy: how the candidate advances, ``"exponential"`` or ``"geometric"``.
+        alpha: EWMA factor of the gains, in (0, 1]; ``None`` for the paper's default.
+        interval: unit of ``window``, ``"step"`` or ``"epoch"``.
+        search: ``"sequential"`` (the paper) or ``"model"``.
+
+    Raises:
+        ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
+            window below 1, or an unknown policy, interval or search.
+    """
+
+    def __init__(
+        self,
+        cf_min: float = 10,
+        cf_max: float = 1000,
+        epsilon: float = 0.7,
+        omega: float = 0.01,
+        window: int = 500,
+        policy: Policy = "exponential",
+        alpha: float | None = None,
+        interval: Interval = "step",
+        search: Search = "sequential",
+    ) -> None:
+        cf_min, cf_max = validate_cf(cf_min, "cf_min"), validate_cf(cf_max, "cf_max")
+        if cf_min > cf_max:
+            raise ValueError(f"`cf_min` ({cf_min:g}) must not exceed `cf_max` ({cf_max:g}).")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"`window` must be a whole number >= 1, got {window!r}.")
+        super().__init__(cf=cf_min)
+        self.epsilon = _validate_fraction(epsilon, "epsilon")
+        self.omega = _validate_fraction(omega, "omega")
+        self.alpha = None if alpha is None else _validate_fraction(alpha, "alpha")
+        self.policy = _validate_choice(policy, "policy", ("exponential", "geometric"))
+        self.interval = _validate_choice(interval, "interval", ("step", "epoch"))
+        self.search = _validate_choice(search, "search", ("sequential", "model"))
+        self.window, self.cf_max = window, cf_max
+        self.ladder = self._ladder(cf_min, cf_max)
+
+        # The search; identical on every rank.
+        self.cf_min = cf_min
+        self.scale = 2.0
+        self.candidate = min(cf_min * self.scale, cf_max)
+        self.settled: float | None = None
+        self.gains: dict[float, float] = {}
+        self.throughput: dict[float, float] = {}
+        self.link: _Link | None = None
+        self.windows = 0
+
+        # The current window.
+        self._tally: dict[float, _Tally] = {}
+        self._progress = 0
+        self._world_size = 1
+        self._batch_size = 1
+        self._step_start = 0.0
+
+    def _ladder(self, cf_min: float, cf_max: float) -> tuple[float, ...]:
+        factors, scale = [cf_min], 2.0
+        while factors[-1] < cf_max:
+            factors.append(min(cf_min * scale, cf_max))
+            scale = scale * scale if self.policy == "exponential" else 2 * scale
+        return tuple(factors)
+
+    @property
+    def probe_cfs(self) -> tuple[float, ...]:
+        """The factors whose gain the hook measures each step."""
+        if self.search == "model":
+            return self.ladder
+        factors = {self.cf_min, self.candidate}
+        if self.settled is not None and self.settled != DENSE:
+            factors.add(self.settled)
+        return tuple(sorted(factors))
+
+    @property
+    def ewma_alpha(self) -> float:
+        """The gains' smoothing factor in force."""
+        return self.alpha if self.alpha is not None else max(0.02, min(0.5, self._world_size / 100))
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._world_size = trainer.world_size
+        super().setup(trainer, pl_module, stage)
+
+    @override
+    def apply(self, state: CompressionState) -> None:
+        super().apply(state)
+        state.probe_cfs = self.probe_cfs
+
+    @override
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *args: Any
+    ) -> None:
+        self._step_start = time.perf_counter()
+        try:
+            self._batch_size = extract_batch_size(batch)
+        except Exception:
+            self._batch_size = 1
+
+    def step_seconds(self, stats: StepStats) -> float:
+        """This rank's time for the step that produced ``stats`` (forward, backward, communication, optimizer).
+
+        A subclass may model it instead, e.g. to simulate a slower link in a test.
+        """
+        return time.perf_counter() - self._step_start
+
+    @override
+    def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
+        alpha = self.ewma_alpha
+        for cf, gain in stats.probe_gains().items():
+            self.gains[cf] = gain if cf not in self.gains else (1 - alpha) * self.gains[cf] + alpha * gain
+        tally = self._tally.setdefault(self.cf, _Tally())
+        tally.steps += 1
+        tally.seconds += self.step_seconds(stats)
+        tally.comm_seconds += stats.comm_s
+        tally.gain += stats.gain
+        tally.moved_bytes += moved_bytes(stats.bytes_sent, stats.bytes_dense, self._world_size)
+        if self.interval == "step":
+            self._progress += 1
+            if self._progress >= self.window:
+                self._end_window(trainer)
+        self.cf = self._choose()
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.interval == "epoch":
+            self._progress += 1
+            if self._progress >= self.window:
+                self._end_window(trainer)
+                self.cf = self._choose()
+                self.apply(self.state)
+
+    def _choose(self) -> float:
+        """The factor to send next step: decided from values every rank holds identically."""
+        if self.search == "model" and self.link is not None:
+            return self._best_predicted()
+        order = [self.settled] if self.settled is not None else [self.candidate, self.cf_min]
+        for cf in order:
+            if cf == DENSE or self.gains.get(cf, 0.0) >= self.epsilon:
+                return cf
+        return DENSE
+
+    def _end_window(self, trainer: "pl.Trainer | None") -> None:
+        self._progress = 0
+        if not self._tally:
+            return
+        factors = sorted(self._tally)
+        local = torch.tensor(
+            [[self._tally[f].seconds, self._tally[f].comm_seconds] for f in factors], dtype=torch.float64
+        )
+        # Step times are this rank's own: the slowest rank sets the pace, and every rank must see the same value.
+        slowest = trainer.strategy.reduce(local, reduce_op="max") if trainer is not None else local
+        for f, (seconds, comm_seconds) in zip(factors, slowest.tolist(), strict=True):
+            tally = self._tally[f]
+            samples = self._world_size * self._batch_size * tally.steps
+            self.throughput[f] = samples / seconds * (tally.gain / tally.steps)
+            if self.search == "model" and tally.moved_bytes > 0:
+                per_byte = comm_seconds / tally.moved_bytes
+                self.link = _Link(max(0.0, (seconds - comm_seconds) / tally.steps), per_byte)
+        self._tally.clear()
+        self.windows += 1
+        if self.search == "sequential":
+            self._advance()
+        self._check_plateau()
+
+    def _advance(self) -> None:
+        if self.settled is not None:
+            return
+        gain_min, gain_candidate = self.gains.get(self.cf_min), self.gains.get(self.candidate)
+        if (
+            self.candidate > self.cf_min
+            and gain_min
+            and gain_candidate is not None
+            and abs(gain_min - gain_candidate) / gain_min <= self.omega
+        ):
+            self.cf_min = self.candidate
+        self.scale = self.scale * self.scale if self.policy == "exponential" else 2 * self.scale
+        self.candidate = min(self.cf_min * self.scale, self.cf_max)
+
+    def _check_plateau(self) -> None:
+        ranked = sorted(self.throughput.items(), key=lambda item: item[1], reverse=True)
+        if len(ranked) >= 2 and ranked[0][1] > 0 and (ranked[0][1] - ranked[1][1]) / ranked[0][1] <= self.omega:
+            self.settled = min(ranked[0][0], ranked[1][0])  # the less aggressive of the two
+        else:
+            self.settled = None
+
+    def predicted_throughput(self, cf: float, dense_bytes: float) -> float:
+        """``Tc`` the link model predicts for ``cf`` (model search; ``nan`` before the first window)."""
+        if self.link is None:
+            return math.nan
+        payload = dense_bytes if cf == DENSE else dense_bytes / cf
+        seconds = (
+            self.link.other_seconds + moved_bytes(payload, dense_bytes, self._world_size) * self.link.seconds_per_byte
+        )
+        gain = 1.0 if cf == DENSE else self.gains.get(cf, 0.0)
+        return self._world_size * self._batch_size / seconds * gain if seconds > 0 else math.inf
+
+    def _best_predicted(self) -> float:
+        dense_bytes = self.last_metrics.get("gravac/bytes_dense", 0.0)
+        eligible = [DENSE] + [cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon]
+        return max(eligible, key=lambda cf: (self.predicted_throughput(cf, dense_bytes), -cf))
+
+    @override
+    def metrics(self, stats: StepStats) -> dict[str, float]:
+        metrics = super().metrics(stats)
+        metrics["gravac/cf_min"] = self.cf_min
+        metrics["gravac/probe_cf"] = self.candidate
+        metrics["gravac/settled"] = self.settled if self.settled is not None else 0.0
+        metrics["gravac/compression_throughput"] = self.throughput.get(self.state.cf, 0.0)
+        return metrics
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "cf": self.cf,
+            "cf_min": self.cf_min,
+            "candidate": self.candidate,
+            "scale": self.scale,
+            "settled": self.settled,
+            "gains": dict(self.gains),
+            "throughput": dict(self.throughput),
+            "link": asdict(self.link) if self.link is not None else None,
+            "windows": self.windows,
+            "progress": self._progress,
+            "tally": {f: asdict(t) for f, t in self._tally.items()},
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.cf_min, self.candidate, self.scale = state_dict["cf_min"], state_dict["candidate"], state_dict["scale"]
+        self.settled, self.windows, self._progress = (
+            state_dict["settled"],
+            state_dict["windows"],
+            state_dict["progress"],
+        )
+        self.gains, self.throughput = dict(state_dict["gains"]), dict(state_dict["throughput"])
+        self.link = _Link(**state_dict["link"]) if state_dict["link"] is not None else None
+        self._tally = {f: _Tally(**t) for f, t in state_dict["tally"].items()}
+        super().load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return (
+            f"GraVAC(cf_min={self.cf_min:g}, cf_max={self.cf_max:g}, epsilon={self.epsilon}, omega={self.omega}, "
+            f"window={self.window}, policy={self.policy!r}, search={self.search!r})"
+        )
