@@ -2,10 +2,13 @@
 
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
+from pytorch_lightning import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_gravac import GraVAC, StepStats
 from lightning_gravac.zoo import teacher_dataset
 
 
@@ -31,3 +34,35 @@ def trainer_kwargs(world_size: int, **overrides: Any) -> dict[str, Any]:
 
 def weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class SimulatedLink(GraVAC):
+    """GraVAC whose step time is modelled, not measured: 10 ms of compute plus the bytes at 10 Mbit/s.
+
+    Makes the throughput-driven decisions (plateau, model search) deterministic, so runs can be compared.
+    """
+
+    def step_seconds(self, stats: StepStats) -> float:
+        return 0.01 + stats.bytes_sent * 8 / 10e6
+
+
+class Snapshot(Callback):
+    """Records the controller's state, the step counter and this rank's residuals: at the end of epoch ``at_epoch``
+    (as the checkpoint then written holds them), or at train start (as a resumed run begins)."""
+
+    def __init__(self, at_epoch: int | None = None) -> None:
+        self.at_epoch = at_epoch
+        self.taken: dict[str, Any] | None = None
+
+    def _take(self, trainer: pl.Trainer) -> None:
+        controller = next(c for c in trainer.callbacks if isinstance(c, GraVAC))  # type: ignore[attr-defined]
+        state = trainer.strategy.compression_state  # type: ignore[attr-defined]
+        self.taken = {"controller": controller.state_dict(), "step": state.step, "residuals": state.memory.state_dict()}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.at_epoch is None:
+            self._take(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.at_epoch == trainer.current_epoch:
+            self._take(trainer)

@@ -143,6 +143,7 @@ class GraVAC(Controller):
         self._progress = 0
         self._world_size = 1
         self._batch_size = 1
+        self._bytes_dense = 0
         self._step_start = 0.0
 
     def _ladder(self, cf_min: float, cf_max: float) -> tuple[float, ...]:
@@ -196,6 +197,7 @@ class GraVAC(Controller):
 
     @override
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
+        self._bytes_dense = stats.bytes_dense
         alpha = self.ewma_alpha
         for cf, gain in stats.probe_gains().items():
             self.gains[cf] = gain if cf not in self.gains else (1 - alpha) * self.gains[cf] + alpha * gain
@@ -286,9 +288,8 @@ class GraVAC(Controller):
         return self._world_size * self._batch_size / seconds * gain if seconds > 0 else math.inf
 
     def _best_predicted(self) -> float:
-        dense_bytes = self.last_metrics.get("gravac/bytes_dense", 0.0)
         eligible = [DENSE] + [cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon]
-        return max(eligible, key=lambda cf: (self.predicted_throughput(cf, dense_bytes), -cf))
+        return max(eligible, key=lambda cf: (self.predicted_throughput(cf, self._bytes_dense), -cf))
 
     @override
     def metrics(self, stats: StepStats) -> dict[str, float]:
@@ -301,6 +302,11 @@ class GraVAC(Controller):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The whole search, and the current window's tallies.
+
+        Lightning writes rank 0's callback state, so on resume every rank gets rank 0's partial-window step times:
+        the only rank-local values here, which at the window's end only feed a MAX over ranks.
+        """
         return {
             "cf": self.cf,
             "cf_min": self.cf_min,

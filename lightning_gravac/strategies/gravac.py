@@ -3,8 +3,11 @@
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
 from lightning_fabric.strategies.registry import _StrategyRegistry
-from lightning_utilities.core.rank_zero import rank_zero_info
+from lightning_fabric.utilities.types import _PATH
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -14,6 +17,8 @@ from lightning_gravac.strategies.hook import gravac_hook
 from lightning_gravac.strategies.state import CompressionState, Granularity
 
 _GRANULARITIES = ("layer", "bucket")
+#: Where the strategy keeps the step counter and every rank's residuals in a Lightning checkpoint.
+CHECKPOINT_KEY = "gravac"
 _OWN_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
 
 
@@ -99,6 +104,65 @@ class GraVACStrategy(DDPStrategy):
             default = GraVAC()
             rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
             callbacks.append(default)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        # Lightning calls this on every rank and rank 0 alone writes: every rank's residuals are gathered to it.
+        checkpoint[CHECKPOINT_KEY] = {
+            "step": self.compression_state.step,
+            "world_size": self.world_size,
+            "residuals": self._gather_residuals(),
+        }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if CHECKPOINT_KEY in checkpoint:
+            self._restore_compression(checkpoint[CHECKPOINT_KEY])
+        return checkpoint
+
+    def _gather_residuals(self) -> dict[str, torch.Tensor]:
+        """Every rank's residuals, stacked along a leading rank dimension, on the CPU."""
+        memory = self.compression_state.memory
+        names = sorted(memory)
+        if not names:
+            return {}
+        local = torch.cat([memory.get(n).reshape(-1).float() for n in names])  # type: ignore[union-attr]
+        if self.world_size > 1 and dist.is_initialized():
+            gathered = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
+            dist.all_gather_single(gathered, local)
+        else:
+            gathered = local
+        rows = gathered.view(self.world_size, -1).cpu()
+        out, offset = {}, 0
+        for name in names:
+            residual = memory.get(name)
+            assert residual is not None
+            out[name] = rows[:, offset : offset + residual.numel()].reshape(-1, *residual.shape).to(residual.dtype)
+            offset += residual.numel()
+        return out
+
+    def _restore_compression(self, saved: dict[str, Any]) -> None:
+        state = self.compression_state
+        state.step = saved["step"]
+        residuals: dict[str, torch.Tensor] = saved["residuals"]
+        same_world = saved["world_size"] == self.world_size
+        if residuals and not same_world:
+            # Every new rank starts from the mean of the old residuals: the sum over ranks of what is pending, divided
+            # by the world size that averages it, is then exactly the update the old ranks still owed.
+            rank_zero_warn(
+                f"GraVACStrategy: resuming on {self.world_size} ranks from a checkpoint of {saved['world_size']}; "
+                "each rank starts from the mean of the saved residuals, which preserves the pending update."
+            )
+        state.memory.load_state_dict(
+            {
+                name: (stacked[self.global_rank] if same_world else stacked.float().mean(0).to(stacked.dtype)).to(
+                    self.root_device
+                )
+                for name, stacked in residuals.items()
+            }
+        )
 
     @override
     def _register_ddp_hooks(self) -> None:

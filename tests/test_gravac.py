@@ -1,0 +1,223 @@
+"""The GraVAC controller: scripted decisions, multi-level Top-K, and real 2-rank training."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_gravac import GraVAC, GraVACStrategy, RunSummary, Static, StepStats, get_compressor
+from lightning_gravac.launch import run_distributed
+from lightning_gravac.zoo import TeacherRegression, teacher_dataset
+
+from models import SimulatedLink, Snapshot, loader, trainer_kwargs
+
+
+class Scripted(GraVAC):
+    """GraVAC driven by hand: gains and step times are functions of the factor.
+
+    By default a step takes 1 s of compute plus 1 s of dense communication divided by the factor.
+    """
+
+    def __init__(self, gain_of, seconds_of=lambda cf: 1.0 + 1.0 / cf, comm_of=lambda cf: 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.gain_of, self.seconds_of, self.comm_of = gain_of, seconds_of, comm_of
+        self.sent: list[float] = []
+
+    def step_seconds(self, stats: StepStats) -> float:
+        return self.seconds_of(self.cf)
+
+    def run(self, steps: int) -> "Scripted":
+        for _ in range(steps):
+            self.sent.append(self.cf)
+            probes = self.probe_cfs
+            gain = 1.0 if self.cf == 1 else self.gain_of(self.cf)
+            dense = 1_000_000
+            stats = StepStats(
+                bytes_sent=dense if self.cf == 1 else int(dense / self.cf), bytes_dense=dense, sq_norm=1.0,
+                sq_norm_sent=gain, buckets=1, probe_cfs=probes, probe_sq=[self.gain_of(c) for c in probes],
+                comm_s=self.comm_of(self.cf),
+            )  # fmt: skip
+            self.observe(stats, None)
+        return self
+
+
+def test_candidate_advances_each_window_exponentially_and_never_past_cf_max():
+    # Gains fall fast with the factor: no promotion, the candidate alone moves, s = 2, 4, 16, 256, ...
+    c = Scripted(lambda cf: 0.9 / cf**0.5, cf_min=10, cf_max=1000, window=5, epsilon=0.1)
+    candidates = []
+    for _ in range(6):
+        candidates.append(c.candidate)
+        c.run(5)
+    assert candidates == [20, 40, 160, 1000, 1000, 1000]
+    assert c.cf_min == 10 and max(c.sent) <= 1000
+
+
+def test_geometric_policy_doubles_the_scale():
+    c = Scripted(lambda cf: 0.9 / cf**0.5, cf_min=10, cf_max=1000, window=5, epsilon=0.1, policy="geometric")
+    candidates = []
+    for _ in range(5):
+        candidates.append(c.candidate)
+        c.run(5)
+    assert candidates == [20, 40, 80, 160, 320]
+
+
+def test_promotion_when_the_candidate_keeps_as_much():
+    # Gain flat up to 100x: the candidate keeps what cf_min keeps, so it becomes cf_min.
+    c = Scripted(lambda cf: 0.9 if cf <= 100 else 0.3, cf_min=10, cf_max=1000, window=5, epsilon=0.7)
+    c.run(5)
+    assert c.cf_min == 20 and c.candidate == 80  # promoted to 20, then s = 4
+    c.run(5)
+    assert c.cf_min == 80 and c.candidate == min(80 * 16, 1000)
+    c.run(5)
+    assert c.cf_min == 80  # 1000x keeps too little to be promoted
+    assert c.sent[-1] == 80  # and too little to be sent (0.3 < epsilon)
+
+
+def test_dense_fallback_below_epsilon_and_back():
+    gains = {"level": 0.5}
+    c = Scripted(lambda cf: gains["level"], cf_min=10, window=1000, epsilon=0.7, alpha=1.0)
+    c.run(3)
+    assert c.sent == [10, 1.0, 1.0]  # the first step is sent at cf_min, then nothing keeps 0.7
+    gains["level"] = 0.8
+    c.run(2)
+    assert c.sent[-1] == 20  # the candidate keeps enough again
+
+
+def test_plateau_settles_on_the_less_aggressive_of_the_two_best_and_can_move_again():
+    # Same step time at every factor: Tc is proportional to the gain. 10x and 20x keep 0.8 and 0.7999: their
+    # throughputs (both measured in the first window, which starts at cf_min) are within omega.
+    gain = {10: 0.8, 20: 0.7999}
+    c = Scripted(lambda cf: gain.get(cf, 0.1), lambda cf: 1.0, cf_min=10, window=4, epsilon=0.5, omega=0.01, alpha=1.0)
+    c.run(4)
+    assert set(c.throughput) == {10, 20}
+    assert c.settled == 10, "settles on the less aggressive of the two"
+    c.run(4)
+    assert c.sent[-4:] == [10, 10, 10, 10]
+    gain[10] = 0.6  # 10x now keeps much less than 20x did: no plateau any more, the search resumes
+    c.run(4)
+    assert c.settled is None
+    c.run(1)
+    assert c.sent[-1] != 10
+
+
+def test_model_search_picks_the_best_predicted_factor_after_one_window():
+    # A link where bytes dominate: 1 s of compute plus 1 MB at 0.1 MB/s dense. Gains: 100x keeps 0.75, more keeps less.
+    gain = {10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}
+
+    def comm(cf: float) -> float:
+        return 1_000_000 / cf / 100_000  # the bytes a step moves at 100 kB/s
+
+    c = Scripted(lambda cf: gain[cf], lambda cf: 1.0 + comm(cf), comm, cf_min=10, window=3, epsilon=0.7, search="model")
+    c._world_size = 2
+    c.run(3)
+    assert c.link is not None and c.link.seconds_per_byte == pytest.approx(1e-5)
+    c.run(1)
+    # Predicted Tc: gain / (1 + bytes/1e5): 160x -> 0.8/1.0625 beats 40x -> 0.85/1.25 and 1000x (0.5 < epsilon).
+    assert c.sent[-1] == 160
+    assert c.probe_cfs == (10, 20, 40, 160, 1000)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"cf_min": 100, "cf_max": 10}, r"`cf_min` \(100\) must not exceed `cf_max` \(10\)"),
+        ({"cf_min": 0.5}, r"`cf_min` must be a finite number >= 1"),
+        ({"epsilon": 0.0}, r"`epsilon` must be in \(0, 1\], got 0.0"),
+        ({"omega": 1.5}, r"`omega` must be in \(0, 1\], got 1.5"),
+        ({"alpha": -1}, r"`alpha` must be in \(0, 1\], got -1"),
+        ({"window": 0}, r"`window` must be a whole number >= 1, got 0"),
+        ({"policy": "linear"}, r"`policy` must be one of \('exponential', 'geometric'\), got 'linear'"),
+        ({"search": "grid"}, r"`search` must be one of \('sequential', 'model'\), got 'grid'"),
+    ],
+)
+def test_bad_options_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GraVAC(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_multilevel_topk_equals_direct_topk_at_each_factor(dtype):
+    topk = get_compressor("topk")
+    g = (torch.randn(50_000, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 2, 50_000)).to(dtype)
+    payload, probes = topk.compress_and_probe(g, 10, [20, 40, 160])
+    direct = topk.compress(g, 10)
+    assert set(payload.wire[1].tolist()) == set(direct.wire[1].tolist())
+    for cf, probed in zip([20, 40, 160], probes, strict=True):
+        at_cf = topk.compress(g, cf)
+        assert probed.item() == pytest.approx(at_cf.wire[0].double().square().sum().item(), rel=1e-12)
+    assert torch.equal(topk.probe(g, [40]), probes[1:2])
+
+
+GRAVAC = {"cf_min": 10, "cf_max": 1000, "epsilon": 0.15, "omega": 0.5, "window": 20}
+
+
+def _gravac_vs_dense(rank, world_size, search):
+    data = teacher_dataset()
+    out = {}
+    for name, callbacks in [("dense", [Static(cf=1)]), ("gravac", [GraVAC(**GRAVAC, search=search)])]:
+        summary = RunSummary()
+        pl.seed_everything(0)
+        model = TeacherRegression(width=256, lr=0.1)
+        trainer = pl.Trainer(strategy=GraVACStrategy("topk"), callbacks=[*callbacks, summary], max_steps=200,
+                             **trainer_kwargs(world_size))  # fmt: skip
+        trainer.fit(model, loader())
+        with torch.no_grad():
+            loss = nn.functional.mse_loss(model(data.tensors[0]), data.tensors[1]).item()
+        out[name] = {"loss": loss, "cf": [r["gravac/cf"] for r in summary.history]}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("search", ["sequential", "model"])
+def test_ranks_on_different_data_decide_alike_and_gravac_learns_like_dense(search):
+    ranks = run_distributed(_gravac_vs_dense, search=search)
+    assert ranks[0]["gravac"]["cf"] == ranks[1]["gravac"]["cf"], "ranks took different decisions"
+    cfs = ranks[0]["gravac"]["cf"]
+    assert len(cfs) == 200 and cfs[0] == GRAVAC["cf_min"]
+    if search == "sequential":
+        assert max(cfs) > GRAVAC["cf_min"], "the search never moved to a higher factor"
+    # Same steps, loss within 30% of dense training (error-fed Top-K at 10x to 40x on this task).
+    assert ranks[0]["gravac"]["loss"] < 1.3 * ranks[0]["dense"]["loss"]
+
+
+def _interrupted_vs_uninterrupted(rank, world_size, ckpt_dir):
+    def fit(callbacks, ckpt_path=None):
+        summary = RunSummary()
+        pl.seed_everything(0)
+        model = TeacherRegression(width=256, lr=0.05, momentum=0.9)
+        kwargs = trainer_kwargs(world_size, enable_checkpointing=True)
+        trainer = pl.Trainer(strategy=GraVACStrategy("topk"), callbacks=[SimulatedLink(**GRAVAC), summary, *callbacks],
+                             max_steps=80, **kwargs)  # fmt: skip
+        trainer.fit(model, loader(), ckpt_path=ckpt_path)
+        return [r["gravac/cf"] for r in summary.history]
+
+    # 32 steps an epoch: the epoch-0 checkpoint falls mid-window (window 20) and mid-search.
+    saved = Snapshot(at_epoch=0)
+    every_epoch = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True)
+    whole = fit([saved, every_epoch])
+    restored = Snapshot()
+    resumed = fit([restored], ckpt_path=f"{ckpt_dir}/epoch=0-step=32.ckpt")
+    return {"whole": whole, "resumed": resumed, "saved": saved.taken, "restored": restored.taken}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resume_mid_search_restores_every_bit_of_decision_state(tmp_path):
+    for r, rank in enumerate(run_distributed(_interrupted_vs_uninterrupted, ckpt_dir=str(tmp_path))):
+        saved, restored = rank["saved"], rank["restored"]
+        assert saved["controller"]["progress"] == 32 % GRAVAC["window"] and saved["controller"]["tally"]
+        if r > 0:
+            # Lightning writes rank 0's callback state: other ranks resume with rank 0's partial-window times, the
+            # only rank-local values (they feed the window's MAX). Everything else is the same on every rank.
+            for tally in (*saved["controller"]["tally"].values(), *restored["controller"]["tally"].values()):
+                tally.pop("comm_seconds")
+        assert restored["controller"] == saved["controller"]
+        assert restored["step"] == saved["step"] == 32
+        assert saved["residuals"].keys() == restored["residuals"].keys() and saved["residuals"]
+        for name, residual in saved["residuals"].items():
+            assert torch.equal(restored["residuals"][name], residual), name
+        # The resumed run's first decision is the one the uninterrupted run took at that step.
+        assert len(rank["resumed"]) == 80 - 32 and rank["resumed"][0] == rank["whole"][32]
+        assert len(set(rank["whole"])) > 1, "the search should have moved"
