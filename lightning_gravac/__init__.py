@@ -2,7 +2,7 @@
 
 from pytorch_lightning.strategies import StrategyRegistry
 
-from lightning_gravac.callbacks import Controller, GraVAC, RunSummary, Static
+from lightning_gravac.callbacks import Accordion, Controller, GraVAC, RunSummary, Static
 from lightning_gravac.compressors import Compressor, ErrorFeedback, Payload, get_compressor, list_compressors
 from lightning_gravac.strategies import CompressionState, GraVACStrategy, StepStats
 
@@ -12,6 +12,7 @@ if "gravac" not in StrategyRegistry:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accordion",
     "CompressionState",
     "Compressor",
     "Controller",

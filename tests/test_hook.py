@@ -30,7 +30,7 @@ def _all_ranks(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _reference_step(compressor, names, grads, residuals, cf, granularity, step):
+def _reference_step(compressor, names, grads, residuals, cf, granularity, step, param_cf):
     """Mean over ranks of decode(compress(grad + residual)); updates ``residuals``; returns (expected, norms)."""
     world = dist.get_world_size()
     fed = {n: g + residuals.get(n, torch.zeros_like(g)) for n, g in zip(names, grads, strict=True)}
@@ -44,7 +44,12 @@ def _reference_step(compressor, names, grads, residuals, cf, granularity, step):
             offset += fed[n].numel()
     else:
         for n in names:
-            decoded[n] = compressor.decompress(compressor.compress(fed[n], cf, key=n, step=step))
+            layer_cf = param_cf.get(n, cf)
+            decoded[n] = (
+                fed[n]
+                if layer_cf == 1
+                else compressor.decompress(compressor.compress(fed[n], layer_cf, key=n, step=step))
+            )
     expected = {}
     for n in names:
         residuals[n] = fed[n] - decoded[n]
@@ -57,12 +62,13 @@ def _reference_step(compressor, names, grads, residuals, cf, granularity, step):
     return expected, sq
 
 
-def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb):
+def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb, param_cf=None):
     dist.init_process_group("gloo")
     model = _model()
     reference = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     state = CompressionState(get_compressor(compressor), error_feedback=True, granularity=granularity, cf=cf)
+    state.param_cf = param_cf or {}
     state.bind(model)
     ddp.register_comm_hook(state, gravac_hook)
     residuals: dict[str, torch.Tensor] = {}
@@ -75,7 +81,7 @@ def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb):
         reference(x).square().mean().backward()
         names = [n for n, _ in reference.named_parameters()]
         grads = [p.grad for _, p in reference.named_parameters()]
-        expected, sq = _reference_step(state.compressor, names, grads, residuals, cf, granularity, step)
+        expected, sq = _reference_step(state.compressor, names, grads, residuals, cf, granularity, step, state.param_cf)
         stats = state.pop_stats()
         got = dict(model.named_parameters())
         results.append(
@@ -88,7 +94,9 @@ def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb):
                 "buckets": stats.buckets,
                 "bytes_sent": stats.bytes_sent,
                 "bytes_dense": stats.bytes_dense,
-                "residual_err": max((state.memory.get(n) - residuals[n]).abs().max().item() for n in names)
+                "residual_err": max(
+                    (state.memory.get(n) - residuals[n]).abs().max().item() for n in names if n in state.memory
+                )
                 if granularity == "layer"
                 else 0.0,
                 "grads": {n: got[n].grad.clone() for n in names},
@@ -102,14 +110,19 @@ def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb):
 CASES = {
     "topk-layer-gather": ("topk", 50, "layer", 0.005, GATHER),
     "topk-bucket-gather": ("topk", 50, "bucket", 25, GATHER),
+    "topk-layer-mixed-factors": ("topk", 50, "layer", 25, GATHER),
     "topk-bucket-dense": ("topk", 1.0001, "bucket", 25, REDUCE),
     "randomk-layer-summed": ("randomk", 20, "layer", 0.005, REDUCE),
 }
 
 
 @pytest.mark.parametrize(("compressor", "cf", "granularity", "cap", "collective"), CASES.values(), ids=CASES.keys())
-def test_hook_averages_the_compressed_error_fed_gradients(compressor, cf, granularity, cap, collective):
-    ranks = run_distributed(_compare, compressor=compressor, cf=cf, granularity=granularity, bucket_cap_mb=cap)
+def test_hook_averages_the_compressed_error_fed_gradients(request, compressor, cf, granularity, cap, collective):
+    # Per-layer factors (Accordion's): one layer dense, one at 5x, the rest at the global factor, in one bucket.
+    mixed = {"0.weight": 1.0, "2.weight": 5.0} if "mixed" in request.node.callspec.id else None
+    ranks = run_distributed(
+        _compare, compressor=compressor, cf=cf, granularity=granularity, bucket_cap_mb=cap, param_cf=mixed
+    )
     for steps in ranks:
         for s in steps:
             assert s["equal"], f"max abs error {s['max_err']}"
