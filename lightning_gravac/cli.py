@@ -5,6 +5,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 from pytorch_lightning.cli import LightningCLI
 
@@ -26,8 +27,18 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCL
 
 
 def resolve_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict:
-    """Load a recipe yaml with omegaconf, apply ``dotted.key=value`` overrides and resolve interpolations."""
-    config = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+    """Load a recipe yaml with omegaconf, apply ``dotted.key=value`` overrides and resolve interpolations.
+
+    A key may index a list (``trainer.callbacks[0].init_args.omega=0.5``); a value is read as yaml (``1e-3``,
+    ``[1, 2]``, ``null``).
+    """
+    config = OmegaConf.load(path)
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key:
+            raise ValueError(f"An override is `dotted.key=value`, got {override!r}.")
+        # `update` walks list indices, which a merge of `OmegaConf.from_dotlist` cannot.
+        OmegaConf.update(config, key, yaml.safe_load(value), merge=True)
     resolved = OmegaConf.to_container(config, resolve=True)
     assert isinstance(resolved, dict)
     return resolved

@@ -32,6 +32,14 @@ def test_overrides_are_dotted_and_interpolations_resolve(tmp_path):
     assert resolve_recipe(recipe, ["steps=3"])["trainer"] == {"max_steps": 3, "devices": 2}
 
 
+def test_overrides_reach_into_lists_and_read_yaml_values():
+    resolved = resolve_recipe(QUICKSTART, ["trainer.callbacks[0].init_args.omega=0.5", "trainer.devices=[0, 1]"])
+    assert resolved["trainer"]["callbacks"][0]["init_args"]["omega"] == 0.5
+    assert resolved["trainer"]["devices"] == [0, 1]
+    with pytest.raises(ValueError, match=r"An override is `dotted.key=value`, got 'trainer.max_steps'"):
+        resolve_recipe(QUICKSTART, ["trainer.max_steps"])
+
+
 @pytest.mark.distributed
 def test_quickstart_runs_two_steps_and_prints_the_summary(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
