@@ -55,9 +55,9 @@ class StepTimer(Callback):
 CONFIGS = {
     "DDPStrategy": lambda: (DDPStrategy(), []),
     "DDPStrategy gradient_as_bucket_view": lambda: (DDPStrategy(gradient_as_bucket_view=True), []),
-    "GraVACStrategy topk cf=1": lambda: (GraVACStrategy("topk"), [Static(cf=1)]),
-    "GraVACStrategy topk cf=1 gradient_as_bucket_view": lambda: (
-        GraVACStrategy("topk", gradient_as_bucket_view=True),
+    "GraVACStrategy topk cf=1 (default: gradient_as_bucket_view)": lambda: (GraVACStrategy("topk"), [Static(cf=1)]),
+    "GraVACStrategy topk cf=1 gradient_as_bucket_view=False": lambda: (
+        GraVACStrategy("topk", gradient_as_bucket_view=False),
         [Static(cf=1)],
     ),
     "GraVACStrategy topk cf=100": lambda: (GraVACStrategy("topk"), [Static(cf=100)]),

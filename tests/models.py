@@ -1,5 +1,7 @@
 """Helpers for Trainer-level tests, top-level so that spawned ranks can import them."""
 
+import os
+import time
 from typing import Any
 
 import pytorch_lightning as pl
@@ -9,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gravac import GraVAC, StepStats
-from lightning_gravac.zoo import teacher_dataset
+from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
 
 def loader(n: int = 2048, n_in: int = 16, batch_size: int = 32) -> DataLoader:
@@ -66,3 +68,34 @@ class Snapshot(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.at_epoch == trainer.current_epoch:
             self._take(trainer)
+
+
+class FaultyRegression(TeacherRegression):
+    """The teacher task, with one fault on one rank at one step: a NaN or Inf loss, an exit or a stall."""
+
+    def __init__(self, fault: str = "nan", at_step: int = 5, on_rank: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fault, self.at_step, self.on_rank = fault, at_step, on_rank
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == self.at_step and self.global_rank == self.on_rank:
+            if self.fault == "exit":
+                os._exit(0)
+            if self.fault == "stall":
+                time.sleep(600)
+            return loss * float(self.fault)  # "nan" or "inf": every gradient of this rank is non-finite
+        return loss
+
+
+class UnusedAndFrozen(TeacherRegression):
+    """The teacher task with a frozen layer and a layer that never takes part in the loss."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.frozen(x) * 0 + x)

@@ -3,6 +3,7 @@
 from typing import Any
 
 import pytorch_lightning as pl
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning import Callback
 from typing_extensions import override
 
@@ -31,6 +32,7 @@ class Controller(Callback):
     def __init__(self, cf: float = 1.0) -> None:
         self.cf = cf
         self.last_metrics: dict[str, float] = {}
+        self.nonfinite_steps = 0
         self._state: CompressionState | None = None
 
     @property
@@ -58,6 +60,15 @@ class Controller(Callback):
     ) -> None:
         stats = self.state.pop_stats()
         if stats is None:  # no communication this batch (gradient accumulation)
+            return
+        if not stats.finite:
+            # Some rank's gradient had a NaN or Inf: the hook kept the residuals and returned NaN for the scaler to
+            # skip the step. Its statistics would poison every average: leave the decisions as they are.
+            self.nonfinite_steps += 1
+            rank_zero_warn(
+                f"{type(self).__name__}: a non-finite gradient at step {trainer.global_step}; "
+                "the step's statistics are ignored and the residuals kept."
+            )
             return
         self.last_metrics = self.metrics(stats)
         self.observe(stats, trainer)

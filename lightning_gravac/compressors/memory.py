@@ -26,19 +26,17 @@ class ErrorFeedback:
         if residual is not None:
             tensor.add_(residual.view_as(tensor))
 
-    def update(self, key: str, compressor: Compressor, error_fed: Tensor, payload: Payload) -> Tensor:
-        """Store ``error_fed - decompress(payload)`` as the residual of ``key`` and return it.
-
-        ``error_fed`` is left untouched; the residual reuses the previous residual's storage when it can.
-        """
-        residual = self._residuals.get(key)
-        if residual is None or residual.shape != error_fed.shape or residual.dtype != error_fed.dtype:
-            residual = error_fed.clone()
-        else:
-            residual.copy_(error_fed)
+    @staticmethod
+    def residual_of(compressor: Compressor, error_fed: Tensor, payload: Payload) -> Tensor:
+        """``error_fed - decompress(payload)`` as a new tensor; ``error_fed`` is left untouched."""
+        residual = error_fed.clone()
         compressor.residual_(residual, payload)
-        self._residuals[key] = residual
         return residual
+
+    def update(self, key: str, compressor: Compressor, error_fed: Tensor, payload: Payload) -> Tensor:
+        """Store ``error_fed - decompress(payload)`` as the residual of ``key`` and return it."""
+        self._residuals[key] = self.residual_of(compressor, error_fed, payload)
+        return self._residuals[key]
 
     def set(self, key: str, residual: Tensor) -> None:
         """Store ``residual`` as the residual of ``key``."""

@@ -37,6 +37,7 @@ class GraVACStrategy(DDPStrategy):
             biased methods (all sparsifiers) and off for unbiased ones.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
+            ``gradient_as_bucket_view`` defaults to ``True`` here.
 
     Raises:
         ValueError: for an unknown compressor or granularity, or a ``ddp_comm_hook`` argument.
@@ -67,6 +68,10 @@ class GraVACStrategy(DDPStrategy):
             raise ValueError(f"`compressor` must be a compressor name or a Compressor, got {compressor!r}.")
         if granularity not in _GRANULARITIES:
             raise ValueError(f"`granularity` must be one of {_GRANULARITIES}, got {granularity!r}.")
+        # Gradients as views into DDP's buckets: no copy of each gradient into its bucket and back. A Python comm
+        # hook pays one pass over the bucket for the 1/N that DDP's C++ reducer fuses into that copy; dropping the
+        # copies more than pays for it (BENCHMARKS.md). Pass `gradient_as_bucket_view=False` to turn it off.
+        kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
         self.compression_state = CompressionState(
             compressor=compressor,

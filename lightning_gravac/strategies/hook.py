@@ -2,18 +2,24 @@
 
 Data flow for one bucket (see DESIGN.md):
 
-1. every factor is 1 and no residual is pending: plain all-reduce, bit for bit what stock DDP does;
+1. every factor is 1, no probe is asked for: plain all-reduce, bit for bit what stock DDP does;
 2. otherwise add each parameter's residual to its gradient (error feedback), compress each layer (or the
-   whole bucket) to a fixed-size payload, and store the new residuals;
+   whole bucket) to a fixed-size payload, and compute the new residuals;
 3. pick the cheapest collective: an all-reduce of the payloads when ranks share support (Random-K), an
    all-gather of the packed payloads when ``world_size x payload < 2 x dense`` (ring all-reduce moves twice
    the dense bytes), else a dense all-reduce of the locally decoded gradient (the same sum, fewer bytes);
 4. decode and average into the bucket buffer, record the step's statistics, and hand the buffer to DDP.
+
+Every compressed bucket carries a float64 header, summed over ranks: ``||g||^2``, ``||C(g)||^2`` and the norms at
+the controller's probe factors. A non-finite ``||g||^2`` means some rank's gradient was not finite: then the new
+residuals are dropped (the old ones stay, as if the step had not happened) and the bucket is returned as NaN on
+every rank, so that a mixed-precision scaler skips the step as it would with stock DDP.
 """
 
+import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,6 +27,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_gravac.compressors.base import Compressor, Payload
+from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.strategies.state import GATHER, REDUCE, BucketRecord, CompressionState, sq_norm
 
@@ -35,6 +42,24 @@ class _Segment:
     compressor: Compressor
 
 
+@dataclass
+class _Work:
+    """One compressed bucket on its way through the hook."""
+
+    state: CompressionState
+    buffer: Tensor
+    segments: list[_Segment]
+    payloads: list[Payload]
+    header: Tensor
+    # New residuals by parameter, committed only once the step is known finite on every rank; None drops one.
+    pending: dict[str, Tensor | None] = field(default_factory=dict)
+    start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
 def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tensor]:
     """Compress, communicate and average one gradient bucket. Register with ``DDP.register_comm_hook(state, ...)``."""
     buffer = bucket.buffer()
@@ -44,63 +69,40 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
 
     dense = all(cf == 1.0 for cf in cfs)
     if dense and not state.probe_cfs:
-        _flush_residuals(state, names, grads)
+        if state.error_feedback:
+            # Going dense sends what was pending too: the residuals are added in and dropped. (This path has no
+            # header to tell a non-finite step, which then loses the pending residual, as stock DDP loses nothing.)
+            for name, grad in zip(names, grads, strict=True):
+                state.memory.compensate_(name, grad)
+                state.memory.discard(name)
         return _plain_allreduce(state, buffer)
 
     start = time.perf_counter()
-    if dense:
-        # Sending dense while the controller still measures what compression would keep.
-        _flush_residuals(state, names, grads)
-        segments = _segments(state, names, grads, cfs, buffer)
-        probes = [state.compressor.probe(s.tensor, state.probe_cfs, key=s.key, step=state.step) for s in segments]
-        header = _header(state, buffer, [sq_norm(buffer)], probes)
-        buffer.mul_(1.0 / state.world_size)
-        return _launch_reduce(state, buffer, header, start, buffer.numel() * buffer.element_size(), lambda: buffer)
-
     if state.error_feedback:
         for name, grad in zip(names, grads, strict=True):
             state.memory.compensate_(name, grad)
     segments = _segments(state, names, grads, cfs, buffer)
+    if dense:
+        # Sending dense while the controller still measures what compression would keep: residuals drop.
+        probes = [state.compressor.probe(s.tensor, state.probe_cfs, key=s.key, step=state.step) for s in segments]
+        work = _Work(state, buffer, segments, [], _header(buffer, [sq_norm(buffer)], probes), start=start)
+        if state.error_feedback:
+            work.pending = dict.fromkeys(names)
+        buffer.mul_(1.0 / state.world_size)
+        return _launch_reduce(work, buffer, lambda: buffer)
+
     payloads, probes = _compress(state, segments)
     sent = [s.compressor.sent_sq_norm(p) for s, p in zip(segments, payloads, strict=True)]
-    header = _header(state, buffer, sent, probes)
+    work = _Work(state, buffer, segments, payloads, _header(buffer, sent, probes), start=start)
     if state.error_feedback:
-        _update_residuals(state, segments, payloads, names, grads, buffer)
+        work.pending = _new_residuals(work, names, grads)
 
-    dense_bytes = buffer.numel() * buffer.element_size()
-    world = state.world_size
     if all(s.compressor.summable for s in segments):
-        return _reduce_payloads(state, buffer, segments, payloads, header, start, dense_bytes)
-    layout = Layout.of(payloads, header_numel=header.numel() if header is not None else 0)
-    if world * layout.nbytes < 2 * dense_bytes:
-        return _gather_payloads(state, buffer, segments, payloads, header, layout, start, dense_bytes)
-    return _reduce_decoded(state, buffer, segments, payloads, header, start, dense_bytes)
-
-
-def _flush_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> None:
-    if state.error_feedback:
-        # Going dense sends what was pending too: the residuals are added in and become zero.
-        for name, grad in zip(names, grads, strict=True):
-            state.memory.compensate_(name, grad)
-            state.memory.discard(name)
-
-
-def _compress(state: CompressionState, segments: list[_Segment]) -> tuple[list[Payload], list[Tensor]]:
-    """Each segment's payload, and the norms at the probe factors (one multi-level selection where nested)."""
-    payloads, probes = [], []
-    for s in segments:
-        if not state.probe_cfs:
-            payloads.append(s.compressor.compress(s.tensor, s.cf, key=s.key, step=state.step))
-        elif s.compressor is state.compressor:
-            payload, probe = s.compressor.compress_and_probe(
-                s.tensor, s.cf, state.probe_cfs, key=s.key, step=state.step
-            )
-            payloads.append(payload)
-            probes.append(probe)
-        else:  # a layer sent dense inside a compressed bucket: probe what the method would keep
-            payloads.append(s.compressor.compress(s.tensor, s.cf, key=s.key, step=state.step))
-            probes.append(state.compressor.probe(s.tensor, state.probe_cfs, key=s.key, step=state.step))
-    return payloads, probes
+        return _reduce_payloads(work)
+    layout = Layout.of(payloads, header_numel=work.header.numel())
+    if state.world_size * layout.nbytes < 2 * work.dense_bytes:
+        return _gather_payloads(work, layout)
+    return _reduce_decoded(work)
 
 
 def _plain_allreduce(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
@@ -129,166 +131,144 @@ def _segments(
     ]
 
 
-def _header(state: CompressionState, buffer: Tensor, sent: list[Tensor], probes: list[Tensor]) -> Tensor | None:
-    """``[||g||^2, ||C(g)||^2, *probe norms]`` in float64, this rank's part of the sums; ``None`` if not wanted."""
-    if not state.collect_stats and not state.probe_cfs:
-        return None
+def _compress(state: CompressionState, segments: list[_Segment]) -> tuple[list[Payload], list[Tensor]]:
+    """Each segment's payload, and the norms at the probe factors (one multi-level selection where nested)."""
+    payloads, probes = [], []
+    step, probe_cfs = state.step, state.probe_cfs
+    for s in segments:
+        if not probe_cfs:
+            payloads.append(s.compressor.compress(s.tensor, s.cf, key=s.key, step=step))
+        elif s.compressor is state.compressor:
+            payload, probe = s.compressor.compress_and_probe(s.tensor, s.cf, probe_cfs, key=s.key, step=step)
+            payloads.append(payload)
+            probes.append(probe)
+        else:  # a layer sent dense inside a compressed bucket: probe what the method would keep
+            payloads.append(s.compressor.compress(s.tensor, s.cf, key=s.key, step=step))
+            probes.append(state.compressor.probe(s.tensor, probe_cfs, key=s.key, step=step))
+    return payloads, probes
+
+
+def _header(buffer: Tensor, sent: list[Tensor], probes: list[Tensor]) -> Tensor:
+    """``[||g||^2, ||C(g)||^2, *probe norms]`` in float64: this rank's part of the sums."""
     parts = [sq_norm(buffer).view(1), torch.stack(sent).sum().view(1).to(buffer.device)]
     if probes:
         parts.append(torch.stack(probes).sum(0).to(buffer.device))
     return torch.cat(parts)
 
 
-def _update_residuals(
-    state: CompressionState,
-    segments: list[_Segment],
-    payloads: list[Payload],
-    names: list[str],
-    grads: list[Tensor],
-    buffer: Tensor,
-) -> None:
-    if state.granularity == "layer":
-        for segment, payload in zip(segments, payloads, strict=True):
-            if segment.compressor.passthrough:
-                state.memory.discard(segment.key)
-            else:
-                state.memory.update(segment.key, segment.compressor, segment.tensor, payload)
-        return
-    (segment,), (payload,) = segments, payloads
-    residual = buffer.clone()
-    segment.compressor.residual_(residual, payload)
+def _new_residuals(work: _Work, names: list[str], grads: list[Tensor]) -> dict[str, Tensor | None]:
+    """``g - decoded`` for every parameter, computed before the buffer is overwritten; not stored yet."""
+    if work.state.granularity == "layer":
+        return {
+            s.key: None if s.compressor.passthrough else ErrorFeedback.residual_of(s.compressor, s.tensor, p)
+            for s, p in zip(work.segments, work.payloads, strict=True)
+        }
+    (segment,), (payload,) = work.segments, work.payloads
+    residual = ErrorFeedback.residual_of(segment.compressor, work.buffer, payload)
     # Stored per parameter (views of one tensor): DDP may regroup parameters into other buckets.
+    pending: dict[str, Tensor | None] = {}
     for name, grad in zip(names, grads, strict=True):
-        offset = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
-        state.memory.set(name, residual[offset : offset + grad.numel()].view_as(grad))
+        offset = (grad.data_ptr() - work.buffer.data_ptr()) // work.buffer.element_size()
+        pending[name] = residual[offset : offset + grad.numel()].view_as(grad)
+    return pending
 
 
-def _decode_into(segments: Sequence[_Segment], stacked: Sequence[Payload], scale: float) -> None:
+def _decode_into(segments: list[_Segment], stacked: list[Payload], scale: float) -> None:
     for segment, payload in zip(segments, stacked, strict=True):
         segment.compressor.aggregate_(segment.tensor.view(-1), payload, scale)
+
+
+def _gather_payloads(work: _Work, layout: Layout) -> Future[Tensor]:
+    state, world = work.state, work.state.world_size
+    packed = layout.pack(work.payloads, work.header)
+    gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=work.buffer.device)
+    encode_s = time.perf_counter() - work.start
+    launched = time.perf_counter()
+    handle = dist.all_gather_single(gathered, packed, group=state.process_group, async_op=True)
+
+    def decode(fut: Future[object]) -> Tensor:
+        received = time.perf_counter()
+        headers, stacked = layout.unpack(gathered.view(world, layout.nbytes), work.payloads)
+        work.buffer.zero_()
+        _decode_into(work.segments, stacked, 1.0 / world)
+        return _settle(work, layout.nbytes, GATHER, headers.sum(0), encode_s, received, launched)
+
+    return handle.get_future().then(decode)
+
+
+def _reduce_decoded(work: _Work) -> Future[Tensor]:
+    work.buffer.zero_()
+    _decode_into(work.segments, [_stack_one(p) for p in work.payloads], 1.0 / work.state.world_size)
+    return _launch_reduce(work, work.buffer, lambda: work.buffer)
+
+
+def _reduce_payloads(work: _Work) -> Future[Tensor]:
+    # Divide before summing: a half-precision sum of N undivided gradients can overflow.
+    flat = torch.cat([w.reshape(-1) for p in work.payloads for w in p.wire]).div_(work.state.world_size)
+
+    def decode() -> Tensor:
+        work.buffer.zero_()
+        summed, offset = [], 0
+        for payload in work.payloads:
+            views = []
+            for w in payload.wire:
+                views.append(flat[offset : offset + w.numel()].view(1, *w.shape))
+                offset += w.numel()
+            summed.append(payload.with_wire(views))
+        _decode_into(work.segments, summed, 1.0)
+        return work.buffer
+
+    return _launch_reduce(work, flat, decode)
 
 
 def _stack_one(payload: Payload) -> Payload:
     return payload.with_wire([w.unsqueeze(0) for w in payload.wire])
 
 
-def _gather_payloads(
-    state: CompressionState,
-    buffer: Tensor,
-    segments: list[_Segment],
-    payloads: list[Payload],
-    header: Tensor | None,
-    layout: Layout,
-    start: float,
-    dense_bytes: int,
-) -> Future[Tensor]:
-    world = state.world_size
-    packed = layout.pack(payloads, header)
-    gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=buffer.device)
-    encode_s = time.perf_counter() - start
+def _launch_reduce(work: _Work, tensor: Tensor, finish: Callable[[], Tensor]) -> Future[Tensor]:
+    """All-reduce ``tensor`` and the float64 header beside it, then ``finish`` makes the bucket's result."""
+    encode_s = time.perf_counter() - work.start
     launched = time.perf_counter()
-    work = dist.all_gather_single(gathered, packed, group=state.process_group, async_op=True)
-
-    def decode(fut: Future[object]) -> Tensor:
-        received = time.perf_counter()
-        headers, stacked = layout.unpack(gathered.view(world, layout.nbytes), payloads)
-        buffer.zero_()
-        _decode_into(segments, stacked, 1.0 / world)
-        _record(
-            state,
-            layout.nbytes,
-            dense_bytes,
-            GATHER,
-            headers.sum(0) if header is not None else None,
-            encode_s + time.perf_counter() - received,
-            received - launched,
-        )
-        return buffer
-
-    return work.get_future().then(decode)
-
-
-def _reduce_decoded(
-    state: CompressionState,
-    buffer: Tensor,
-    segments: list[_Segment],
-    payloads: list[Payload],
-    header: Tensor | None,
-    start: float,
-    dense_bytes: int,
-) -> Future[Tensor]:
-    buffer.zero_()
-    _decode_into(segments, [_stack_one(p) for p in payloads], 1.0 / state.world_size)
-    return _launch_reduce(state, buffer, header, start, dense_bytes, lambda: buffer)
-
-
-def _reduce_payloads(
-    state: CompressionState,
-    buffer: Tensor,
-    segments: list[_Segment],
-    payloads: list[Payload],
-    header: Tensor | None,
-    start: float,
-    dense_bytes: int,
-) -> Future[Tensor]:
-    wires = [w.reshape(-1) for p in payloads for w in p.wire]
-    # Divide before summing: a half-precision sum of N undivided gradients can overflow.
-    flat = torch.cat(wires).div_(state.world_size)
-
-    def decode() -> Tensor:
-        buffer.zero_()
-        summed, offset = [], 0
-        for payload in payloads:
-            views = []
-            for w in payload.wire:
-                views.append(flat[offset : offset + w.numel()].view(1, *w.shape))
-                offset += w.numel()
-            summed.append(payload.with_wire(views))
-        _decode_into(segments, summed, 1.0)
-        return buffer
-
-    return _launch_reduce(state, flat, header, start, dense_bytes, decode)
-
-
-def _launch_reduce(
-    state: CompressionState,
-    tensor: Tensor,
-    header: Tensor | None,
-    start: float,
-    dense_bytes: int,
-    finish: Callable[[], Tensor],
-) -> Future[Tensor]:
-    """All-reduce ``tensor`` (and the float64 header beside it), then run ``finish`` for the bucket's result."""
-    encode_s = time.perf_counter() - start
-    launched = time.perf_counter()
-    futures = [dist.all_reduce(tensor, group=state.process_group, async_op=True).get_future()]
-    if header is not None:
-        # A separate float64 all-reduce: the statistics need a range and precision that an fp16 or bf16
-        # bucket does not have. It is launched at once, so both collectives are in flight together.
-        futures.append(dist.all_reduce(header, group=state.process_group, async_op=True).get_future())
-    sent = tensor.numel() * tensor.element_size() + (header.numel() * 8 if header is not None else 0)
+    group = work.state.process_group
+    # The header goes in a separate float64 all-reduce: the statistics need a range and precision that an fp16 or
+    # bf16 bucket does not have. Both are launched at once, so they are in flight together.
+    futures = [
+        dist.all_reduce(tensor, group=group, async_op=True).get_future(),
+        dist.all_reduce(work.header, group=group, async_op=True).get_future(),
+    ]
+    sent = tensor.numel() * tensor.element_size() + work.header.numel() * 8
 
     def done(fut: Future[list[Future[object]]]) -> Tensor:
         received = time.perf_counter()
-        result = finish()
-        _record(
-            state, sent, dense_bytes, REDUCE, header, encode_s + time.perf_counter() - received, received - launched
-        )
-        return result
+        finish()
+        return _settle(work, sent, REDUCE, work.header, encode_s, received, launched)
 
     return torch.futures.collect_all(futures).then(done)
 
 
-def _record(
-    state: CompressionState,
-    bytes_sent: int,
-    dense_bytes: int,
-    collective: int,
-    norms: Tensor | None,
-    compress_s: float,
-    comm_s: float,
-) -> None:
-    values = norms.tolist() if norms is not None else [0.0, 0.0]
-    state.record(
-        BucketRecord(bytes_sent, dense_bytes, collective, values[0], values[1], compress_s, comm_s, tuple(values[2:]))
+def _settle(
+    work: _Work, bytes_sent: int, collective: int, norms: Tensor, encode_s: float, received: float, launched: float
+) -> Tensor:
+    """Commit the residuals of a finite step (or poison the result of a non-finite one) and record the stats."""
+    values = norms.tolist()
+    if math.isfinite(values[0]):
+        for key, residual in work.pending.items():
+            if residual is None:
+                work.state.memory.discard(key)
+            else:
+                work.state.memory.set(key, residual)
+    else:
+        work.buffer.fill_(math.nan)
+    compress_s = encode_s + time.perf_counter() - received
+    record = BucketRecord(
+        bytes_sent,
+        work.dense_bytes,
+        collective,
+        values[0],
+        values[1],
+        compress_s,
+        received - launched,
+        tuple(values[2:]),
     )
+    work.state.record(record)
+    return work.buffer

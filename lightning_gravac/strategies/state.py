@@ -1,5 +1,6 @@
 """The state the comm hook reads and the statistics it leaves for the controller."""
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
@@ -61,6 +62,11 @@ class StepStats:
         return {cf: sq / self.sq_norm for cf, sq in zip(self.probe_cfs, self.probe_sq, strict=True)}
 
     @property
+    def finite(self) -> bool:
+        """Whether every rank's gradient was finite this step (a NaN or Inf anywhere makes the sums non-finite)."""
+        return math.isfinite(self.sq_norm) and all(math.isfinite(v) for v in self.probe_sq)
+
+    @property
     def gain(self) -> float:
         """``sum_ranks ||C(g)||^2 / sum_ranks ||g||^2`` for the error-fed gradient ``g``; 1.0 when dense."""
         return self.sq_norm_sent / self.sq_norm if self.sq_norm > 0 else 1.0
@@ -102,7 +108,6 @@ class CompressionState:
     # What the controller decides; must be identical on every rank.
     cf: float = 1.0
     param_cf: dict[str, float] = field(default_factory=dict)
-    collect_stats: bool = True
     probe_cfs: tuple[float, ...] = ()  # factors whose gain the hook measures as well (GraVAC's candidates)
 
     # Bound at hook registration.

@@ -1,0 +1,136 @@
+"""Non-finite gradients, dead and stalled ranks, precision modes, accumulation, unused and frozen parameters."""
+
+import math
+import time
+from datetime import timedelta
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.plugins import MixedPrecision
+from torch import nn
+
+from lightning_gravac import GraVACStrategy, RunSummary, Static
+from lightning_gravac.launch import run_distributed
+from lightning_gravac.zoo import TeacherRegression, teacher_dataset
+
+from models import FaultyRegression, UnusedAndFrozen, loader, trainer_kwargs, weights
+
+pytestmark = pytest.mark.distributed
+
+
+def _full_loss(model: nn.Module) -> float:
+    data = teacher_dataset()
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(data.tensors[0].to(next(model.parameters()).dtype)),
+                                      data.tensors[1].to(next(model.parameters()).dtype)).item()  # fmt: skip
+
+
+class Residuals(pl.Callback):
+    """This rank's residuals after every step, as copies."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.steps.append(trainer.strategy.compression_state.memory.state_dict())
+
+
+def _nonfinite_once(rank, world_size, fault):
+    pl.seed_everything(0)
+    model = FaultyRegression(fault=fault, at_step=5, width=128, lr=0.1)
+    before = _full_loss(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    residuals, summary, controller = Residuals(), RunSummary(), Static(cf=20)
+    trainer = pl.Trainer(
+        strategy=GraVACStrategy("topk"), callbacks=[controller, residuals, summary], max_steps=60,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], **trainer_kwargs(world_size),
+    )  # fmt: skip
+    trainer.fit(model, loader())
+    return {
+        "before": before, "after": _full_loss(model), "scale": scaler.get_scale(), "weights": weights(model),
+        "residuals": residuals.steps, "nonfinite_steps": controller.nonfinite_steps,
+        "finite_metrics": all(math.isfinite(v) for r in summary.history for v in r.values()),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", ["nan", "inf"])
+def test_a_nonfinite_gradient_on_one_rank_is_skipped_and_never_enters_the_residuals(fault):
+    ranks = run_distributed(_nonfinite_once, fault=fault)
+    for r in ranks:
+        # The scaler saw the overflow on every rank and halved its scale once (the step was skipped).
+        assert r["scale"] == 2.0**7
+        assert r["nonfinite_steps"] == 1 and r["finite_metrics"]
+        # The residuals of the bad step (index 5) are those of the step before: kept, not poisoned.
+        bad = r["residuals"][5]
+        assert bad.keys() == r["residuals"][4].keys()
+        assert all(torch.equal(bad[k], r["residuals"][4][k]) for k in bad)
+        assert all(torch.isfinite(t).all() for step in r["residuals"] for t in step.values())
+        assert all(torch.isfinite(w).all() for w in r["weights"].values())
+        assert r["after"] < 0.2 * r["before"], "training went on learning"
+    assert all(torch.equal(a, b) for a, b in zip(*(r["weights"].values() for r in ranks), strict=True))
+
+
+def _survivor(rank, world_size, fault, timeout_s):
+    pl.seed_everything(0)
+    strategy = GraVACStrategy("topk", timeout=timedelta(seconds=timeout_s))
+    trainer = pl.Trainer(strategy=strategy, callbacks=[Static(cf=10)], max_steps=50, **trainer_kwargs(world_size))
+    start = time.perf_counter()
+    try:
+        trainer.fit(FaultyRegression(fault=fault, at_step=5), loader())
+    except Exception as error:
+        return {"raised": type(error).__name__, "message": str(error)[:300], "seconds": time.perf_counter() - start}
+    return {"raised": None, "seconds": time.perf_counter() - start}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["exit", "stall"])
+def test_when_a_rank_dies_or_stalls_the_other_raises_within_the_timeout(fault):
+    timeout_s = 10
+    survivor, faulty = run_distributed(_survivor, fault=fault, timeout_s=timeout_s, allow_missing=True, timeout=35)
+    assert faulty is None, "the faulty rank should not have finished"
+    assert survivor["raised"] is not None, f"rank 0 finished although rank 1 {fault}ed"
+    assert survivor["seconds"] < timeout_s + 20, survivor
+
+
+def _precision(rank, world_size, precision, accumulate):
+    pl.seed_everything(0)
+    model = TeacherRegression(width=128, lr=0.1)
+    before = _full_loss(model)
+    summary = RunSummary()
+    kwargs = trainer_kwargs(world_size, precision=precision, accumulate_grad_batches=accumulate)
+    trainer = pl.Trainer(strategy=GraVACStrategy("topk"), callbacks=[Static(cf=20), summary], max_steps=40, **kwargs)
+    trainer.fit(model, loader())
+    return {"before": before, "after": _full_loss(model), "weights": weights(model),
+            "steps": len(summary.history), "dtype": str(next(model.parameters()).dtype)}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("precision", "accumulate"), [("16-mixed", 1), ("bf16-mixed", 1), ("bf16-true", 1), ("32-true", 3)]
+)
+def test_precision_modes_and_gradient_accumulation(precision, accumulate):
+    ranks = run_distributed(_precision, precision=precision, accumulate=accumulate)
+    for r in ranks:
+        assert r["steps"] == 40, "one communicated step per optimizer step"
+        assert all(torch.isfinite(w.float()).all() for w in r["weights"].values())
+        assert r["after"] < 0.5 * r["before"]
+    assert all(torch.equal(a, b) for a, b in zip(*(r["weights"].values() for r in ranks), strict=True))
+    if precision == "bf16-true":
+        assert ranks[0]["dtype"] == "torch.bfloat16"
+
+
+def _unused_and_frozen(rank, world_size):
+    pl.seed_everything(0)
+    model = UnusedAndFrozen(width=64, lr=0.1)
+    strategy = GraVACStrategy("topk", find_unused_parameters=True)
+    trainer = pl.Trainer(strategy=strategy, callbacks=[Static(cf=10)], max_steps=20, **trainer_kwargs(world_size))
+    trainer.fit(model, loader())
+    return {"weights": weights(model), "residuals": sorted(strategy.compression_state.memory)}
+
+
+def test_unused_and_frozen_parameters():
+    ranks = run_distributed(_unused_and_frozen)
+    assert all(torch.equal(a, b) for a, b in zip(*(r["weights"].values() for r in ranks), strict=True))
+    assert not any(name.startswith("frozen") for name in ranks[0]["residuals"])
+    assert any(name.startswith("net") for name in ranks[0]["residuals"])
