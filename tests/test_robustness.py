@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins import MixedPrecision
 from torch import nn
 
@@ -134,3 +135,45 @@ def test_unused_and_frozen_parameters():
     assert all(torch.equal(a, b) for a, b in zip(*(r["weights"].values() for r in ranks), strict=True))
     assert not any(name.startswith("frozen") for name in ranks[0]["residuals"])
     assert any(name.startswith("net") for name in ranks[0]["residuals"])
+
+
+def _save_on_two(rank, world_size, ckpt_dir):
+    pl.seed_everything(0)
+    every_epoch = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True)
+    kwargs = trainer_kwargs(world_size, enable_checkpointing=True)
+    trainer = pl.Trainer(
+        strategy=GraVACStrategy("topk"), callbacks=[Static(cf=20), every_epoch], max_steps=32, **kwargs
+    )
+    trainer.fit(TeacherRegression(width=64, lr=0.1), loader())
+
+
+class ResidualsAtStart(pl.Callback):
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.residuals = trainer.strategy.compression_state.memory.state_dict()
+
+
+def _resume_on(rank, world_size, ckpt):
+    at_start = ResidualsAtStart()
+    trainer = pl.Trainer(strategy=GraVACStrategy("topk"), callbacks=[Static(cf=20), at_start], max_steps=40,
+                         **trainer_kwargs(world_size))  # fmt: skip
+    with pytest.warns(UserWarning, match=r"resuming on 1 ranks from a checkpoint of 2; each rank starts from the mean"):
+        trainer.fit(TeacherRegression(width=64, lr=0.1), loader(), ckpt_path=ckpt)
+    return at_start.residuals
+
+
+def test_resume_on_another_world_size_gives_every_rank_the_mean_residual(tmp_path):
+    run_distributed(_save_on_two, ckpt_dir=str(tmp_path))
+    ckpt = str(tmp_path / "epoch=0-step=32.ckpt")
+    saved = torch.load(ckpt, weights_only=False)["gravac"]
+    assert saved["world_size"] == 2 and saved["step"] == 32
+    stacked = saved["residuals"]
+    assert stacked and all(t.shape[0] == 2 for t in stacked.values())
+    assert any(not torch.equal(t[0], t[1]) for t in stacked.values()), "ranks saw different data"
+    (restored,) = run_distributed(_resume_on, world_size=1, ckpt=ckpt)
+    assert restored.keys() == stacked.keys()
+    for name, pair in stacked.items():
+        # The pending aggregate update, sum_r residual_r / N, is the same on 1 rank as it was on 2.
+        torch.testing.assert_close(restored[name], pair.mean(0), rtol=0, atol=0)
