@@ -6,7 +6,7 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
-from lightning_gravac import Controller, GraVAC, GraVACStrategy, RunSummary, Static
+from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, RunSummary, Static
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
@@ -139,3 +139,15 @@ def test_controller_without_gravac_strategy_is_a_value_error():
         r"is DDPStrategy",
     ):
         trainer.fit(TeacherRegression(), loader())
+
+
+@pytest.mark.parametrize(
+    ("controller", "argument"),
+    [(Static(cf=10**6), "cf"), (GraVAC(cf_max=10**6), "cf_max"), (Accordion(high_cf=10**6), "high_cf")],
+    ids=["Static", "GraVAC", "Accordion"],
+)
+def test_a_factor_beyond_the_largest_gradient_fails_before_any_collective(controller, argument):
+    trainer = pl.Trainer(strategy=GraVACStrategy(), callbacks=[controller], max_steps=1, **trainer_kwargs(1))
+    largest = 64 * 64  # TeacherRegression(width=64): the 64x64 hidden layer
+    with pytest.raises(ValueError, match=rf"`{argument}`=1e\+06 exceeds the size of the largest gradient \({largest} "):
+        trainer.fit(TeacherRegression(width=64), loader())

@@ -67,6 +67,11 @@ class Accordion(Controller):
         self._progress = 0
         self._last_lr: float | None = None
 
+    @property
+    @override
+    def max_cf(self) -> tuple[str, float]:
+        return "high_cf", self.high_cf
+
     @override
     def apply(self, state: CompressionState) -> None:
         super().apply(state)

@@ -26,7 +26,8 @@ class Controller(Callback):
     steps Lightning writes to its loggers (every ``Trainer(log_every_n_steps=...)``; 1 for every step).
 
     Raises:
-        ValueError: at fit start, if the trainer's strategy is not a ``GraVACStrategy``.
+        ValueError: at setup, before any collective, if the trainer's strategy is not a ``GraVACStrategy`` or if the
+            controller's largest factor exceeds the size of the model's largest gradient.
     """
 
     def __init__(self, cf: float = 1.0) -> None:
@@ -50,6 +51,13 @@ class Controller(Callback):
             raise ValueError(
                 f"{type(self).__name__} controls GraVACStrategy's compression, but the trainer's strategy is "
                 f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=GraVACStrategy(...))` or drop the callback."
+            )
+        argument, factor = self.max_cf
+        largest = max((p.numel() for p in pl_module.parameters() if p.requires_grad), default=0)
+        if factor > largest:
+            raise ValueError(
+                f"`{argument}`={factor:g} exceeds the size of the largest gradient ({largest} entries): no tensor can "
+                f"be compressed that far, at least one entry is always sent. Allowed: 1 <= {argument} <= {largest}."
             )
         self._state = trainer.strategy.compression_state
         self.apply(self._state)
@@ -77,6 +85,11 @@ class Controller(Callback):
         # does not write to its loggers the values are dropped: log on the steps it writes, as it decides right after.
         if getattr(trainer._logger_connector, "should_update_logs", True):
             pl_module.log_dict(self.last_metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    @property
+    def max_cf(self) -> tuple[str, float]:
+        """The most aggressive factor this controller may use, and the argument that sets it."""
+        return "cf", self.cf
 
     def observe(self, stats: StepStats, trainer: "pl.Trainer") -> None:
         """Take one step's statistics into account and decide the next factor. Static controllers do nothing."""

@@ -164,6 +164,11 @@ class GraVAC(Controller):
         return tuple(sorted(factors))
 
     @property
+    @override
+    def max_cf(self) -> tuple[str, float]:
+        return "cf_max", self.cf_max
+
+    @property
     def ewma_alpha(self) -> float:
         """The gains' smoothing factor in force."""
         return self.alpha if self.alpha is not None else max(0.02, min(0.5, self._world_size / 100))
