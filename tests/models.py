@@ -59,7 +59,12 @@ class Snapshot(Callback):
     def _take(self, trainer: pl.Trainer) -> None:
         controller = next(c for c in trainer.callbacks if isinstance(c, GraVAC))  # type: ignore[attr-defined]
         state = trainer.strategy.compression_state  # type: ignore[attr-defined]
-        self.taken = {"controller": controller.state_dict(), "step": state.step, "residuals": state.memory.state_dict()}
+        self.taken = {
+            "controller": controller.state_dict(),
+            "step": state.step,
+            "residuals": state.memory.state_dict(),
+            "compressor": state.compressor.state_dict(),
+        }
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.at_epoch is None:

@@ -182,13 +182,14 @@ def test_ranks_on_different_data_decide_alike_and_gravac_learns_like_dense(searc
     assert ranks[0]["gravac"]["loss"] < 1.3 * ranks[0]["dense"]["loss"]
 
 
-def _interrupted_vs_uninterrupted(rank, world_size, ckpt_dir):
+def _interrupted_vs_uninterrupted(rank, world_size, ckpt_dir, compressor):
     def fit(callbacks, ckpt_path=None):
         summary = RunSummary()
         pl.seed_everything(0)
-        model = TeacherRegression(width=256, lr=0.05, momentum=0.9)
+        model = TeacherRegression(width=256, lr=0.05, momentum=0.0 if compressor == "dgc" else 0.9)
         kwargs = trainer_kwargs(world_size, enable_checkpointing=True)
-        trainer = pl.Trainer(strategy=GraVACStrategy("topk"), callbacks=[SimulatedLink(**GRAVAC), summary, *callbacks],
+        strategy = GraVACStrategy(compressor)
+        trainer = pl.Trainer(strategy=strategy, callbacks=[SimulatedLink(**GRAVAC), summary, *callbacks],
                              max_steps=80, **kwargs)  # fmt: skip
         trainer.fit(model, loader(), ckpt_path=ckpt_path)
         return [r["gravac/cf"] for r in summary.history]
@@ -204,8 +205,10 @@ def _interrupted_vs_uninterrupted(rank, world_size, ckpt_dir):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_resume_mid_search_restores_every_bit_of_decision_state(tmp_path):
-    for r, rank in enumerate(run_distributed(_interrupted_vs_uninterrupted, ckpt_dir=str(tmp_path))):
+@pytest.mark.parametrize("compressor", ["topk", "dgc"])
+def test_resume_mid_search_restores_every_bit_of_decision_state(tmp_path, compressor):
+    ranks = run_distributed(_interrupted_vs_uninterrupted, ckpt_dir=str(tmp_path), compressor=compressor)
+    for r, rank in enumerate(ranks):
         saved, restored = rank["saved"], rank["restored"]
         assert saved["controller"]["progress"] == 32 % GRAVAC["window"] and saved["controller"]["tally"]
         if r > 0:
@@ -215,9 +218,15 @@ def test_resume_mid_search_restores_every_bit_of_decision_state(tmp_path):
                 tally.pop("comm_seconds")
         assert restored["controller"] == saved["controller"]
         assert restored["step"] == saved["step"] == 32
-        assert saved["residuals"].keys() == restored["residuals"].keys() and saved["residuals"]
+        assert saved["residuals"].keys() == restored["residuals"].keys()
+        assert bool(saved["residuals"]) == (compressor != "dgc"), "DGC keeps its own residual"
         for name, residual in saved["residuals"].items():
             assert torch.equal(restored["residuals"][name], residual), name
+        # DGC's momentum and velocity, every rank's own (they differ across ranks).
+        assert saved["compressor"].keys() == restored["compressor"].keys()
+        assert bool(saved["compressor"]) == (compressor == "dgc")
+        for name, tensor in saved["compressor"].items():
+            assert torch.equal(restored["compressor"][name], tensor), name
         # The resumed run's first decision is the one the uninterrupted run took at that step.
         assert len(rank["resumed"]) == 80 - 32 and rank["resumed"][0] == rank["whole"][32]
         assert len(set(rank["whole"])) > 1, "the search should have moved"

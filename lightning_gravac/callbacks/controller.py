@@ -63,6 +63,10 @@ class Controller(Callback):
         self.apply(self._state)
 
     @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.state.compressor.on_epoch_start(trainer.current_epoch)
+
+    @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -9,12 +9,14 @@ from lightning_gravac.compressors.base import (
     sparse_k,
     validate_cf,
 )
+from lightning_gravac.compressors.dgc import DGC
 from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.none import NoCompression
 from lightning_gravac.compressors.randomk import RandomK
 from lightning_gravac.compressors.topk import TopK
 
 __all__ = [
+    "DGC",
     "Compressor",
     "ErrorFeedback",
     "NoCompression",

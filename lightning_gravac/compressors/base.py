@@ -59,6 +59,8 @@ class Compressor(ABC):
         summable: whether the payloads of different ranks can be summed element-wise and decoded once
             (they share support, as Random-K's seeded indices do). The hook then all-reduces the payload
             instead of gathering it.
+        owns_feedback: whether the method keeps its own residual (DGC's accumulation), so that the strategy's error
+            feedback must stay off.
         nesting: how a controller's probes of other factors are computed. ``"exact"``: compressing the payload
             further equals compressing the input at the higher factor, so one selection serves every factor
             (Top-K); ``"approximate"``: it is close (threshold methods); ``"none"``: each probe compresses the
@@ -70,6 +72,7 @@ class Compressor(ABC):
     summable: ClassVar[bool] = False
     passthrough: ClassVar[bool] = False
     nesting: ClassVar[Literal["exact", "approximate", "none"]] = "none"
+    owns_feedback: ClassVar[bool] = False
 
     @abstractmethod
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
@@ -118,6 +121,36 @@ class Compressor(ABC):
     def sent_sq_norm(self, payload: Payload) -> Tensor:
         """Squared L2 norm of the decoded payload, in float64."""
         return self.decompress(payload).double().square().sum()
+
+    def basis_sq_norm(self, tensor: Tensor, key: str = "") -> Tensor:
+        """``||x||^2`` (float64) of what :meth:`compress` selects from: the error-fed gradient by default, the
+        method's own accumulation for methods that keep one. Gains are relative to it."""
+        return torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
+
+    # State. Methods with per-tensor state (momentum, factors) compute the new state in `compress` and keep it
+    # pending; the hook commits it once every rank's gradient is known finite, or discards it.
+
+    def commit(self, keys: Sequence[str]) -> None:
+        """Make the pending state of ``keys`` current."""
+
+    def discard(self, keys: Sequence[str]) -> None:
+        """Drop the pending state of ``keys`` (the step was not finite on some rank)."""
+
+    def setup(self, world_size: int) -> None:
+        """Called once the process group exists, with its size."""
+
+    def on_epoch_start(self, epoch: int) -> None:
+        """Called on every rank when a training epoch starts (schedules that follow epochs)."""
+
+    def check_optimizer(self, optimizer: "torch.optim.Optimizer") -> None:
+        """Raise ``ValueError`` if ``optimizer`` cannot be used with this method."""
+
+    def state_dict(self) -> dict[str, object]:
+        """This rank's method state, for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict`."""
 
     def achieved_cf(self, payload: Payload) -> float:
         """Dense bytes / wire bytes of ``payload``."""

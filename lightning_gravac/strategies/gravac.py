@@ -68,6 +68,11 @@ class GraVACStrategy(DDPStrategy):
             raise ValueError(f"`compressor` must be a compressor name or a Compressor, got {compressor!r}.")
         if granularity not in _GRANULARITIES:
             raise ValueError(f"`granularity` must be one of {_GRANULARITIES}, got {granularity!r}.")
+        if error_feedback and compressor.owns_feedback:
+            raise ValueError(
+                f"`error_feedback=True` with {compressor!r}: the method keeps its own residual, which error feedback "
+                "would add a second time. Leave `error_feedback` unset."
+            )
         # Gradients as views into DDP's buckets: no copy of each gradient into its bucket and back. A Python comm
         # hook pays one pass over the bucket for the 1/N that DDP's C++ reducer fuses into that copy; dropping the
         # copies more than pays for it (BENCHMARKS.md). Pass `gradient_as_bucket_view=False` to turn it off.
@@ -75,7 +80,9 @@ class GraVACStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.compression_state = CompressionState(
             compressor=compressor,
-            error_feedback=compressor.biased if error_feedback is None else error_feedback,
+            error_feedback=compressor.biased and not compressor.owns_feedback
+            if error_feedback is None
+            else error_feedback,
             granularity=granularity,
         )
 
@@ -111,12 +118,20 @@ class GraVACStrategy(DDPStrategy):
             callbacks.append(default)
 
     @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        # Optimizers exist from here on; no gradient has been communicated yet.
+        for optimizer in self.optimizers:
+            self.compressor.check_optimizer(optimizer)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Lightning calls this on every rank and rank 0 alone writes: every rank's residuals are gathered to it.
         checkpoint[CHECKPOINT_KEY] = {
             "step": self.compression_state.step,
             "world_size": self.world_size,
-            "residuals": self._gather_residuals(),
+            "residuals": self._gather(self.compression_state.memory.state_dict()),
+            "compressor": self._gather(self.compressor.state_dict()),
         }
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -127,13 +142,15 @@ class GraVACStrategy(DDPStrategy):
             self._restore_compression(checkpoint[CHECKPOINT_KEY])
         return checkpoint
 
-    def _gather_residuals(self) -> dict[str, torch.Tensor]:
-        """Every rank's residuals, stacked along a leading rank dimension, on the CPU."""
-        memory = self.compression_state.memory
-        names = sorted(memory)
+    def _gather(self, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Every rank's tensors (the same names and shapes on each), stacked along a leading rank dimension, on CPU.
+
+        One collective for all of them: they are flattened into one float32 buffer.
+        """
+        names = sorted(name for name, t in tensors.items() if isinstance(t, torch.Tensor))
         if not names:
             return {}
-        local = torch.cat([memory.get(n).reshape(-1).float() for n in names])  # type: ignore[union-attr]
+        local = torch.cat([tensors[n].reshape(-1).float() for n in names])
         if self.world_size > 1 and dist.is_initialized():
             gathered = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
             dist.all_gather_single(gathered, local)
@@ -142,10 +159,9 @@ class GraVACStrategy(DDPStrategy):
         rows = gathered.view(self.world_size, -1).cpu()
         out, offset = {}, 0
         for name in names:
-            residual = memory.get(name)
-            assert residual is not None
-            out[name] = rows[:, offset : offset + residual.numel()].reshape(-1, *residual.shape).to(residual.dtype)
-            offset += residual.numel()
+            tensor = tensors[name]
+            out[name] = rows[:, offset : offset + tensor.numel()].reshape(-1, *tensor.shape).to(tensor.dtype)
+            offset += tensor.numel()
         return out
 
     def _restore_compression(self, saved: dict[str, Any]) -> None:
@@ -160,14 +176,13 @@ class GraVACStrategy(DDPStrategy):
                 f"GraVACStrategy: resuming on {self.world_size} ranks from a checkpoint of {saved['world_size']}; "
                 "each rank starts from the mean of the saved residuals, which preserves the pending update."
             )
-        state.memory.load_state_dict(
-            {
-                name: (stacked[self.global_rank] if same_world else stacked.float().mean(0).to(stacked.dtype)).to(
-                    self.root_device
-                )
-                for name, stacked in residuals.items()
-            }
-        )
+
+        def mine(stacked: torch.Tensor) -> torch.Tensor:
+            own = stacked[self.global_rank] if same_world else stacked.float().mean(0).to(stacked.dtype)
+            return own.to(self.root_device)
+
+        state.memory.load_state_dict({name: mine(stacked) for name, stacked in residuals.items()})
+        self.compressor.load_state_dict({name: mine(stacked) for name, stacked in saved.get("compressor", {}).items()})
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -85,7 +85,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if dense:
         # Sending dense while the controller still measures what compression would keep: residuals drop.
         probes = [state.compressor.probe(s.tensor, state.probe_cfs, key=s.key, step=state.step) for s in segments]
-        work = _Work(state, buffer, segments, [], _header(buffer, [sq_norm(buffer)], probes), start=start)
+        work = _Work(state, buffer, segments, [], _header(sq_norm(buffer), [sq_norm(buffer)], probes), start=start)
         if state.error_feedback:
             work.pending = dict.fromkeys(names)
         buffer.mul_(1.0 / state.world_size)
@@ -93,7 +93,9 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
 
     payloads, probes = _compress(state, segments)
     sent = [s.compressor.sent_sq_norm(p) for s, p in zip(segments, payloads, strict=True)]
-    work = _Work(state, buffer, segments, payloads, _header(buffer, sent, probes), start=start)
+    # Gains are relative to what each method selects from: the error-fed gradient, or DGC's accumulation.
+    basis = torch.stack([s.compressor.basis_sq_norm(s.tensor, s.key) for s in segments]).sum()
+    work = _Work(state, buffer, segments, payloads, _header(basis, sent, probes), start=start)
     if state.error_feedback:
         work.pending = _new_residuals(work, names, grads)
 
@@ -148,11 +150,11 @@ def _compress(state: CompressionState, segments: list[_Segment]) -> tuple[list[P
     return payloads, probes
 
 
-def _header(buffer: Tensor, sent: list[Tensor], probes: list[Tensor]) -> Tensor:
+def _header(basis: Tensor, sent: list[Tensor], probes: list[Tensor]) -> Tensor:
     """``[||g||^2, ||C(g)||^2, *probe norms]`` in float64: this rank's part of the sums."""
-    parts = [sq_norm(buffer).view(1), torch.stack(sent).sum().view(1).to(buffer.device)]
+    parts = [basis.view(1), torch.stack(sent).sum().view(1).to(basis.device)]
     if probes:
-        parts.append(torch.stack(probes).sum(0).to(buffer.device))
+        parts.append(torch.stack(probes).sum(0).to(basis.device))
     return torch.cat(parts)
 
 
@@ -251,13 +253,16 @@ def _settle(
 ) -> Tensor:
     """Commit the residuals of a finite step (or poison the result of a non-finite one) and record the stats."""
     values = norms.tolist()
+    keys = [s.key for s in work.segments]
     if math.isfinite(values[0]):
+        work.state.compressor.commit(keys)
         for key, residual in work.pending.items():
             if residual is None:
                 work.state.memory.discard(key)
             else:
                 work.state.memory.set(key, residual)
     else:
+        work.state.compressor.discard(keys)
         work.buffer.fill_(math.nan)
     compress_s = encode_s + time.perf_counter() - received
     record = BucketRecord(

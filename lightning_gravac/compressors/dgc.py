@@ -1,0 +1,206 @@
+"""Deep Gradient Compression (Lin et al., ICLR 2018)."""
+
+import math
+import zlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sparse_k
+
+#: Warm-up densities: each epoch keeps a quarter as much (75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity).
+_WARMUP_BASE = 0.25
+
+
+@register_compressor
+class DGC(Compressor):
+    """Top-k of an accumulated, momentum-corrected gradient, with a sampled threshold.
+
+    Per tensor: clip the gradient to ``clip_norm / sqrt(N)`` (local clipping), accumulate momentum
+    ``u = m u + g`` and velocity ``v = v + u`` (momentum correction), send the ``k`` largest ``|v|`` and zero ``v``
+    and ``u`` there (momentum factor masking). The threshold comes from a ``sample_ratio`` sample of ``|v|``: if more
+    than ``1.3 k`` entries pass, the exact top ``k`` among them is taken; if fewer than ``0.8 k``, the threshold is
+    lowered (up to 10 rounds); the payload is then filled to exactly ``k``. During the first ``warmup_epochs`` epochs
+    the density is at least ``0.25 ** (epoch + 1)`` (75%, 93.75%, ... sparsity).
+
+    DGC keeps its own residual (``v``), so the strategy's error feedback stays off, and its momentum correction
+    replaces the optimizer's momentum: use ``SGD(momentum=0)`` (checked at setup) or ``momentum_correction=False``.
+    State is committed only after a step is known finite on every rank, and is saved in checkpoints for every rank.
+
+    Args:
+        momentum: momentum ``m`` of the correction; use the value the optimizer would have used.
+        momentum_correction: accumulate momentum in the compressor (on by default).
+        clip_norm: local clipping norm before ``/ sqrt(N)``; ``None`` turns clipping off.
+        momentum_masking: zero the momentum where entries were sent (on by default).
+        warmup_epochs: epochs of the density warm-up; 0 turns it off.
+        sample_ratio: share of the entries sampled to estimate the threshold.
+        seed: seed of the sampling (per rank it need not agree: payload sizes are fixed by ``k``).
+    """
+
+    name = "dgc"
+    nesting = "approximate"
+    owns_feedback = True
+
+    def __init__(
+        self,
+        momentum: float = 0.9,
+        momentum_correction: bool = True,
+        clip_norm: float | None = 5.0,
+        momentum_masking: bool = True,
+        warmup_epochs: int = 4,
+        sample_ratio: float = 0.01,
+        seed: int = 0,
+    ) -> None:
+        if not 0 <= momentum < 1:
+            raise ValueError(f"`momentum` must be in [0, 1), got {momentum!r}.")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"`clip_norm` must be positive or None, got {clip_norm!r}.")
+        if not 0 < sample_ratio <= 1:
+            raise ValueError(f"`sample_ratio` must be in (0, 1], got {sample_ratio!r}.")
+        if warmup_epochs < 0:
+            raise ValueError(f"`warmup_epochs` must be >= 0, got {warmup_epochs!r}.")
+        self.momentum, self.momentum_correction, self.clip_norm = momentum, momentum_correction, clip_norm
+        self.momentum_masking, self.warmup_epochs, self.sample_ratio, self.seed = (
+            momentum_masking,
+            warmup_epochs,
+            sample_ratio,
+            seed,
+        )
+        self.epoch = 0
+        self.world_size = 1
+        self._u: dict[str, Tensor] = {}
+        self._v: dict[str, Tensor] = {}
+        self._pending: dict[str, tuple[Tensor | None, Tensor, Tensor]] = {}  # u, v after the step, ||v||^2 before
+
+    def setup(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def on_epoch_start(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.momentum_correction:
+            return
+        for group in optimizer.param_groups:
+            if group.get("momentum", 0) or group.get("betas", (0,))[0]:
+                raise ValueError(
+                    f"DGC's momentum correction applies momentum (momentum={self.momentum}) in the compressor; the "
+                    f"optimizer {type(optimizer).__name__} applies momentum as well, twice in all. Use an optimizer "
+                    "without momentum (SGD(momentum=0)) or DGC(momentum_correction=False)."
+                )
+
+    def _accumulate(self, tensor: Tensor, key: str) -> tuple[Tensor | None, Tensor]:
+        """The new momentum and velocity of ``key`` (fp32, flat); the stored state is untouched."""
+        # A copy: `float()` of an fp32 tensor is the tensor itself, and the state is masked in place later.
+        g = tensor.reshape(-1).to(torch.float32, copy=True)
+        if self.clip_norm is not None:
+            limit = self.clip_norm / math.sqrt(self.world_size)
+            norm = torch.linalg.vector_norm(g)
+            g = g * torch.clamp(limit / (norm + 1e-12), max=1.0)
+        v_old = self._v.get(key)
+        if self.momentum_correction:
+            u_old = self._u.get(key)
+            u = g if u_old is None else u_old.mul(self.momentum).add_(g)
+            return u, u.clone() if v_old is None else v_old + u
+        return None, g if v_old is None else v_old + g
+
+    def _k(self, numel: int, cf: float, dtype: torch.dtype) -> int:
+        k = sparse_k(numel, cf, dtype)
+        if self.epoch < self.warmup_epochs:
+            k = max(k, math.ceil(numel * _WARMUP_BASE ** (self.epoch + 1)))
+        return min(k, numel)
+
+    def _select(self, magnitude: Tensor, k: int, key: str, step: int) -> Tensor:
+        """Exactly ``k`` indices of large ``magnitude``: sampled threshold, refined, filled to ``k``."""
+        n = magnitude.numel()
+        samples = math.ceil(self.sample_ratio * n)
+        if k * 20 >= n or samples < 64:  # small or dense: the exact top-k costs no more than sampling
+            return torch.topk(magnitude, k, sorted=False).indices
+        mixed = ((self.seed * 1_000_003 + step) * 4_294_967_311 + zlib.crc32(key.encode())) % (1 << 63)
+        generator = torch.Generator(device="cpu").manual_seed(mixed)
+        sample = magnitude[torch.randint(n, (samples,), generator=generator).to(magnitude.device)]
+        threshold = torch.topk(sample, max(1, math.ceil(k / n * samples))).values.min()
+        for _ in range(10):
+            candidates = (magnitude >= threshold).nonzero().view(-1)
+            if candidates.numel() >= 0.8 * k:
+                break
+            threshold = threshold * 0.8
+        if candidates.numel() >= k:  # more than enough (more than 1.3k too): the exact top k among them
+            return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
+        return torch.topk(magnitude, k, sorted=False).indices  # too few even after 10 rounds: exact top-k
+
+    def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
+        return self.compress_and_probe(tensor, cf, (), key=key, step=step)[0]
+
+    def compress_and_probe(
+        self, tensor: Tensor, cf: float, probe_cfs: Sequence[float], *, key: str = "", step: int = 0
+    ) -> tuple[Payload, Tensor]:
+        u, v = self._accumulate(tensor, key)
+        magnitude = v.abs()
+        k = self._k(v.numel(), cf, tensor.dtype)
+        indices = self._select(magnitude, k, key, step)
+        payload = Payload((v[indices].to(tensor.dtype), indices.to(torch.int32)), tensor.shape, tensor.dtype)
+        probes = self._probe_v(v, magnitude, probe_cfs, tensor.dtype)
+        basis = v.double().square().sum()
+        v.index_fill_(0, indices, 0)  # what was sent leaves the accumulation
+        if u is not None and self.momentum_masking:
+            u.index_fill_(0, indices, 0)
+        self._pending[key] = (u, v, basis)
+        return payload, probes
+
+    def _probe_v(self, v: Tensor, magnitude: Tensor, cfs: Sequence[float], dtype: torch.dtype) -> Tensor:
+        # Approximate nesting: the norm of the exact top-k of v at each factor, from one sorted selection.
+        if not cfs:
+            return torch.zeros(0, dtype=torch.float64, device=v.device)
+        ks = [self._k(v.numel(), cf, dtype) for cf in cfs]
+        top = torch.topk(magnitude, max(ks), sorted=True).values.double().square().cumsum(0)
+        return top[torch.tensor(ks, device=top.device) - 1]
+
+    def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
+        _, v = self._accumulate(tensor, key)
+        return self._probe_v(v, v.abs(), cfs, tensor.dtype)
+
+    def basis_sq_norm(self, tensor: Tensor, key: str = "") -> Tensor:
+        pending = self._pending.get(key)
+        return pending[2] if pending is not None else super().basis_sq_norm(tensor, key)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        values, indices = payload.wire
+        out = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=values.device)
+        out.index_put_((indices.long(),), values)
+        return out.view(payload.shape)
+
+    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        values, indices = stacked.wire
+        out.index_add_(0, indices.reshape(-1), values.reshape(-1), alpha=scale)
+
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        return payload.wire[0].double().square().sum()
+
+    def commit(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            if key in self._pending:
+                u, v, _ = self._pending.pop(key)
+                self._v[key] = v
+                if u is not None:
+                    self._u[key] = u
+
+    def discard(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._pending.pop(key, None)
+
+    def state_dict(self) -> dict[str, object]:
+        return {**{f"u/{k}": t.detach().clone() for k, t in self._u.items()},
+                **{f"v/{k}": t.detach().clone() for k, t in self._v.items()}}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        tensors = {k: t for k, t in state.items() if isinstance(t, Tensor)}
+        self._u = {k[2:]: t.clone() for k, t in tensors.items() if k.startswith("u/")}
+        self._v = {k[2:]: t.clone() for k, t in tensors.items() if k.startswith("v/")}
+
+    def __repr__(self) -> str:
+        return (
+            f"DGC(momentum={self.momentum}, momentum_correction={self.momentum_correction}, "
+            f"clip_norm={self.clip_norm}, warmup_epochs={self.warmup_epochs})"
+        )
