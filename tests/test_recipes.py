@@ -10,6 +10,8 @@ import yaml
 
 from lightning_gravac.cli import QUICKSTART, RECIPES, cli_main, resolve_recipe
 
+from conftest import LAUNCHER_VARIABLES
+
 ROOT = Path(__file__).resolve().parent.parent
 ALL_RECIPES = sorted(RECIPES.rglob("*.yaml"))
 
@@ -42,7 +44,7 @@ def test_overrides_reach_into_lists_and_read_yaml_values():
 
 @pytest.mark.distributed
 def test_quickstart_runs_two_steps_and_prints_the_summary(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES} | {"OMP_NUM_THREADS": "1"}
     overrides = ["trainer.max_steps=2", "trainer.log_every_n_steps=1", f"trainer.logger.init_args.save_dir={tmp_path}"]
     cmd = [sys.executable, "recipes/run.py", *overrides]
     done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)

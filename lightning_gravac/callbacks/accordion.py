@@ -8,6 +8,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
 from lightning_gravac.strategies.state import CompressionState, StepStats
@@ -51,14 +52,11 @@ class Accordion(Controller):
         low_cf, high_cf = validate_cf(low_cf, "low_cf"), validate_cf(high_cf, "high_cf")
         if low_cf > high_cf:
             raise ValueError(f"`low_cf` ({low_cf:g}) must not exceed `high_cf` ({high_cf:g}).")
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 < eta <= 1:
-            raise ValueError(f"`eta` must be in (0, 1], got {eta!r}.")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"`window` must be a whole number >= 1, got {window!r}.")
-        if interval not in ("epoch", "step"):
-            raise ValueError(f"`interval` must be one of ('epoch', 'step'), got {interval!r}.")
         super().__init__(cf=low_cf)
-        self.low_cf, self.high_cf, self.eta, self.window, self.interval = low_cf, high_cf, eta, window, interval
+        self.low_cf, self.high_cf = low_cf, high_cf
+        self.eta = fraction(eta, "eta")
+        self.window = whole(window, "window")
+        self.interval = choice(interval, "interval", ("epoch", "step"))
         self.layer_cf: dict[str, float] = {}  # the decisions; a layer not in it is compressed at low_cf
         self.compressible: list[str] = []  # parameters with ndim > 1
         self.previous_norms: dict[str, float] = {}

@@ -10,6 +10,7 @@ import torch
 from pytorch_lightning.utilities.data import extract_batch_size
 from typing_extensions import override
 
+from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
 from lightning_gravac.strategies.state import CompressionState, StepStats
@@ -38,18 +39,6 @@ class _Link:
 
     other_seconds: float
     seconds_per_byte: float
-
-
-def _validate_fraction(value: float, argument: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"`{argument}` must be in (0, 1], got {value!r}.")
-    return float(value)
-
-
-def _validate_choice(value: str, argument: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"`{argument}` must be one of {allowed}, got {value!r}.")
-    return value
 
 
 def moved_bytes(payload_bytes: float, dense_bytes: float, world_size: int) -> float:
@@ -116,16 +105,15 @@ class GraVAC(Controller):
         cf_min, cf_max = validate_cf(cf_min, "cf_min"), validate_cf(cf_max, "cf_max")
         if cf_min > cf_max:
             raise ValueError(f"`cf_min` ({cf_min:g}) must not exceed `cf_max` ({cf_max:g}).")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"`window` must be a whole number >= 1, got {window!r}.")
         super().__init__(cf=cf_min)
-        self.epsilon = _validate_fraction(epsilon, "epsilon")
-        self.omega = _validate_fraction(omega, "omega")
-        self.alpha = None if alpha is None else _validate_fraction(alpha, "alpha")
-        self.policy = _validate_choice(policy, "policy", ("exponential", "geometric"))
-        self.interval = _validate_choice(interval, "interval", ("step", "epoch"))
-        self.search = _validate_choice(search, "search", ("sequential", "model"))
-        self.window, self.cf_max = window, cf_max
+        self.window = whole(window, "window")
+        self.epsilon = fraction(epsilon, "epsilon")
+        self.omega = fraction(omega, "omega")
+        self.alpha = None if alpha is None else fraction(alpha, "alpha")
+        self.policy = choice(policy, "policy", ("exponential", "geometric"))
+        self.interval = choice(interval, "interval", ("step", "epoch"))
+        self.search = choice(search, "search", ("sequential", "model"))
+        self.cf_max = cf_max
         self.ladder = self._ladder(cf_min, cf_max)
 
         # The search; identical on every rank.

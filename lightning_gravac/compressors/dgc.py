@@ -7,14 +7,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sparse_k
+from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k
+from lightning_gravac.compressors.sparse import Sparsifier
 
 #: Warm-up densities: each epoch keeps a quarter as much (75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity).
 _WARMUP_BASE = 0.25
 
 
 @register_compressor
-class DGC(Compressor):
+class DGC(Sparsifier):
     """Top-k of an accumulated, momentum-corrected gradient, with a sampled threshold.
 
     Per tensor: clip the gradient to ``clip_norm / sqrt(N)`` (local clipping), accumulate momentum
@@ -164,19 +165,6 @@ class DGC(Compressor):
     def basis_sq_norm(self, tensor: Tensor, key: str = "") -> Tensor:
         pending = self._pending.get(key)
         return pending[2] if pending is not None else super().basis_sq_norm(tensor, key)
-
-    def decompress(self, payload: Payload) -> Tensor:
-        values, indices = payload.wire
-        out = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=values.device)
-        out.index_put_((indices.long(),), values)
-        return out.view(payload.shape)
-
-    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
-        values, indices = stacked.wire
-        out.index_add_(0, indices.reshape(-1), values.reshape(-1), alpha=scale)
-
-    def sent_sq_norm(self, payload: Payload) -> Tensor:
-        return payload.wire[0].double().square().sum()
 
     def commit(self, keys: Sequence[str]) -> None:
         for key in keys:

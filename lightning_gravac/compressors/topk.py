@@ -5,11 +5,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sparse_k
+from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k
+from lightning_gravac.compressors.sparse import Sparsifier
 
 
 @register_compressor
-class TopK(Compressor):
+class TopK(Sparsifier):
     """Keep the ``k`` largest-magnitude entries, sending their values and int32 indices.
 
     ``k`` is chosen so that values plus indices cost ``1/cf`` of the dense bytes (see
@@ -58,21 +59,3 @@ class TopK(Compressor):
         if not cfs:
             return torch.zeros(0, dtype=torch.float64, device=tensor.device)
         return self.compress_and_probe(tensor, min(cfs), cfs, key=key, step=step)[1]
-
-    def decompress(self, payload: Payload) -> Tensor:
-        values, indices = payload.wire
-        out = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=values.device)
-        out.index_put_((indices.long(),), values)
-        return out.view(payload.shape)
-
-    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
-        # One index_add_ over every rank's entries; duplicates add up, in rank order on CPU.
-        values, indices = stacked.wire
-        out.index_add_(0, indices.reshape(-1), values.reshape(-1), alpha=scale)
-
-    def residual_(self, tensor: Tensor, payload: Payload) -> None:
-        # g - decoded is g with the sent entries zeroed: exact, and no dense temporary.
-        tensor.view(-1).index_fill_(0, payload.wire[1].long(), 0)
-
-    def sent_sq_norm(self, payload: Payload) -> Tensor:
-        return payload.wire[0].double().square().sum()

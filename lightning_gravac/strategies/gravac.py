@@ -12,6 +12,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_gravac._validation import choice
 from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.strategies.hook import gravac_hook
 from lightning_gravac.strategies.state import CompressionState, Granularity
@@ -66,8 +67,7 @@ class GraVACStrategy(DDPStrategy):
             compressor = get_compressor(compressor)
         elif not isinstance(compressor, Compressor):
             raise ValueError(f"`compressor` must be a compressor name or a Compressor, got {compressor!r}.")
-        if granularity not in _GRANULARITIES:
-            raise ValueError(f"`granularity` must be one of {_GRANULARITIES}, got {granularity!r}.")
+        choice(granularity, "granularity", _GRANULARITIES)
         if error_feedback and compressor.owns_feedback:
             raise ValueError(
                 f"`error_feedback=True` with {compressor!r}: the method keeps its own residual, which error feedback "

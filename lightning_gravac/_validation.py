@@ -1,0 +1,27 @@
+"""Argument checks shared by the public constructors: each raises ValueError naming the argument and what is allowed."""
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
+
+def fraction(value: float, argument: str) -> float:
+    """``value`` in (0, 1], as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"`{argument}` must be in (0, 1], got {value!r}.")
+    return float(value)
+
+
+def whole(value: int, argument: str, minimum: int = 1) -> int:
+    """``value`` a whole number of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{argument}` must be a whole number >= {minimum}, got {value!r}.")
+    return value
+
+
+def choice(value: _T, argument: str, allowed: Sequence[_T]) -> _T:
+    """``value`` one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"`{argument}` must be one of {tuple(allowed)}, got {value!r}.")
+    return value
