@@ -13,6 +13,7 @@ A second table isolates the hook: plain torch DDP (no Lightning) with no hook, t
 """
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -64,7 +65,16 @@ CONFIGS = {
 }
 
 
+def _pin(rank: int) -> None:
+    # One core a rank (where there are enough): the scheduler moving ranks and gloo threads between two shared
+    # cores is most of the noise in a 2-core measurement.
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
 def _rank(rank: int, world_size: int, width: int, depth: int, steps: int, rounds: int) -> dict[str, list[float]]:
+    _pin(rank)
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     data = teacher_dataset(n=32 * world_size * (steps + 1))
     for _ in range(rounds):
@@ -86,6 +96,7 @@ HOOKS = ("no hook (C++ reducer)", "torch allreduce_hook", "gravac_hook cf=1")
 
 
 def _raw_rank(rank: int, world_size: int, width: int, depth: int, steps: int, rounds: int) -> dict[str, list[float]]:
+    _pin(rank)
     dist.init_process_group("gloo")
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[float]] = {name: [] for name in HOOKS}
@@ -136,7 +147,8 @@ def main() -> None:
     params = TeacherRegression(width=args.width, depth=args.depth).num_parameters
     lightning = _slowest(run_distributed(_rank, timeout=3600, **vars(args)))
     raw = _slowest(run_distributed(_raw_rank, timeout=3600, **vars(args)))
-    print(f"MLP {args.width}x{args.depth} ({params / 1e6:.1f}M parameters, fp32), 2 CPU ranks (gloo), batch 32 a rank,")
+    print(f"MLP {args.width}x{args.depth} ({params / 1e6:.1f}M parameters, fp32), 2 CPU ranks (gloo), a core each,")
+    print("batch 32 a rank,")
     print(f"{args.steps} steps a run (first 3 not timed), {args.rounds} interleaved rounds; median over rounds.\n")
     print("Through Lightning's Trainer:\n")
     _table(lightning, "DDPStrategy")
