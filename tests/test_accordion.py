@@ -41,7 +41,7 @@ def test_a_learning_rate_drop_sends_every_layer_back_to_light_until_the_next_che
     assert a.layer_cf["w"] == 50
 
     def batch_start(lr: float) -> None:
-        trainer = SimpleNamespace(optimizers=[SimpleNamespace(param_groups=[{"lr": lr}])])
+        trainer = SimpleNamespace(optimizers=[SimpleNamespace(param_groups=[{"lr": lr}])], current_epoch=0)
         a.on_train_batch_start(trainer, None)  # type: ignore[arg-type]
 
     batch_start(0.1)

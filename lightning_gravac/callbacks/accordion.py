@@ -85,6 +85,7 @@ class Accordion(Controller):
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
+        super().on_train_batch_start(trainer, pl_module, *args)
         # Learning rates are the same on every rank, so this decision is too.
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
         if lr is not None and self._last_lr is not None and lr < self._last_lr:

@@ -63,8 +63,12 @@ class Controller(Callback):
         self.apply(self._state)
 
     @override
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.state.compressor.on_epoch_start(trainer.current_epoch)
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
+        # Told at every batch, not in `on_train_epoch_start`: Lightning skips that hook for the epoch a resumed run
+        # continues into, and epoch-driven schedules (DGC's warm-up) would then stay an epoch behind.
+        if trainer.current_epoch != self.state.epoch:
+            self.state.epoch = trainer.current_epoch
+            self.state.compressor.on_epoch_start(trainer.current_epoch)
 
     @override
     def on_train_batch_end(

@@ -175,6 +175,7 @@ class GraVAC(Controller):
     def on_train_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *args: Any
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, *args)
         self._step_start = time.perf_counter()
         try:
             self._batch_size = extract_batch_size(batch)

@@ -118,6 +118,7 @@ class CompressionState:
     # Carried across steps.
     memory: ErrorFeedback = field(default_factory=ErrorFeedback)
     step: int = 0
+    epoch: int = -1  # the training epoch the compressor was last told of
 
     _records: list[BucketRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
