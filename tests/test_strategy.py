@@ -10,7 +10,7 @@ from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, RunS
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
-from models import loader, trainer_kwargs, weights
+from models import ExitCleanly, loader, trainer_kwargs, weights
 
 
 def _fit(world_size: int, strategy, callbacks=(), steps: int = 12, **model_kwargs) -> tuple[nn.Module, pl.Trainer]:
@@ -92,9 +92,9 @@ def test_registry_name_runs_with_the_default_controller():
 @pytest.mark.slow
 def test_ddp_spawn_pickles_the_strategy_and_matches_stock_ddp():
     """``start_method="spawn"`` from inside pytest: Lightning pickles strategy, controller and model."""
-    stock, _ = _fit(2, DDPStrategy(start_method="spawn"), steps=5)
-    ours, _ = _fit(2, GraVACStrategy("randomk", start_method="spawn"), [Static(cf=1)], steps=5)
-    compressed, _ = _fit(2, GraVACStrategy("randomk", start_method="spawn"), [Static(cf=10)], steps=5)
+    stock, _ = _fit(2, DDPStrategy(start_method="spawn"), [ExitCleanly()], steps=5)
+    ours, _ = _fit(2, GraVACStrategy("randomk", start_method="spawn"), [Static(cf=1), ExitCleanly()], steps=5)
+    compressed, _ = _fit(2, GraVACStrategy("randomk", start_method="spawn"), [Static(cf=10), ExitCleanly()], steps=5)
     for name, w in weights(stock).items():
         assert torch.equal(w, weights(ours)[name])
     assert not torch.equal(weights(stock)["net.0.weight"], weights(compressed)["net.0.weight"])
