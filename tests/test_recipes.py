@@ -50,6 +50,8 @@ def test_quickstart_runs_two_steps_and_prints_the_summary(tmp_path):
     done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "traffic saved" in done.stdout
+    (plot,) = tmp_path.rglob("gravac.png")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "the plot is not a PNG"
     assert list(tmp_path.rglob("metrics.csv")), "the CSV logger wrote nothing"
     header = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()[0]
     assert "gravac/bytes_sent" in header and "gravac/cf" in header

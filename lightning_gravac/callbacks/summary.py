@@ -1,6 +1,7 @@
 """A summary of a run's communication, printed at the end of training."""
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -18,12 +19,17 @@ class RunSummary(Callback):
     the wall time. :attr:`history` keeps one row a step for plots and tests. Its place among the callbacks does not
     matter: a step is collected once the controller has seen it.
 
+    With ``plot`` it also saves ``gravac.png`` in the trainer's log directory: the factor, the gain and the monitored
+    metric over steps.
+
     Args:
         monitor: the logged metric to report (default ``train_loss``).
+        plot: save the PNG plot at the end of training (rank 0; needs matplotlib).
     """
 
-    def __init__(self, monitor: str = "train_loss") -> None:
-        self.monitor = monitor
+    def __init__(self, monitor: str = "train_loss", plot: bool = True) -> None:
+        self.monitor, self.plot = monitor, plot
+        self.plot_path: Path | None = None
         self.history: list[dict[str, float]] = []
         self._start = 0.0
         self._controller: Controller | None = None
@@ -79,8 +85,37 @@ class RunSummary(Callback):
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._collect(trainer)
-        self._print(time.perf_counter() - self._start)
+        # `Trainer.log_dir` broadcasts from rank 0: every rank must ask for it, not rank 0 alone.
+        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        self._report(log_dir, time.perf_counter() - self._start)
 
     @rank_zero_only
-    def _print(self, wall_s: float) -> None:
+    def _report(self, log_dir: Path, wall_s: float) -> None:
         print(self.table(wall_s))
+        if self.plot and self.history:
+            self.plot_path = self.save_plot(log_dir / "gravac.png")
+            print(f"RunSummary: plot of the factor, gain and {self.monitor} saved to {self.plot_path}")
+
+    def save_plot(self, path: Path) -> Path:
+        """Plot the factor in force, the gain and the monitored metric over steps to ``path`` (PNG)."""
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on a training node
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.history]
+        series = [("gravac/cf", "compression factor", True), ("gravac/gain", "gain ||C(g)||²/||g||²", False)]
+        series.append((self.monitor, self.monitor, False))
+        fig, axes = plt.subplots(len(series), 1, sharex=True, figsize=(8, 2.4 * len(series)))
+        for ax, (key, label, log) in zip(axes, series, strict=True):
+            ax.plot(steps, [r.get(key, float("nan")) for r in self.history], lw=1.2)
+            ax.set_ylabel(label)
+            if log:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        axes[-1].set_xlabel("step")
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
