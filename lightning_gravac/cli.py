@@ -55,7 +55,10 @@ def run_recipe(argv: Sequence[str]) -> None:
     # re-executes this command line for them, which resolves the same file again).
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=f"{recipe.stem}-", delete=False) as f:
         f.write(OmegaConf.to_yaml(config))
-    cli_main(["fit", "--config", f.name])
+    try:
+        cli_main(["fit", "--config", f.name])
+    finally:
+        Path(f.name).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -138,8 +138,12 @@ class GraVAC(Controller):
         factors, scale = [cf_min], 2.0
         while factors[-1] < cf_max:
             factors.append(min(cf_min * scale, cf_max))
-            scale = scale * scale if self.policy == "exponential" else 2 * scale
+            scale = self._next_scale(scale)
         return tuple(factors)
+
+    def _next_scale(self, scale: float) -> float:
+        """The policy: exponential squares the scale (2, 4, 16, 256, ...), geometric doubles it."""
+        return scale * scale if self.policy == "exponential" else 2 * scale
 
     @property
     def probe_cfs(self) -> tuple[float, ...]:
@@ -260,7 +264,7 @@ class GraVAC(Controller):
             and abs(gain_min - gain_candidate) / gain_min <= self.omega
         ):
             self.cf_min = self.candidate
-        self.scale = self.scale * self.scale if self.policy == "exponential" else 2 * self.scale
+        self.scale = self._next_scale(self.scale)
         self.candidate = min(self.cf_min * self.scale, self.cf_max)
 
     def _check_plateau(self) -> None:

@@ -125,7 +125,7 @@ class Compressor(ABC):
     def basis_sq_norm(self, tensor: Tensor, key: str = "") -> Tensor:
         """``||x||^2`` (float64) of what :meth:`compress` selects from: the error-fed gradient by default, the
         method's own accumulation for methods that keep one. Gains are relative to it."""
-        return torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
+        return sq_norm(tensor)
 
     # State. Methods with per-tensor state (momentum, factors) compute the new state in `compress` and keep it
     # pending; the hook commits it once every rank's gradient is known finite, or discards it.
@@ -159,6 +159,11 @@ class Compressor(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def sq_norm(tensor: Tensor) -> Tensor:
+    """Squared L2 norm accumulated in float64, without a float64 copy of ``tensor``."""
+    return torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
 
 
 def validate_cf(cf: float, argument: str = "cf") -> float:

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gravac.compressors.base import Compressor, Payload
+from lightning_gravac.compressors.base import Compressor, Payload, sq_norm
 from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.packing import Layout
-from lightning_gravac.strategies.state import GATHER, REDUCE, BucketRecord, CompressionState, sq_norm
+from lightning_gravac.strategies.state import GATHER, REDUCE, BucketRecord, CompressionState
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,8 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if dense:
         # Sending dense while the controller still measures what compression would keep: residuals drop.
         probes = [state.compressor.probe(s.tensor, state.probe_cfs, key=s.key, step=state.step) for s in segments]
-        work = _Work(state, buffer, segments, [], _header(sq_norm(buffer), [sq_norm(buffer)], probes), start=start)
+        norm = sq_norm(buffer)  # sent dense: what is sent is all there is
+        work = _Work(state, buffer, segments, [], _header(norm, [norm], probes), start=start)
         if state.error_feedback:
             work.pending = dict.fromkeys(names)
         buffer.mul_(1.0 / state.world_size)

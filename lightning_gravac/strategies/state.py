@@ -5,9 +5,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.compressors.memory import ErrorFeedback
@@ -161,8 +160,3 @@ class CompressionState:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-
-
-def sq_norm(tensor: Tensor) -> Tensor:
-    """Squared L2 norm accumulated in float64, without a float64 copy of ``tensor``."""
-    return torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
