@@ -36,10 +36,13 @@ def _reference_step(compressor, names, grads, residuals, cf, granularity, step, 
     fed = {n: g + residuals.get(n, torch.zeros_like(g)) for n, g in zip(names, grads, strict=True)}
     decoded = {}
     if granularity == "bucket":
-        flat = torch.cat([fed[n].reshape(-1) for n in names])
-        dec = compressor.decompress(compressor.compress(flat, cf))
+        # One bucket, laid out as DDP lays it: parameters in order at first, then, once DDP has rebuilt its buckets
+        # after the first step, in the order their gradients got ready (reverse). Thresholds and sums see the order.
+        order = names if step == 0 else names[::-1]
+        flat = torch.cat([fed[n].reshape(-1) for n in order])
+        dec = compressor.decompress(compressor.compress(flat, cf, key=f"bucket:{order[0]}", step=step))
         offset = 0
-        for n in names:
+        for n in order:
             decoded[n] = dec[offset : offset + fed[n].numel()].view_as(fed[n])
             offset += fed[n].numel()
     else:
@@ -113,6 +116,14 @@ CASES = {
     "topk-layer-mixed-factors": ("topk", 50, "layer", 25, GATHER),
     "topk-bucket-dense": ("topk", 1.0001, "bucket", 25, REDUCE),
     "randomk-layer-summed": ("randomk", 20, "layer", 0.005, REDUCE),
+    "redsync-layer-gather": ("redsync", 50, "layer", 0.005, GATHER),
+    "sidco-bucket-gather": ("sidco", 50, "bucket", 25, GATHER),
+    "threshold-layer-gather": ("threshold", 50, "layer", 25, GATHER),
+    "adaq-layer-gather": ("adaq", 20, "layer", 25, GATHER),
+    "onebit-layer-gather": ("onebit", 32, "layer", 25, GATHER),
+    "efsignsgd-bucket-gather": ("efsignsgd", 32, "bucket", 25, GATHER),
+    "qsgd-layer-gather": ("qsgd", 10, "layer", 25, GATHER),
+    "terngrad-layer-gather": ("terngrad", 16, "layer", 25, GATHER),
 }
 
 
@@ -146,3 +157,85 @@ def test_bucket_bytes_follow_the_stated_accounting():
     payload = header + 8 * k
     assert steps[-1]["bytes_dense"] == 4 * numel
     assert steps[-1]["bytes_sent"] == -(-payload // 8) * 8
+
+
+def _low_rank_steps(rank, world, cf):
+    dist.init_process_group("gloo")
+    model = _model()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+    state = CompressionState(get_compressor("powersgd"), error_feedback=True, cf=cf)
+    state.bind(model)
+    ddp.register_comm_hook(state, gravac_hook)
+    method = get_compressor("powersgd")  # the reference's own warm starts
+    residuals: dict[str, torch.Tensor] = {}
+    results = []
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        for m in (ddp, reference):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        expected, sent = {}, 0
+        for name, p in reference.named_parameters():
+            fed = p.grad + residuals.get(name, torch.zeros_like(p.grad))
+            if fed.dim() < 2:
+                expected[name] = sum(_all_ranks(fed / world))
+                sent += fed.numel() * 4
+                continue
+            matrix = fed.reshape(fed.shape[0], -1)
+            p_sum = method.project(matrix, method.rank_for(fed.shape, cf), name)
+            dist.all_reduce(p_sum)
+            method.orthonormalize_(p_sum)
+            q = matrix.T @ p_sum
+            residuals[name] = matrix - p_sum @ q.T
+            q_sum = q.clone()
+            dist.all_reduce(q_sum)
+            method.keep(name, q_sum)
+            method.commit([name])
+            expected[name] = (p_sum @ q_sum.T).div_(world).view_as(fed)
+            sent += (p_sum.numel() + q.numel()) * 4
+        stats = state.pop_stats()
+        got = dict(model.named_parameters())
+        results.append(
+            {
+                "max_err": max((got[n].grad - expected[n]).abs().max().item() for n in expected),
+                "residual_err": max(
+                    (state.memory.get(n) - r.view_as(got[n])).abs().max().item() for n, r in residuals.items()
+                ),
+                "bytes": (stats.bytes_sent, sent + 16, stats.bytes_dense),
+                "grads": {n: got[n].grad.clone() for n in expected},
+            }
+        )
+    return results
+
+
+@pytest.mark.parametrize("cf", [4, 16])
+def test_powersgd_hook_reduces_p_then_q_and_keeps_the_local_projection_error(cf):
+    ranks = run_distributed(_low_rank_steps, cf=cf)
+    for steps in ranks:
+        for s in steps:
+            assert s["max_err"] < 1e-6 and s["residual_err"] < 1e-6
+            sent, expected_sent, dense = s["bytes"]
+            assert sent == expected_sent and sent < dense
+    for a, b in zip(ranks[0], ranks[1], strict=True):
+        assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
+
+
+def _vote(rank, world):
+    dist.init_process_group("gloo")
+    model = _model()
+    ddp = DistributedDataParallel(model)
+    state = CompressionState(get_compressor("signsgd"), error_feedback=False, cf=32)
+    state.bind(model)
+    ddp.register_comm_hook(state, gravac_hook)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+    ddp(x).square().mean().backward()
+    reference = _model()
+    reference(x).square().mean().backward()
+    signs = {n: torch.where(p.grad >= 0, 1.0, -1.0) for n, p in reference.named_parameters()}
+    expected = {n: sum(_all_ranks(s)).sign() for n, s in signs.items()}  # 2 ranks: 0 where they disagree
+    return all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())
+
+
+def test_signsgd_through_the_hook_is_the_majority_vote():
+    assert run_distributed(_vote) == [True, True]

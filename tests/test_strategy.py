@@ -120,6 +120,18 @@ def test_bad_granularity_and_own_hook_are_value_errors():
         GraVACStrategy(compressor=3)
 
 
+def test_methods_refuse_the_options_they_are_not_defined_with():
+    with pytest.raises(ValueError, match=r"`granularity='bucket'` with PowerSGD.*needs each parameter's shape"):
+        GraVACStrategy("powersgd", granularity="bucket")
+    with pytest.raises(ValueError, match=r"`error_feedback=False` with OneBit\(\): the method is defined with error"):
+        GraVACStrategy("onebit", error_feedback=False)
+    # Error feedback by default: on for biased methods, off for unbiased ones and for signSGD (defined without it).
+    defaults = {name: GraVACStrategy(name).compression_state.error_feedback for name in list_compressors()}
+    assert [name for name, on in defaults.items() if on] == [
+        "adaq", "efsignsgd", "onebit", "powersgd", "randomk", "redsync", "sidco", "threshold", "topk",
+    ]  # fmt: skip
+
+
 class Halving(Controller):
     """A second kind of controller. (Two of one kind Lightning refuses itself, at ``Trainer(...)``.)"""
 
@@ -159,7 +171,8 @@ def _every_compressor(rank, world_size):
     for name in list_compressors():
         pl.seed_everything(0)
         # DGC's momentum correction replaces the optimizer's momentum; the others get none either, to compare alike.
-        model = TeacherRegression(width=128, lr=0.05)
+        # signSGD's steps have magnitude lr whatever the gradient's: it needs a learning rate of its own.
+        model = TeacherRegression(width=128, lr=1e-3 if name == "signsgd" else 0.05)
         trainer = pl.Trainer(strategy=GraVACStrategy(name), callbacks=[Static(cf=10)], max_epochs=6,
                              **trainer_kwargs(world_size))  # fmt: skip
         trainer.fit(model, loader())
@@ -175,7 +188,8 @@ def test_every_registered_compressor_trains_the_task_close_to_dense():
     r0, r1 = run_distributed(_every_compressor, timeout=240)
     dense = r0["none"]
     for name in list_compressors():
-        # Within 20% of dense SGD's loss after 6 epochs at cf 10 (measured: all within 4%; DGC warms up, with momentum).
+        # Within 20% of dense SGD's loss after 6 epochs at cf 10 (measured: all 16 within 4%, signSGD 6% below; DGC
+        # warms up, with momentum). Methods with a fixed factor (1-bit, signs, TernGrad, casts) send at theirs.
         assert r0[name] < 1.2 * dense, f"{name}: {r0[name]:.4f} against dense {dense:.4f}"
         pairs = zip(r0[f"{name}/weights"].values(), r1[f"{name}/weights"].values(), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs), f"{name}: ranks hold different weights"

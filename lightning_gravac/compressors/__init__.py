@@ -1,5 +1,6 @@
 """Gradient compressors: one method per module, each registered by name."""
 
+from lightning_gravac.compressors.adaq import AdaQ
 from lightning_gravac.compressors.base import (
     Compressor,
     Payload,
@@ -11,20 +12,39 @@ from lightning_gravac.compressors.base import (
 )
 from lightning_gravac.compressors.cast import BF16, FP16
 from lightning_gravac.compressors.dgc import DGC
+from lightning_gravac.compressors.efsignsgd import EFSignSGD
 from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.none import NoCompression
+from lightning_gravac.compressors.onebit import OneBit
+from lightning_gravac.compressors.powersgd import PowerSGD
+from lightning_gravac.compressors.qsgd import QSGD
 from lightning_gravac.compressors.randomk import RandomK
+from lightning_gravac.compressors.redsync import RedSync
+from lightning_gravac.compressors.sidco import SIDCo
+from lightning_gravac.compressors.signsgd import SignSGD
+from lightning_gravac.compressors.terngrad import TernGrad
+from lightning_gravac.compressors.threshold import Threshold
 from lightning_gravac.compressors.topk import TopK
 
 __all__ = [
     "BF16",
     "DGC",
     "FP16",
+    "QSGD",
+    "AdaQ",
     "Compressor",
+    "EFSignSGD",
     "ErrorFeedback",
     "NoCompression",
+    "OneBit",
     "Payload",
+    "PowerSGD",
     "RandomK",
+    "RedSync",
+    "SIDCo",
+    "SignSGD",
+    "TernGrad",
+    "Threshold",
     "TopK",
     "get_compressor",
     "list_compressors",

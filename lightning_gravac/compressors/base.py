@@ -6,6 +6,7 @@ tensor of the input's shape and dtype. Compressors never talk to the network; th
 """
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ class Compressor(ABC):
             instead of gathering it.
         owns_feedback: whether the method keeps its own residual (DGC's accumulation), so that the strategy's error
             feedback must stay off.
+        requires_feedback: whether the method is only defined with error feedback (1-bit SGD), so that turning it
+            off is an error.
+        layerwise: whether the method needs each parameter's own shape (PowerSGD's matrices), so that
+            ``granularity="bucket"`` is an error.
         nesting: how a controller's probes of other factors are computed. ``"exact"``: compressing the payload
             further equals compressing the input at the higher factor, so one selection serves every factor
             (Top-K); ``"approximate"``: it is close (threshold methods); ``"none"``: each probe compresses the
@@ -73,6 +78,14 @@ class Compressor(ABC):
     passthrough: ClassVar[bool] = False
     nesting: ClassVar[Literal["exact", "approximate", "none"]] = "none"
     owns_feedback: ClassVar[bool] = False
+    requires_feedback: ClassVar[bool] = False
+    layerwise: ClassVar[bool] = False
+
+    @property
+    def error_feedback_default(self) -> bool:
+        """Whether the strategy turns error feedback on when the user leaves it unset: for biased methods that keep
+        no residual of their own."""
+        return self.biased and not self.owns_feedback
 
     @abstractmethod
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
@@ -136,8 +149,8 @@ class Compressor(ABC):
     def discard(self, keys: Sequence[str]) -> None:
         """Drop the pending state of ``keys`` (the step was not finite on some rank)."""
 
-    def setup(self, world_size: int) -> None:
-        """Called once the process group exists, with its size."""
+    def setup(self, world_size: int, rank: int = 0) -> None:
+        """Called once the process group exists, with its size and this process's rank."""
 
     def on_epoch_start(self, epoch: int) -> None:
         """Called on every rank when a training epoch starts (schedules that follow epochs)."""
@@ -159,6 +172,25 @@ class Compressor(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+_CLAMPED: set[tuple[str, float]] = set()
+
+
+def note_clamped(name: str, requested: float, achieved: float) -> None:
+    """Warn, once per ``(method, requested)``, that a factor was clamped to one the method can reach.
+
+    Methods with a fixed or stepped factor (1-bit, TernGrad, QSGD's bit widths, fp16) call it when they differ from
+    the request by more than 10%; the step's ``gravac/achieved_cf`` metric logs what was achieved.
+    """
+    if abs(achieved - requested) <= 0.1 * requested or (name, requested) in _CLAMPED:
+        return
+    _CLAMPED.add((name, requested))
+    warnings.warn(
+        f"{name}: a compression factor of {requested:g} is out of the method's reach; it sends at {achieved:.3g} "
+        "instead for this tensor (every step's gravac/achieved_cf logs the whole model's).",
+        stacklevel=3,
+    )
 
 
 def sq_norm(tensor: Tensor) -> Tensor:

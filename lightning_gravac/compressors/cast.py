@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Compressor, Payload, register_compressor
+from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
 
 
 class _Cast(Compressor):
@@ -11,7 +11,7 @@ class _Cast(Compressor):
     fp16 sum does not overflow).
 
     The factor is fixed by the types, not by ``cf``: 2 from fp32, 1 from a 16-bit bucket. A requested ``cf`` is
-    not reachable and is ignored; ``gravac/achieved_cf`` reports what was achieved. Unbiased up to rounding, so
+    clamped to it (warned once; ``gravac/achieved_cf`` logs what was achieved). Unbiased up to rounding, so
     error feedback is off by default.
     """
 
@@ -20,7 +20,9 @@ class _Cast(Compressor):
     summable = True
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
-        return Payload((tensor.reshape(-1).to(self.wire_dtype),), tensor.shape, tensor.dtype)
+        payload = Payload((tensor.reshape(-1).to(self.wire_dtype),), tensor.shape, tensor.dtype)
+        note_clamped(self.name, cf, self.achieved_cf(payload))
+        return payload
 
     def decompress(self, payload: Payload) -> Tensor:
         return payload.wire[0].to(payload.dtype).view(payload.shape)

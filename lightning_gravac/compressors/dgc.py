@@ -1,13 +1,13 @@
 """Deep Gradient Compression (Lin et al., ICLR 2018)."""
 
 import math
-import zlib
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k
+from lightning_gravac.compressors.select import sample, seeded_generator
 from lightning_gravac.compressors.sparse import Sparsifier
 
 #: Warm-up densities: each epoch keeps a quarter as much (75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity).
@@ -74,7 +74,7 @@ class DGC(Sparsifier):
         self._v: dict[str, Tensor] = {}
         self._pending: dict[str, tuple[Tensor | None, Tensor, Tensor]] = {}  # u, v after the step, ||v||^2 before
 
-    def setup(self, world_size: int) -> None:
+    def setup(self, world_size: int, rank: int = 0) -> None:
         self.world_size = world_size
 
     def on_epoch_start(self, epoch: int) -> None:
@@ -118,10 +118,8 @@ class DGC(Sparsifier):
         samples = math.ceil(self.sample_ratio * n)
         if k * 20 >= n or samples < 64:  # small or dense: the exact top-k costs no more than sampling
             return torch.topk(magnitude, k, sorted=False).indices
-        mixed = ((self.seed * 1_000_003 + step) * 4_294_967_311 + zlib.crc32(key.encode())) % (1 << 63)
-        generator = torch.Generator(device="cpu").manual_seed(mixed)
-        sample = magnitude[torch.randint(n, (samples,), generator=generator).to(magnitude.device)]
-        threshold = torch.topk(sample, max(1, math.ceil(k / n * samples))).values.min()
+        drawn = sample(magnitude, samples, seeded_generator(self.seed, step, key))
+        threshold = torch.topk(drawn, max(1, math.ceil(k / n * samples))).values.min()
         for _ in range(10):
             candidates = (magnitude >= threshold).nonzero().view(-1)
             if candidates.numel() >= 0.8 * k:

@@ -82,3 +82,55 @@ class Layout:
             wires[slot.payload][slot.wire] = view.reshape(ranks, *slot.shape)
         stacked = [p.with_wire([t for t in w if t is not None]) for p, w in zip(payloads, wires, strict=True)]
         return header, stacked
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes that ``numel`` codes of ``bits`` bits take when packed."""
+    return -(-numel * bits // 8)
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Pack the flat integer ``codes`` (each in ``[0, 2**bits)``) into a ``uint8`` tensor, most significant first.
+
+    Widths that divide 8 (1, 2, 4, 8) pack whole codes into each byte with shifts; other widths (3, 5, 6, 7) go
+    through a bit matrix. The result has :func:`packed_nbytes` bytes, the last zero-padded.
+    """
+    if not 1 <= bits <= 8:
+        raise ValueError(f"`bits` must be in [1, 8], got {bits}.")
+    codes = codes.reshape(-1).to(torch.uint8)
+    nbytes = packed_nbytes(codes.numel(), bits)
+    if 8 % bits == 0:
+        per_byte = 8 // bits
+        padded = torch.zeros(nbytes * per_byte, dtype=torch.uint8, device=codes.device)
+        padded[: codes.numel()] = codes
+        groups = padded.view(nbytes, per_byte)
+        out = groups[:, 0].clone()
+        for j in range(1, per_byte):
+            out.bitwise_left_shift_(bits).bitwise_or_(groups[:, j])
+        return out
+    shifts = torch.arange(bits - 1, -1, -1, dtype=torch.uint8, device=codes.device)
+    bit_matrix = codes.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).reshape(-1)
+    padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=codes.device)
+    padded[: bit_matrix.numel()] = bit_matrix
+    return _from_bits(padded.view(nbytes, 8))
+
+
+def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
+    """The ``numel`` codes :func:`pack_bits` packed, as ``uint8``."""
+    if 8 % bits == 0:
+        per_byte = 8 // bits
+        shifts = torch.arange((per_byte - 1) * bits, -1, -bits, dtype=torch.uint8, device=packed.device)
+        mask = (1 << bits) - 1
+        return packed.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(mask).reshape(-1)[:numel]
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+    bit_matrix = packed.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).reshape(-1)[: numel * bits]
+    return _from_bits(bit_matrix.view(numel, bits))
+
+
+def _from_bits(bit_matrix: Tensor) -> Tensor:
+    """Rows of 0/1 ``uint8`` bits, most significant first, to one ``uint8`` each."""
+    width = bit_matrix.shape[1]
+    out = bit_matrix[:, 0].clone()
+    for j in range(1, width):
+        out.bitwise_left_shift_(1).bitwise_or_(bit_matrix[:, j])
+    return out

@@ -1,11 +1,10 @@
 """Random-K sparsification with indices every rank derives from a shared seed."""
 
-import zlib
-
 import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sparse_k
+from lightning_gravac.compressors.select import seeded_generator
 
 
 @register_compressor
@@ -32,10 +31,7 @@ class RandomK(Compressor):
 
     def indices(self, numel: int, k: int, *, key: str, step: int, device: torch.device) -> Tensor:
         """The ``k`` indices this ``(seed, step, key)`` selects out of ``numel``; identical on every rank."""
-        # A dedicated generator: the global RNG differs between ranks (and belongs to the user).
-        generator = torch.Generator(device="cpu")
-        mixed = ((self.seed * 1_000_003 + step) * 4_294_967_311 + zlib.crc32(key.encode())) % (1 << 63)
-        generator.manual_seed(mixed)
+        generator = seeded_generator(self.seed, step, key)  # no rank: every rank draws the same
         return torch.randperm(numel, generator=generator)[:k].to(device)
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:

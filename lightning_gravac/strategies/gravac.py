@@ -35,13 +35,15 @@ class GraVACStrategy(DDPStrategy):
         granularity: ``"layer"`` compresses each parameter's gradient on its own (per-layer factors possible);
             ``"bucket"`` compresses each DDP bucket as one tensor (fewer, larger selections).
         error_feedback: keep what compression dropped and add it to the next gradient. ``None`` turns it on for
-            biased methods (all sparsifiers) and off for unbiased ones.
+            biased methods (sparsifiers, 1-bit, EF-signSGD, PowerSGD) and off for unbiased ones (QSGD, TernGrad,
+            casts) and for signSGD, which is defined without it.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here.
 
     Raises:
-        ValueError: for an unknown compressor or granularity, or a ``ddp_comm_hook`` argument.
+        ValueError: for an unknown compressor or granularity, a ``ddp_comm_hook`` argument, or an ``error_feedback``
+            or ``granularity`` the method does not allow.
 
     Example::
 
@@ -73,6 +75,15 @@ class GraVACStrategy(DDPStrategy):
                 f"`error_feedback=True` with {compressor!r}: the method keeps its own residual, which error feedback "
                 "would add a second time. Leave `error_feedback` unset."
             )
+        if error_feedback is False and compressor.requires_feedback:
+            raise ValueError(
+                f"`error_feedback=False` with {compressor!r}: the method is defined with error feedback only."
+            )
+        if granularity == "bucket" and compressor.layerwise:
+            raise ValueError(
+                f"`granularity='bucket'` with {compressor!r}: the method needs each parameter's shape. "
+                "Use granularity='layer'."
+            )
         # Gradients as views into DDP's buckets: no copy of each gradient into its bucket and back. A Python comm
         # hook pays one pass over the bucket for the 1/N that DDP's C++ reducer fuses into that copy; dropping the
         # copies more than pays for it (BENCHMARKS.md). Pass `gradient_as_bucket_view=False` to turn it off.
@@ -80,9 +91,7 @@ class GraVACStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.compression_state = CompressionState(
             compressor=compressor,
-            error_feedback=compressor.biased and not compressor.owns_feedback
-            if error_feedback is None
-            else error_feedback,
+            error_feedback=compressor.error_feedback_default if error_feedback is None else error_feedback,
             granularity=granularity,
         )
 

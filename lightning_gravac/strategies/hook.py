@@ -29,6 +29,7 @@ from torch.futures import Future
 from lightning_gravac.compressors.base import Compressor, Payload, sq_norm
 from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.packing import Layout
+from lightning_gravac.compressors.powersgd import PowerSGD, as_matrix
 from lightning_gravac.strategies.state import GATHER, REDUCE, BucketRecord, CompressionState
 
 
@@ -82,6 +83,8 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         for name, grad in zip(names, grads, strict=True):
             state.memory.compensate_(name, grad)
     segments = _segments(state, names, grads, cfs, buffer)
+    if isinstance(state.compressor, PowerSGD) and not dense:
+        return _low_rank(state, segments, buffer, start)
     if dense:
         # Sending dense while the controller still measures what compression would keep: residuals drop.
         probes = [state.compressor.probe(s.tensor, state.probe_cfs, key=s.key, step=state.step) for s in segments]
@@ -222,6 +225,62 @@ def _reduce_payloads(work: _Work) -> Future[Tensor]:
         return work.buffer
 
     return _launch_reduce(work, flat, decode)
+
+
+def _low_rank(state: CompressionState, segments: list[_Segment], buffer: Tensor, start: float) -> Future[Tensor]:
+    """PowerSGD's two all-reduces: ``P = M Q`` with the bucket's dense parts, then ``Q = M^T P`` with the header."""
+    method = state.compressor
+    assert isinstance(method, PowerSGD)
+    world, group = state.world_size, state.process_group
+    low = [s for s in segments if s.compressor is method and method.low_rank(s.tensor)]
+    full = [s for s in segments if not (s.compressor is method and method.low_rank(s.tensor))]
+    matrices = [as_matrix(s.tensor) for s in low]  # views of the bucket for fp32: read before it is overwritten
+    ps = [method.project(m, method.rank_for(s.tensor.shape, s.cf), s.key) for s, m in zip(low, matrices, strict=True)]
+    probes = [method.probe(s.tensor, state.probe_cfs, key=s.key) for s in segments] if state.probe_cfs else []
+    basis = torch.stack([sq_norm(s.tensor) for s in segments]).sum()
+    dense_sq = torch.stack([sq_norm(s.tensor) for s in full]).sum() if full else basis.new_zeros(())
+    first = torch.cat([p.view(-1) for p in ps] + [s.tensor.reshape(-1).float() / world for s in full])
+    work = _Work(state, buffer, segments, [], basis.new_zeros(0), start=start)
+    second_numel = sum(m.shape[1] * p.shape[1] for m, p in zip(matrices, ps, strict=True))
+    sent_bytes = (first.numel() + second_numel) * first.element_size() + (2 + len(state.probe_cfs)) * 8
+    encode_s = time.perf_counter() - start
+    launched = time.perf_counter()
+
+    def second_round(fut: Future[list[Tensor]]) -> Tensor:
+        summed = fut.value()[0]
+        qs, offset = [], 0
+        for s, p, m in zip(low, ps, matrices, strict=True):
+            p.copy_(summed[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+            method.orthonormalize_(p)
+            q = m.T @ p
+            if state.error_feedback:  # what this rank's gradient has outside the shared subspace
+                work.pending[s.key] = (m - p @ q.T).to(s.tensor.dtype).view_as(s.tensor)
+            qs.append(q)
+        for s in full:
+            work.pending[s.key] = None
+        sent = [dense_sq] + [q.double().square().sum() for q in qs]  # ||P Q^T|| = ||Q|| for orthonormal P
+        work.header = _header(basis, sent, probes)
+        second = torch.cat([q.view(-1) for q in qs]) if qs else summed.new_zeros(0)
+        futures = [dist.all_reduce(work.header, group=group, async_op=True).get_future()]
+        if qs:  # a bucket of biases alone has no second factor
+            futures.append(dist.all_reduce(second, group=group, async_op=True).get_future())
+        # Waiting inside the callback chains the second collective after the first, as torch's PowerSGD hook does.
+        torch.futures.collect_all(futures).wait()
+        offset = 0
+        for s, p, q in zip(low, ps, qs, strict=True):
+            q_sum = second[offset : offset + q.numel()].view_as(q)
+            offset += q.numel()
+            method.keep(s.key, q_sum)
+            s.tensor.copy_((p @ q_sum.T).div_(world).view_as(s.tensor))
+        offset = first.numel() - sum(s.tensor.numel() for s in full)
+        for s in full:
+            s.tensor.view(-1).copy_(summed[offset : offset + s.tensor.numel()])
+            offset += s.tensor.numel()
+        received = time.perf_counter()
+        return _settle(work, sent_bytes, REDUCE, work.header, encode_s, received, launched)
+
+    return dist.all_reduce(first, group=group, async_op=True).get_future().then(second_round)
 
 
 def _stack_one(payload: Payload) -> Payload:

@@ -127,7 +127,7 @@ class CompressionState:
         """Name the parameters of ``module`` (the unwrapped model) and remember the group."""
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        self.compressor.setup(self.world_size)
+        self.compressor.setup(self.world_size, dist.get_rank(process_group))
         self.param_names = {id(p): name for name, p in module.named_parameters()}
 
     def cf_of(self, name: str) -> float:

@@ -1,0 +1,29 @@
+"""Error-feedback signSGD (Karimireddy et al., ICML 2019)."""
+
+import torch
+from torch import Tensor
+
+from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
+from lightning_gravac.compressors.signsgd import signs, unsigned
+
+
+@register_compressor
+class EFSignSGD(Compressor):
+    """Send ``(||p||_1 / n) sign(p)`` of the error-fed gradient ``p``: one bit an entry and one scale a tensor.
+
+    The scale makes the compressed gradient's magnitude match the gradient's, so the learning rate of dense
+    training applies; error feedback (on by default) carries what the sign dropped. The factor is fixed (about 32
+    from fp32); a requested ``cf`` is clamped to it.
+    """
+
+    name = "efsignsgd"
+
+    def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
+        scale = torch.linalg.vector_norm(tensor.reshape(-1), 1, dtype=torch.float32) / tensor.numel()
+        payload = Payload((signs(tensor), scale.view(1)), tensor.shape, tensor.dtype)
+        note_clamped(self.name, cf, self.achieved_cf(payload))
+        return payload
+
+    def decompress(self, payload: Payload) -> Tensor:
+        bits, scale = payload.wire
+        return unsigned(bits, payload.shape.numel(), torch.float32).mul_(scale).to(payload.dtype).view(payload.shape)

@@ -1,0 +1,122 @@
+"""PowerSGD: low-rank gradients by one step of power iteration (Vogels et al., NeurIPS 2019)."""
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+# torch's own orthogonalization: Gram-Schmidt with an epsilon for all-zero columns (vanishing gradients), QR where
+# that is faster. Private API; should it move, `torch.linalg.qr` is the drop-in.
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+
+from lightning_gravac.compressors.base import Compressor, Payload, register_compressor
+from lightning_gravac.compressors.select import seeded_generator
+
+
+def as_matrix(tensor: Tensor) -> Tensor:
+    """The fp32 ``[rows, rest]`` view of a gradient (a copy only if it is not fp32)."""
+    return tensor.reshape(tensor.shape[0], -1).float()
+
+
+@register_compressor
+class PowerSGD(Compressor):
+    """Rank-``r`` approximation ``P Q^T`` of each weight's gradient matrix ``M`` (``[rows, rest]``), warm-started Q.
+
+    With ``Q`` this tensor's previous (all-reduced) right factor, identical on every rank: ``P = M Q``, all-reduce
+    ``P``, orthonormalize it, ``Q = M^T P``, all-reduce ``Q``; the average gradient is ``P Q^T / N``. Two all-reduces
+    a bucket (``P`` with the bucket's dense parts, then ``Q`` with the statistics header), which
+    :class:`~lightning_gravac.GraVACStrategy`'s hook runs for this method. Error feedback (on by default) keeps
+    ``M - P Q_local^T``, the part of this rank's gradient outside the shared subspace. 1-D tensors (biases, norms)
+    are sent dense. Factors travel in fp32.
+
+    The rank follows ``cf``: the whole number nearest (by ratio) to ``rows * rest / (cf (rows + rest))``, at least 1
+    and at most ``min(rows, rest)``; ``rank`` fixes it instead (full rank reproduces the gradient, at more bytes
+    than dense). Used alone, :meth:`compress` is the single-rank version of the same step.
+
+    Args:
+        rank: a fixed rank; ``None`` derives it from ``cf``.
+        epsilon: added to column norms in the orthogonalization (all-zero columns).
+        seed: seed of the initial ``Q`` (shared by all ranks).
+    """
+
+    name = "powersgd"
+    layerwise = True
+
+    def __init__(self, rank: int | None = None, epsilon: float = 1e-8, seed: int = 0) -> None:
+        if rank is not None and rank < 1:
+            raise ValueError(f"`rank` must be >= 1 or None, got {rank!r}.")
+        self.rank, self.epsilon, self.seed = rank, epsilon, seed
+        self._q: dict[str, Tensor] = {}
+        self._pending: dict[str, Tensor] = {}
+
+    @staticmethod
+    def low_rank(tensor: Tensor) -> bool:
+        """Whether ``tensor`` is compressed (2-D or more); the rest is sent dense."""
+        return tensor.dim() >= 2
+
+    def rank_for(self, shape: torch.Size, cf: float) -> int:
+        """The rank used for a tensor of ``shape`` at factor ``cf``."""
+        rows, rest = shape[0], shape.numel() // shape[0]
+        if self.rank is not None:
+            rank = self.rank
+        else:  # the whole rank nearest the exact one by ratio, i.e. the achievable factor nearest cf
+            exact = rows * rest / (cf * (rows + rest))
+            low = max(1, math.floor(exact))
+            rank = low if exact * exact <= low * (low + 1) else low + 1
+        return max(1, min(rank, rows, rest))
+
+    def project(self, matrix: Tensor, rank: int, key: str) -> Tensor:
+        """``P = M Q`` with this tensor's warm-started ``Q`` (a seeded random one at first or on a rank change)."""
+        q = self._q.get(key)
+        if q is None or q.shape != (matrix.shape[1], rank):
+            generator = seeded_generator(self.seed, 0, key)
+            q = torch.randn(matrix.shape[1], rank, generator=generator).to(matrix.device)
+        return matrix @ q
+
+    def orthonormalize_(self, p: Tensor) -> Tensor:
+        """Orthonormalize the columns of ``p`` in place and return it."""
+        _orthogonalize(p.unsqueeze(0), self.epsilon)
+        return p
+
+    def keep(self, key: str, q: Tensor) -> None:
+        """Hold the all-reduced ``Q`` of ``key`` as its next warm start, until :meth:`commit`."""
+        self._pending[key] = q
+
+    def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
+        if not self.low_rank(tensor):
+            return Payload((tensor.reshape(-1).clone(),), tensor.shape, tensor.dtype)
+        matrix = as_matrix(tensor)
+        p = self.orthonormalize_(self.project(matrix, self.rank_for(tensor.shape, cf), key))
+        return Payload((p, matrix.T @ p), tensor.shape, tensor.dtype)
+
+    def decompress(self, payload: Payload) -> Tensor:
+        if len(payload.wire) == 1:
+            return payload.wire[0].view(payload.shape).clone()
+        p, q = payload.wire
+        return (p @ q.T).to(payload.dtype).view(payload.shape)
+
+    def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
+        if not self.low_rank(tensor):
+            return torch.full((len(cfs),), float(tensor.double().square().sum()), dtype=torch.float64)
+        # ||P Q^T||^2 = ||Q||^2 for orthonormal P: no decoding needed.
+        norms = [self.compress(tensor, cf, key=key).wire[1].double().square().sum() for cf in cfs]
+        return torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=tensor.device)
+
+    def commit(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            if key in self._pending:
+                self._q[key] = self._pending.pop(key)
+
+    def discard(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._pending.pop(key, None)
+
+    def state_dict(self) -> dict[str, object]:
+        return {f"q/{k}": q.detach().clone() for k, q in self._q.items()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self._q = {k[2:]: t.clone() for k, t in state.items() if isinstance(t, Tensor) and k.startswith("q/")}
+
+    def __repr__(self) -> str:
+        return f"PowerSGD(rank={self.rank}, epsilon={self.epsilon}, seed={self.seed})"

@@ -1,0 +1,89 @@
+"""QSGD: stochastic quantization to a few levels per bucket (Alistarh et al., NeurIPS 2017)."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
+from lightning_gravac.compressors.packing import pack_bits, unpack_bits
+from lightning_gravac.compressors.select import seeded_generator
+
+#: Bits of a bucket's norm on the wire (fp32).
+_NORM_BITS = 32
+
+
+@register_compressor
+class QSGD(Compressor):
+    """Per bucket ``v`` of ``bucket_size`` entries: ``||v|| sign(v_i) l_i / s``, with the level ``l_i`` in ``0..s``
+    drawn by stochastic rounding of ``s |v_i| / ||v||`` to a neighbouring integer, so that the expectation is ``v_i``.
+
+    Sign and level travel as one code ``sign(v_i) l_i + s`` in ``b = ceil(log2(2s + 1))`` bits, packed, with one
+    fp32 norm per bucket. ``levels`` fixes ``s``; by default it follows ``cf``: the code width ``b`` (2 to 8) whose
+    cost, ``b + 32 / bucket_size`` bits an entry, gives the factor nearest ``cf``, with ``s = 2**(b-1) - 1``
+    (``cf=10`` from fp32: 3 bits, ``s=3``). Outside 3.97x to 15.5x from fp32 a requested ``cf`` is clamped.
+    Unbiased, so error feedback is off by default. The draws are seeded by ``(seed, step, tensor, rank)``:
+    reproducible, independent across ranks.
+
+    Args:
+        levels: ``s``, the number of non-zero levels (1 to 127); ``None`` derives it from ``cf``.
+        bucket_size: entries sharing one norm.
+    """
+
+    name = "qsgd"
+    biased = False
+
+    def __init__(self, levels: int | None = None, bucket_size: int = 512, seed: int = 0) -> None:
+        if levels is not None and not 1 <= levels <= 127:
+            raise ValueError(f"`levels` must be in [1, 127] (8-bit codes), got {levels!r}.")
+        if bucket_size < 1:
+            raise ValueError(f"`bucket_size` must be >= 1, got {bucket_size!r}.")
+        self.levels, self.bucket_size, self.seed = levels, bucket_size, seed
+        self.rank = 0
+
+    def setup(self, world_size: int, rank: int = 0) -> None:
+        self.rank = rank
+
+    def levels_for(self, cf: float, dtype: torch.dtype) -> int:
+        """``s`` for a requested factor on ``dtype`` values (or the fixed ``levels``)."""
+        if self.levels is not None:
+            return self.levels
+        value_bits = 8 * torch.empty((), dtype=dtype).element_size()
+        overhead = _NORM_BITS / self.bucket_size
+        exact = value_bits / cf  # bits an entry the factor affords, norms included
+        # The code width whose factor is nearest cf by ratio, within 2..8 bits.
+        bits = min(range(2, 9), key=lambda b: abs(math.log((b + overhead) / exact)))
+        return 2 ** (bits - 1) - 1
+
+    def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
+        s = self.levels_for(cf, tensor.dtype)
+        flat = tensor.reshape(-1).float()
+        buckets = F.pad(flat, (0, -flat.numel() % self.bucket_size)).view(-1, self.bucket_size)
+        norms = torch.linalg.vector_norm(buckets, dim=1)
+        scaled = buckets.abs().mul_((s / norms.clamp(min=torch.finfo(torch.float32).tiny)).unsqueeze(1))
+        noise = torch.rand(scaled.shape, generator=seeded_generator(self.seed, step, key, self.rank))
+        level = scaled.add_(noise.to(scaled.device)).floor_().clamp_(max=s)
+        codes = level.copysign_(buckets).add_(s).view(-1)[: flat.numel()]
+        # `s` is derived from `cf` identically on every rank: it decodes locally and never crosses the network.
+        levels = torch.tensor(s)
+        payload = Payload((pack_bits(codes, _bits(s)), norms), tensor.shape, tensor.dtype, local=(levels,))
+        note_clamped(self.name, cf, self.achieved_cf(payload))
+        return payload
+
+    def decompress(self, payload: Payload) -> Tensor:
+        packed, norms = payload.wire
+        numel = payload.shape.numel()
+        s = int(payload.local[0])
+        codes = unpack_bits(packed, _bits(s), numel).float().sub_(s)
+        values = F.pad(codes, (0, -numel % self.bucket_size)).view(-1, self.bucket_size)
+        values.mul_((norms / s).unsqueeze(1))
+        return values.view(-1)[:numel].to(payload.dtype).view(payload.shape)
+
+    def __repr__(self) -> str:
+        return f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"
+
+
+def _bits(levels: int) -> int:
+    """Bits of a code in ``[0, 2 levels]``."""
+    return math.ceil(math.log2(2 * levels + 1))

@@ -1,0 +1,46 @@
+"""RedSync's trimmed threshold search (Fang et al., JPDC 2019)."""
+
+import torch
+from torch import Tensor
+
+from lightning_gravac.compressors.base import register_compressor
+from lightning_gravac.compressors.sparse import ThresholdSparsifier
+
+
+@register_compressor
+class RedSync(ThresholdSparsifier):
+    """Binary search for a threshold between the mean and the maximum magnitude.
+
+    ``thr(r) = mean|g| + r (max|g| - mean|g|)`` with ``r`` searched in ``[0, 1]`` by bisection until more than ``k``
+    and fewer than ``2k`` entries pass, or the interval is narrower than ``min_width``. The lowest threshold found to
+    pass at least ``k`` entries is used, so the exact top ``k`` of its candidates is usually the exact Top-K; when
+    even ``r = 0`` passes fewer, the payload is filled to ``k`` (:func:`fill_to_k`). Each bisection step is one pass
+    over the tensor: at most ``ceil(log2(1 / min_width))`` of them.
+
+    Args:
+        min_width: the interval width at which the search stops (the paper's 0.2).
+    """
+
+    name = "redsync"
+
+    def __init__(self, min_width: float = 0.2, seed: int = 0) -> None:
+        if not 0 < min_width < 1:
+            raise ValueError(f"`min_width` must be in (0, 1), got {min_width!r}.")
+        super().__init__(seed)
+        self.min_width = min_width
+
+    def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
+        mean, top = magnitude.float().mean(), magnitude.max().float()
+        low, high = 0.0, 1.0
+        best = mean  # r = 0 passes at least the entries above the mean
+        while high - low >= self.min_width:
+            r = (low + high) / 2
+            thr = mean + r * (top - mean)
+            count = int(torch.count_nonzero(magnitude >= thr.to(magnitude.dtype)))
+            if count < k:
+                high = r
+            else:
+                low, best = r, thr
+                if count < 2 * k:
+                    break
+        return best.to(magnitude.dtype)

@@ -1,0 +1,50 @@
+"""signSGD with majority vote (Bernstein et al., ICML 2018)."""
+
+import torch
+from torch import Tensor
+
+from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
+from lightning_gravac.compressors.packing import pack_bits, unpack_bits
+
+
+def signs(tensor: Tensor) -> Tensor:
+    """The sign bits of the flat ``tensor``, 8 a byte: set for ``>= 0``."""
+    return pack_bits(tensor.reshape(-1) >= 0, 1)
+
+
+def unsigned(bits: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    """``+1`` where a bit is set, ``-1`` elsewhere, as a flat tensor of ``dtype``."""
+    return unpack_bits(bits, 1, numel).to(dtype).mul_(2).sub_(1)
+
+
+@register_compressor
+class SignSGD(Compressor):
+    """Send the sign of every entry, one bit each; the ranks' signs are combined by majority vote.
+
+    The decoded gradient is ``sign(sum of the ranks' signs)``, entries of magnitude 1 (0 on a tie), so the learning
+    rate alone sets the step size: use one suited to signSGD (about ``1e-4`` for SGD on typical nets). The vote needs
+    every rank's bits, which the hook gathers whenever sparse gathering pays (below 64 ranks for fp32); above that
+    it all-reduces each rank's decoded signs, which averages them instead. The factor is fixed (32 from fp32); a
+    requested ``cf`` is clamped to it. Defined without error feedback, so it is off unless asked for; ``efsignsgd``
+    is the variant with it.
+    """
+
+    name = "signsgd"
+
+    @property
+    def error_feedback_default(self) -> bool:
+        return False
+
+    def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
+        payload = Payload((signs(tensor),), tensor.shape, tensor.dtype)
+        note_clamped(self.name, cf, self.achieved_cf(payload))
+        return payload
+
+    def decompress(self, payload: Payload) -> Tensor:
+        return unsigned(payload.wire[0], payload.shape.numel(), payload.dtype).view(payload.shape)
+
+    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        # Majority vote: the sign of the summed signs, weighted so that the hook's 1/N averaging leaves it at +-1.
+        ranks, numel = stacked.wire[0].shape[0], stacked.shape.numel()
+        votes = torch.stack([unsigned(bits, numel, torch.float32) for bits in stacked.wire[0]]).sum(0)
+        out.add_(votes.sign_().to(out.dtype), alpha=scale * ranks)

@@ -1,0 +1,55 @@
+"""TernGrad: stochastic ternary gradients (Wen et al., NeurIPS 2017)."""
+
+import torch
+from torch import Tensor
+
+from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
+from lightning_gravac.compressors.packing import pack_bits, unpack_bits
+from lightning_gravac.compressors.select import seeded_generator
+
+
+@register_compressor
+class TernGrad(Compressor):
+    """Send ``s sign(g_i) b_i`` with ``s = max|g|`` and ``b_i ~ Bernoulli(|g_i| / s)``: unbiased, 2 bits an entry.
+
+    Entries are first clipped to ``clip_std`` standard deviations (the paper's gradient clipping, which shrinks
+    ``s`` and so the variance; unbiased for the clipped gradient). Each entry travels as the code ``sign b + 1`` in
+    2 bits, 4 a byte, with one fp32 scale a tensor. The factor is fixed (about 16 from fp32); a requested ``cf`` is
+    clamped to it. Unbiased, so error feedback is off by default. Draws are seeded by ``(seed, step, tensor, rank)``.
+
+    Args:
+        clip_std: clipping bound in standard deviations of the tensor; ``None`` turns clipping off.
+    """
+
+    name = "terngrad"
+    biased = False
+
+    def __init__(self, clip_std: float | None = 2.5, seed: int = 0) -> None:
+        if clip_std is not None and not clip_std > 0:
+            raise ValueError(f"`clip_std` must be positive or None, got {clip_std!r}.")
+        self.clip_std, self.seed = clip_std, seed
+        self.rank = 0
+
+    def setup(self, world_size: int, rank: int = 0) -> None:
+        self.rank = rank
+
+    def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
+        flat = tensor.reshape(-1).float()
+        if self.clip_std is not None and flat.numel() > 1:
+            bound = self.clip_std * flat.std()
+            flat = flat.clamp(-bound, bound)
+        scale = flat.abs().max()
+        noise = torch.rand(flat.shape, generator=seeded_generator(self.seed, step, key, self.rank))
+        keep = noise.to(flat.device).mul_(scale) < flat.abs()
+        codes = torch.where(keep, flat.sign(), 0).add_(1)
+        payload = Payload((pack_bits(codes, 2), scale.view(1)), tensor.shape, tensor.dtype)
+        note_clamped(self.name, cf, self.achieved_cf(payload))
+        return payload
+
+    def decompress(self, payload: Payload) -> Tensor:
+        packed, scale = payload.wire
+        ternary = unpack_bits(packed, 2, payload.shape.numel()).float().sub_(1)
+        return ternary.mul_(scale).to(payload.dtype).view(payload.shape)
+
+    def __repr__(self) -> str:
+        return f"TernGrad(clip_std={self.clip_std}, seed={self.seed})"

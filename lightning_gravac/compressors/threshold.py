@@ -1,0 +1,42 @@
+"""Sampled-quantile thresholding (Aji & Heafield, EMNLP 2017)."""
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_gravac.compressors.base import register_compressor
+from lightning_gravac.compressors.select import sample, seeded_generator
+from lightning_gravac.compressors.sparse import ThresholdSparsifier
+
+
+@register_compressor
+class Threshold(ThresholdSparsifier):
+    """Drop the smallest magnitudes by a quantile estimated on a random sample of each tensor.
+
+    The share dropped follows ``cf`` (``1 - k / numel`` with ``k = sparse_k(numel, cf)``: ``cf=50`` drops Aji and
+    Heafield's 99% with fp32 values and int32 indices). The threshold is the quantile of a ``sample_ratio`` sample (at
+    least ``min_samples`` entries) that about ``2k`` entries pass; the exact top ``k`` among those (or, when fewer
+    pass, all of them filled to ``k``) is sent (:func:`fill_to_k`).
+
+    Args:
+        sample_ratio: share of the entries sampled.
+        min_samples: fewest entries sampled.
+    """
+
+    name = "threshold"
+
+    def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed: int = 0) -> None:
+        if not 0 < sample_ratio <= 1:
+            raise ValueError(f"`sample_ratio` must be in (0, 1], got {sample_ratio!r}.")
+        super().__init__(seed)
+        self.sample_ratio, self.min_samples = sample_ratio, min_samples
+
+    def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
+        n = magnitude.numel()
+        count = min(n, max(self.min_samples, math.ceil(self.sample_ratio * n)))
+        drawn = sample(magnitude, count, seeded_generator(self.seed, step, key))
+        # The sample's (1 - 2k/n) quantile (topk is cheaper than a sort): aiming at 2k candidates makes falling short
+        # of k, and padding, rare, while the exact top-k among 2k candidates costs little.
+        kept = min(count, max(2, math.ceil(2 * count * k / n)))
+        return torch.topk(drawn, kept, sorted=False).values.min()
