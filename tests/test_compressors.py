@@ -9,7 +9,7 @@ import torch
 from lightning_gravac.compressors import ErrorFeedback, get_compressor, list_compressors, sparse_k, validate_cf
 from lightning_gravac.compressors.base import Payload
 from lightning_gravac.compressors.packing import Layout, pack_bits, unpack_bits
-from lightning_gravac.compressors.select import fill_to_k
+from lightning_gravac.compressors.select import at_least, distinct_indices, exact_topk, fill_to_k
 from lightning_gravac.compressors.sparse import Sparsifier
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -203,17 +203,48 @@ def test_bit_packing_is_most_significant_first():
 
 def test_fill_to_k_takes_the_top_of_many_candidates_and_pads_few():
     magnitude = torch.tensor([5.0, 1.0, 4.0, 3.0, 0.5, 2.0])
-    many = fill_to_k(magnitude, magnitude >= 2.0, 2)
-    assert sorted(many.tolist()) == [0, 2]
-    few = fill_to_k(magnitude, magnitude >= 4.5, 3)
-    assert few.tolist() == [0, 1, 2]  # the one candidate, then the first entries left out, in index order
-    assert fill_to_k(magnitude, magnitude >= 2.0, 4).numel() == 4
+    mask = torch.empty(6, dtype=torch.bool)
+
+    def pick(threshold: float, k: int) -> list[int]:
+        return fill_to_k(magnitude, at_least(magnitude, torch.tensor(threshold), mask), k, mask).tolist()
+
+    assert sorted(pick(2.0, 2)) == [0, 2]
+    assert pick(4.5, 3) == [0, 1, 2]  # the one candidate, then the first entries left out, in index order
+    assert len(pick(2.0, 4)) == 4
+
+
+@pytest.mark.parametrize("numel", [7, 8, 1001, 100_003])
+def test_at_least_finds_every_entry_at_or_above_the_threshold(numel):
+    magnitude = torch.rand(numel, generator=torch.Generator().manual_seed(numel))
+    for threshold in (0.0, 0.5, 0.999, 2.0):
+        found = at_least(magnitude, torch.tensor(threshold), torch.empty(numel, dtype=torch.bool))
+        assert torch.equal(found, (magnitude >= threshold).nonzero().view(-1))
+
+
+@pytest.mark.parametrize("k", [1, 10, 500, 5000, 60_000])
+def test_exact_topk_by_sampled_threshold_is_exact(k):
+    torch.manual_seed(k)
+    magnitude = torch.distributions.StudentT(3.0).sample((100_000,)).abs()
+    mask = torch.empty(100_000, dtype=torch.bool)
+    for seed in range(3):
+        got = exact_topk(magnitude, k, mask, torch.Generator().manual_seed(seed))
+        assert torch.equal(got.sort().values, torch.topk(magnitude, k).indices.sort().values)
+
+
+def test_distinct_indices_are_distinct_uniform_and_reproducible():
+    draws = [distinct_indices(1000, 100, torch.Generator().manual_seed(s)) for s in range(400)]
+    assert all(d.unique().numel() == 100 and d.min() >= 0 and d.max() < 1000 for d in draws)
+    assert torch.equal(draws[0], distinct_indices(1000, 100, torch.Generator().manual_seed(0)))
+    # Each index is chosen with probability 0.1: 40 times in 400 draws, standard deviation 6.
+    counts = torch.bincount(torch.cat(draws), minlength=1000)
+    assert counts.min() > 40 - 6 * 6 and counts.max() < 40 + 6 * 6
 
 
 @pytest.mark.parametrize("name", ["redsync", "sidco", "threshold"])
 @pytest.mark.parametrize("cf", [10, 100, 1000])
 def test_threshold_methods_keep_exactly_k_distinct_entries_close_to_topk(name, cf):
     # Heavy-tailed like real gradients: Student-t with 3 degrees of freedom.
+    torch.manual_seed(cf)
     g = torch.distributions.StudentT(3.0).sample((50_000,)).float()
     c, topk = get_compressor(name), get_compressor("topk")
     values, indices = c.compress(g, cf=cf, key="w").wire

@@ -15,6 +15,8 @@ from typing import ClassVar, Literal, TypeVar
 import torch
 from torch import Tensor
 
+from lightning_gravac.compressors.select import Scratch
+
 #: Bytes of one index on the wire. Indices are int32 relative to the tensor they address.
 INDEX_BYTES = 4
 
@@ -169,6 +171,14 @@ class Compressor(ABC):
         """Dense bytes / wire bytes of ``payload``."""
         dense = math.prod(payload.shape) * torch.empty((), dtype=payload.dtype).element_size()
         return dense / payload.nbytes
+
+    @property
+    def scratch(self) -> "Scratch":
+        """Reused temporaries for this compressor's selections (created on first use)."""
+        scratch = self.__dict__.get("_scratch")
+        if scratch is None:
+            scratch = self.__dict__["_scratch"] = Scratch()
+        return scratch
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -20,7 +20,8 @@ class _Cast(Compressor):
     summable = True
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
-        payload = Payload((tensor.reshape(-1).to(self.wire_dtype),), tensor.shape, tensor.dtype)
+        # A copy even when the dtypes agree: with error feedback the input becomes the residual in place.
+        payload = Payload((tensor.reshape(-1).to(self.wire_dtype, copy=True),), tensor.shape, tensor.dtype)
         note_clamped(self.name, cf, self.achieved_cf(payload))
         return payload
 

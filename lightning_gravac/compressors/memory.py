@@ -2,6 +2,7 @@
 
 from collections.abc import Iterator
 
+import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Compressor, Payload
@@ -19,6 +20,22 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self._residuals: dict[str, Tensor] = {}
+        # Residuals replaced or dropped, kept to hold the next error-fed gradient: a gradient-sized allocation each
+        # step costs page faults on CPU. At most one a parameter, the size of the residual it replaced.
+        self._spare: dict[str, Tensor] = {}
+
+    def error_fed(self, key: str, grad: Tensor) -> Tensor:
+        """``grad`` + the residual of ``key`` in a buffer of the memory's (recycled), to become the next residual.
+
+        The stored residual and ``grad`` are left as they are, so a step that is later dropped loses nothing.
+        """
+        out = self._spare.pop(key, None)
+        if out is None or out.shape != grad.shape or out.dtype != grad.dtype or out.device != grad.device:
+            out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        residual = self._residuals.get(key)
+        if residual is None:
+            return out.copy_(grad)
+        return torch.add(grad, residual.view_as(grad), out=out)
 
     def compensate_(self, key: str, tensor: Tensor) -> None:
         """Add the stored residual of ``key`` to ``tensor`` in place (nothing if there is none)."""
@@ -40,11 +57,17 @@ class ErrorFeedback:
 
     def set(self, key: str, residual: Tensor) -> None:
         """Store ``residual`` as the residual of ``key``."""
+        self._recycle(key, self._residuals.get(key), residual)
         self._residuals[key] = residual
 
     def discard(self, key: str) -> None:
         """Forget the residual of ``key``: it was sent in full."""
-        self._residuals.pop(key, None)
+        self._recycle(key, self._residuals.pop(key, None))
+
+    def _recycle(self, key: str, old: Tensor | None, new: Tensor | None = None) -> None:
+        # Only a tensor of its own: whole-bucket residuals are views of one tensor, shared between parameters.
+        if old is not None and old is not new and old._base is None:
+            self._spare[key] = old
 
     def get(self, key: str) -> Tensor | None:
         """The residual of ``key``, or ``None``."""
@@ -66,3 +89,4 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Replace all residuals with ``state``."""
         self._residuals = {key: residual.clone() for key, residual in state.items()}
+        self._spare = {}

@@ -4,7 +4,7 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sparse_k
-from lightning_gravac.compressors.select import seeded_generator
+from lightning_gravac.compressors.select import distinct_indices, seeded_generator
 
 
 @register_compressor
@@ -32,13 +32,13 @@ class RandomK(Compressor):
     def indices(self, numel: int, k: int, *, key: str, step: int, device: torch.device) -> Tensor:
         """The ``k`` indices this ``(seed, step, key)`` selects out of ``numel``; identical on every rank."""
         generator = seeded_generator(self.seed, step, key)  # no rank: every rank draws the same
-        return torch.randperm(numel, generator=generator)[:k].to(device)
+        return distinct_indices(numel, k, generator).to(device)
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         flat = tensor.reshape(-1)
         k = sparse_k(flat.numel(), cf, flat.dtype, index_bytes=0)
         indices = self.indices(flat.numel(), k, key=key, step=step, device=flat.device)
-        values = flat[indices]
+        values = flat.index_select(0, indices)
         if self.unbiased:
             values = values * (flat.numel() / k)
         return Payload((values,), tensor.shape, tensor.dtype, local=(indices,))

@@ -12,10 +12,11 @@ class RedSync(ThresholdSparsifier):
     """Binary search for a threshold between the mean and the maximum magnitude.
 
     ``thr(r) = mean|g| + r (max|g| - mean|g|)`` with ``r`` searched in ``[0, 1]`` by bisection until more than ``k``
-    and fewer than ``2k`` entries pass, or the interval is narrower than ``min_width``. The lowest threshold found to
+    and fewer than ``2k`` entries pass, or the interval is narrower than ``min_width``. The highest threshold found to
     pass at least ``k`` entries is used, so the exact top ``k`` of its candidates is usually the exact Top-K; when
-    even ``r = 0`` passes fewer, the payload is filled to ``k`` (:func:`fill_to_k`). Each bisection step is one pass
-    over the tensor: at most ``ceil(log2(1 / min_width))`` of them.
+    even ``r = 0`` passes fewer, the payload is filled to ``k`` (:func:`fill_to_k`). Mean and max are over every
+    entry; the counts are estimated on a ``sample_ratio`` sample (on a GPU the paper counts every entry, on a CPU
+    each full count is a pass over the gradient).
 
     Args:
         min_width: the interval width at which the search stops (the paper's 0.2).
@@ -23,24 +24,27 @@ class RedSync(ThresholdSparsifier):
 
     name = "redsync"
 
-    def __init__(self, min_width: float = 0.2, seed: int = 0) -> None:
+    def __init__(self, min_width: float = 0.2, seed: int = 0, sample_ratio: float = 0.01) -> None:
         if not 0 < min_width < 1:
             raise ValueError(f"`min_width` must be in (0, 1), got {min_width!r}.")
-        super().__init__(seed)
+        super().__init__(seed, sample_ratio)
         self.min_width = min_width
 
     def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
+        # Mean and max over every entry (the max is what a sample misses); the bisection counts on a sample.
         mean, top = magnitude.float().mean(), magnitude.max().float()
+        drawn = self.sample(magnitude, key=key, step=step)
+        target = k * drawn.numel() / magnitude.numel()
         low, high = 0.0, 1.0
-        best = mean  # r = 0 passes at least the entries above the mean
+        best = mean  # r = 0
         while high - low >= self.min_width:
             r = (low + high) / 2
             thr = mean + r * (top - mean)
-            count = int(torch.count_nonzero(magnitude >= thr.to(magnitude.dtype)))
-            if count < k:
+            count = int(torch.count_nonzero(drawn >= thr))
+            if count < target:
                 high = r
             else:
                 low, best = r, thr
-                if count < 2 * k:
+                if count < 2 * target:
                     break
         return best.to(magnitude.dtype)

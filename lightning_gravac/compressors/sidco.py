@@ -16,7 +16,8 @@ class SIDCo(ThresholdSparsifier):
     and keeps ``first_keep`` of it; each later stage fits the exceedances over the previous threshold (peaks over
     threshold) and keeps an equal share ``(d / first_keep) ** (1 / (stages - 1))`` of them, so the shares multiply
     to the target density ``d = k / numel``. Gradients are heavier-tailed than Gaussian far out, which the later
-    stages capture. The payload is then filled to exactly ``k`` (:func:`fill_to_k`).
+    stages capture. The fits use a ``sample_ratio`` sample of the magnitudes; the payload is then filled to exactly
+    ``k`` (:func:`fill_to_k`).
 
     Args:
         stages: number of fits (at least 2).
@@ -25,23 +26,24 @@ class SIDCo(ThresholdSparsifier):
 
     name = "sidco"
 
-    def __init__(self, stages: int = 3, first_keep: float = 0.75, seed: int = 0) -> None:
+    def __init__(self, stages: int = 3, first_keep: float = 0.75, seed: int = 0, sample_ratio: float = 0.01) -> None:
         if stages < 2:
             raise ValueError(f"`stages` must be >= 2, got {stages!r}.")
         if not 0 < first_keep < 1:
             raise ValueError(f"`first_keep` must be in (0, 1), got {first_keep!r}.")
-        super().__init__(seed)
+        super().__init__(seed, sample_ratio)
         self.stages, self.first_keep = stages, first_keep
 
     def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
         density = k / magnitude.numel()
+        drawn = self.sample(magnitude, key=key, step=step)
         if density >= self.first_keep:
-            return magnitude.float().mean() * math.log(1 / density)
+            return (drawn.mean() * math.log(1 / density)).to(magnitude.dtype)
         later = (density / self.first_keep) ** (1 / (self.stages - 1))
-        thr = magnitude.float().mean() * math.log(1 / self.first_keep)
+        thr = drawn.mean() * math.log(1 / self.first_keep)
         for _ in range(self.stages - 1):
-            tail = magnitude[magnitude >= thr.to(magnitude.dtype)]
+            tail = drawn[drawn >= thr]
             if tail.numel() == 0:
                 break
-            thr = thr + (tail.float() - thr).mean() * math.log(1 / later)
+            thr = thr + (tail - thr).mean() * math.log(1 / later)
         return thr.to(magnitude.dtype)

@@ -1,12 +1,13 @@
 """The base of sparsifiers whose payload is kept values and their int32 indices."""
 
+import math
 from abc import abstractmethod
 
 import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Compressor, Payload, sparse_k
-from lightning_gravac.compressors.select import fill_to_k
+from lightning_gravac.compressors.select import at_least, exact_topk, fill_to_k, sample, seeded_generator
 
 
 class Sparsifier(Compressor):
@@ -35,15 +36,30 @@ class Sparsifier(Compressor):
 class ThresholdSparsifier(Sparsifier):
     """A sparsifier that estimates a magnitude threshold instead of running a top-k over the whole tensor.
 
-    Subclasses implement :meth:`threshold`. Entries at or above it are candidates, and :func:`fill_to_k` turns them
-    into exactly ``k`` indices, so the payload has the fixed size ``sparse_k(numel, cf)`` like Top-K's whatever the
-    estimate's error. Probes at other factors are approximate (a threshold estimated per factor).
+    Subclasses implement :meth:`threshold`, usually from a sample of the magnitudes (:meth:`sample`). Entries at or
+    above it are candidates, and :func:`fill_to_k` turns them into exactly ``k`` indices, so the payload has the
+    fixed size ``sparse_k(numel, cf)`` like Top-K's whatever the estimate's error: when fewer than ``k`` pass, the
+    threshold is lowered (up to :attr:`retries` times) before padding; when more than ``4k`` pass, the exact Top-K is
+    taken instead. Probes at other factors are approximate (a threshold estimated per
+    factor).
     """
 
     nesting = "approximate"
+    #: Times the threshold is lowered (x0.7) when fewer than ``k`` entries pass, before the payload is padded.
+    retries = 3
 
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = seed
+    def __init__(self, seed: int = 0, sample_ratio: float = 0.01, min_samples: int = 1024) -> None:
+        if not 0 < sample_ratio <= 1:
+            raise ValueError(f"`sample_ratio` must be in (0, 1], got {sample_ratio!r}.")
+        self.seed, self.sample_ratio, self.min_samples = seed, sample_ratio, min_samples
+
+    def sample(self, magnitude: Tensor, *, key: str, step: int) -> Tensor:
+        """A uniform sample of ``sample_ratio`` of the magnitudes (at least ``min_samples``, at most all), float32."""
+        n = magnitude.numel()
+        count = min(n, max(self.min_samples, math.ceil(self.sample_ratio * n)))
+        if count == n:
+            return magnitude.float()
+        return sample(magnitude, count, seeded_generator(self.seed, step, key)).float()
 
     @abstractmethod
     def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
@@ -52,12 +68,23 @@ class ThresholdSparsifier(Sparsifier):
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         flat = tensor.reshape(-1)
         k = sparse_k(flat.numel(), cf, flat.dtype)
-        magnitude = flat.abs()
+        magnitude = self.scratch.magnitude(flat)
         if k * 4 >= flat.numel():  # a quarter or more: the exact top-k is as cheap as an estimate
             indices = torch.topk(magnitude, k, sorted=False).indices
         else:
-            indices = fill_to_k(magnitude, magnitude >= self.threshold(magnitude, k, key=key, step=step), k)
-        return Payload((flat[indices], indices.to(torch.int32)), tensor.shape, tensor.dtype)
+            mask = self.scratch.mask(flat)
+            threshold = self.threshold(magnitude, k, key=key, step=step)
+            candidates = at_least(magnitude, threshold, mask)
+            for _ in range(self.retries):  # too few passed: lower the bar, as DGC does, before padding
+                if candidates.numel() >= k:
+                    break
+                threshold = threshold * 0.7
+                candidates = at_least(magnitude, threshold, mask)
+            if candidates.numel() > 4 * k:  # an estimate far too low (RedSync's search on heavy tails): exact instead
+                indices = exact_topk(magnitude, k, mask, seeded_generator(self.seed, step, key))
+            else:
+                indices = fill_to_k(magnitude, candidates, k, mask)
+        return Payload((flat.index_select(0, indices), indices.to(torch.int32)), tensor.shape, tensor.dtype)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seed={self.seed})"

@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import register_compressor
-from lightning_gravac.compressors.select import sample, seeded_generator
 from lightning_gravac.compressors.sparse import ThresholdSparsifier
 
 
@@ -22,21 +21,14 @@ class Threshold(ThresholdSparsifier):
     Args:
         sample_ratio: share of the entries sampled.
         min_samples: fewest entries sampled.
+        seed: seed of the sampling (ranks need not agree: payload sizes are fixed by ``k``).
     """
 
     name = "threshold"
 
-    def __init__(self, sample_ratio: float = 0.01, min_samples: int = 1024, seed: int = 0) -> None:
-        if not 0 < sample_ratio <= 1:
-            raise ValueError(f"`sample_ratio` must be in (0, 1], got {sample_ratio!r}.")
-        super().__init__(seed)
-        self.sample_ratio, self.min_samples = sample_ratio, min_samples
-
     def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
-        n = magnitude.numel()
-        count = min(n, max(self.min_samples, math.ceil(self.sample_ratio * n)))
-        drawn = sample(magnitude, count, seeded_generator(self.seed, step, key))
+        drawn = self.sample(magnitude, key=key, step=step)
         # The sample's (1 - 2k/n) quantile (topk is cheaper than a sort): aiming at 2k candidates makes falling short
         # of k, and padding, rare, while the exact top-k among 2k candidates costs little.
-        kept = min(count, max(2, math.ceil(2 * count * k / n)))
-        return torch.topk(drawn, kept, sorted=False).values.min()
+        kept = min(drawn.numel(), max(2, math.ceil(2 * drawn.numel() * k / magnitude.numel())))
+        return torch.topk(drawn, kept, sorted=False).values.min().to(magnitude.dtype)

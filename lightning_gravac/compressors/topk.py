@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k
+from lightning_gravac.compressors.select import exact_topk, seeded_generator
 from lightning_gravac.compressors.sparse import Sparsifier
 
 
@@ -30,26 +31,35 @@ class TopK(Sparsifier):
     name = "topk"
     nesting = "exact"
 
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+
+    def _top(self, flat: Tensor, k: int, key: str, step: int) -> Tensor:
+        # Exact, by a sampled threshold and a top-k over the few entries that pass it (select.exact_topk); the
+        # sample only decides how much work that takes, never which entries win.
+        mask = self.scratch.mask(flat)
+        return exact_topk(self.scratch.magnitude(flat), k, mask, seeded_generator(self.seed, step, key))
+
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         flat = tensor.reshape(-1)
-        k = sparse_k(flat.numel(), cf, flat.dtype)
-        # sorted=False: the order of the selection is irrelevant and sorting it costs O(k log k).
-        _, indices = torch.topk(flat.abs(), k, sorted=False)
-        return Payload((flat[indices], indices.to(torch.int32)), tensor.shape, tensor.dtype)
+        indices = self._top(flat, sparse_k(flat.numel(), cf, flat.dtype), key, step)
+        return Payload((flat.index_select(0, indices), indices.to(torch.int32)), tensor.shape, tensor.dtype)
 
     def compress_and_probe(
         self, tensor: Tensor, cf: float, probe_cfs: Sequence[float], *, key: str = "", step: int = 0
     ) -> tuple[Payload, Tensor]:
-        """Multi-level Top-K: one selection, sorted by magnitude, at the least aggressive of all the factors.
+        """Multi-level Top-K: one selection at the least aggressive of all the factors, sorted by magnitude.
 
         The top ``k`` of any more aggressive factor is a prefix of it, so the payload at ``cf`` is a slice and
-        every probe's ``||C(g)||^2`` is a prefix sum of squares: one top-k and one sort of its ``k`` values, instead
-        of one top-k a factor.
+        every probe's ``||C(g)||^2`` is a prefix sum of squares: one selection and one sort of its ``k`` values,
+        instead of one selection a factor.
         """
         flat = tensor.reshape(-1)
         ks = [sparse_k(flat.numel(), c, flat.dtype) for c in (cf, *probe_cfs)]
-        _, indices = torch.topk(flat.abs(), max(ks), sorted=True)
-        values = flat[indices]
+        indices = self._top(flat, max(ks), key, step)
+        values = flat.index_select(0, indices)
+        order = values.abs().argsort(descending=True, stable=True)
+        indices, values = indices.index_select(0, order), values.index_select(0, order)
         prefix_sq = values.double().square().cumsum(0)
         k = ks[0]
         payload = Payload((values[:k], indices[:k].to(torch.int32)), tensor.shape, tensor.dtype)
@@ -59,3 +69,6 @@ class TopK(Sparsifier):
         if not cfs:
             return torch.zeros(0, dtype=torch.float64, device=tensor.device)
         return self.compress_and_probe(tensor, min(cfs), cfs, key=key, step=step)[1]
+
+    def __repr__(self) -> str:
+        return f"TopK(seed={self.seed})"

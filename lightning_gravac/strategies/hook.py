@@ -38,9 +38,10 @@ class _Segment:
     """One unit of compression: a layer's gradient, or the whole bucket."""
 
     key: str
-    tensor: Tensor  # a view into the bucket buffer
+    tensor: Tensor  # what is compressed: the error-fed gradient (a buffer of the memory's, or the bucket's view)
     cf: float
     compressor: Compressor
+    out: Tensor  # where the averaged result goes: a view into the bucket buffer
 
 
 @dataclass
@@ -79,10 +80,13 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         return _plain_allreduce(state, buffer)
 
     start = time.perf_counter()
-    if state.error_feedback:
+    # Per layer, the error-fed gradient goes into a buffer the memory recycles, which then becomes the new residual
+    # in place: no copy of the gradient and no allocation. Dense steps and whole buckets add the residual in place.
+    recycled = state.error_feedback and state.granularity == "layer" and not dense
+    if state.error_feedback and not recycled:
         for name, grad in zip(names, grads, strict=True):
             state.memory.compensate_(name, grad)
-    segments = _segments(state, names, grads, cfs, buffer)
+    segments = _segments(state, names, grads, cfs, buffer, recycled)
     if isinstance(state.compressor, PowerSGD) and not dense:
         return _low_rank(state, segments, buffer, start)
     if dense:
@@ -126,13 +130,19 @@ def _plain_allreduce(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
 
 
 def _segments(
-    state: CompressionState, names: list[str], grads: list[Tensor], cfs: list[float], buffer: Tensor
+    state: CompressionState, names: list[str], grads: list[Tensor], cfs: list[float], buffer: Tensor, recycled: bool
 ) -> list[_Segment]:
     if state.granularity == "bucket":
         # Per-layer factors need layer granularity; a whole bucket takes the global factor.
-        return [_Segment(f"bucket:{names[0]}", buffer, state.cf, state.compressor)]
+        return [_Segment(f"bucket:{names[0]}", buffer, state.cf, state.compressor, buffer)]
     return [
-        _Segment(name, grad, cf, state.identity if cf == 1.0 else state.compressor)
+        _Segment(
+            name,
+            state.memory.error_fed(name, grad) if recycled else grad,
+            cf,
+            state.identity if cf == 1.0 else state.compressor,
+            grad,
+        )
         for name, grad, cf in zip(names, grads, cfs, strict=True)
     ]
 
@@ -164,15 +174,17 @@ def _header(basis: Tensor, sent: list[Tensor], probes: list[Tensor]) -> Tensor:
 
 def _new_residuals(work: _Work, names: list[str], grads: list[Tensor]) -> dict[str, Tensor | None]:
     """``g - decoded`` for every parameter, computed before the buffer is overwritten; not stored yet."""
+    pending: dict[str, Tensor | None] = {}
     if work.state.granularity == "layer":
-        return {
-            s.key: None if s.compressor.passthrough else ErrorFeedback.residual_of(s.compressor, s.tensor, p)
-            for s, p in zip(work.segments, work.payloads, strict=True)
-        }
+        # The error-fed inputs are the memory's own buffers: each becomes its residual in place.
+        for s, p in zip(work.segments, work.payloads, strict=True):
+            if not s.compressor.passthrough:
+                s.compressor.residual_(s.tensor, p)
+            pending[s.key] = None if s.compressor.passthrough else s.tensor
+        return pending
     (segment,), (payload,) = work.segments, work.payloads
     residual = ErrorFeedback.residual_of(segment.compressor, work.buffer, payload)
     # Stored per parameter (views of one tensor): DDP may regroup parameters into other buckets.
-    pending: dict[str, Tensor | None] = {}
     for name, grad in zip(names, grads, strict=True):
         offset = (grad.data_ptr() - work.buffer.data_ptr()) // work.buffer.element_size()
         pending[name] = residual[offset : offset + grad.numel()].view_as(grad)
@@ -181,7 +193,7 @@ def _new_residuals(work: _Work, names: list[str], grads: list[Tensor]) -> dict[s
 
 def _decode_into(segments: list[_Segment], stacked: list[Payload], scale: float) -> None:
     for segment, payload in zip(segments, stacked, strict=True):
-        segment.compressor.aggregate_(segment.tensor.view(-1), payload, scale)
+        segment.compressor.aggregate_(segment.out.view(-1), payload, scale)
 
 
 def _gather_payloads(work: _Work, layout: Layout) -> Future[Tensor]:
@@ -234,7 +246,7 @@ def _low_rank(state: CompressionState, segments: list[_Segment], buffer: Tensor,
     world, group = state.world_size, state.process_group
     low = [s for s in segments if s.compressor is method and method.low_rank(s.tensor)]
     full = [s for s in segments if not (s.compressor is method and method.low_rank(s.tensor))]
-    matrices = [as_matrix(s.tensor) for s in low]  # views of the bucket for fp32: read before it is overwritten
+    matrices = [as_matrix(s.tensor) for s in low]  # views of the inputs for fp32
     ps = [method.project(m, method.rank_for(s.tensor.shape, s.cf), s.key) for s, m in zip(low, matrices, strict=True)]
     probes = [method.probe(s.tensor, state.probe_cfs, key=s.key) for s in segments] if state.probe_cfs else []
     basis = torch.stack([sq_norm(s.tensor) for s in segments]).sum()
@@ -254,8 +266,11 @@ def _low_rank(state: CompressionState, segments: list[_Segment], buffer: Tensor,
             offset += p.numel()
             method.orthonormalize_(p)
             q = m.T @ p
-            if state.error_feedback:  # what this rank's gradient has outside the shared subspace
-                work.pending[s.key] = (m - p @ q.T).to(s.tensor.dtype).view_as(s.tensor)
+            if state.error_feedback:  # what this rank's gradient has outside the shared subspace, in place
+                m.sub_(p @ q.T)
+                if m.data_ptr() != s.tensor.data_ptr():  # not fp32: `m` was a copy
+                    s.tensor.copy_(m.view_as(s.tensor))
+                work.pending[s.key] = s.tensor
             qs.append(q)
         for s in full:
             work.pending[s.key] = None
@@ -272,10 +287,10 @@ def _low_rank(state: CompressionState, segments: list[_Segment], buffer: Tensor,
             q_sum = second[offset : offset + q.numel()].view_as(q)
             offset += q.numel()
             method.keep(s.key, q_sum)
-            s.tensor.copy_((p @ q_sum.T).div_(world).view_as(s.tensor))
+            s.out.copy_((p @ q_sum.T).div_(world).view_as(s.out))
         offset = first.numel() - sum(s.tensor.numel() for s in full)
         for s in full:
-            s.tensor.view(-1).copy_(summed[offset : offset + s.tensor.numel()])
+            s.out.view(-1).copy_(summed[offset : offset + s.tensor.numel()])
             offset += s.tensor.numel()
         received = time.perf_counter()
         return _settle(work, sent_bytes, REDUCE, work.header, encode_s, received, launched)

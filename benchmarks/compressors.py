@@ -1,0 +1,146 @@
+"""Throughput of error feedback + compress + decompress per compressor, beside a copy and a naive Top-K.
+
+    python benchmarks/compressors.py [--numel 25000000] [--cfs 100 1000] [--rounds 5] [--methods topk dgc ...]
+
+One process, the gradient as one fp32 tensor of ``--numel`` entries (default 25M, 100 MB), drawn from a Student-t
+with 3 degrees of freedom (gradients are heavy-tailed). For each method and factor one iteration is what the hook
+does to one segment on one rank, in its order:
+
+1. error feedback: the gradient plus the stored residual, into a buffer the memory recycles
+   (``ErrorFeedback.error_fed``);
+2. compress to the factor;
+3. the new residual, in place in that buffer (``Compressor.residual_``), stored;
+4. decode into the zeroed bucket (``aggregate_`` of this rank's payload, as the hook decodes every rank's).
+
+DGC keeps its own accumulation instead of steps 1 and 3 (its state update is committed in the timing).
+
+Rows are timed interleaved, round by round, against two baselines of the same size measured in the same round:
+``copy`` (``dst.copy_(src)``, the memory-bandwidth ceiling of touching the gradient once) and the straightforward
+Top-K (``topk(|g|)`` sorted, int64 indices, gather, ``zeros`` + ``scatter_``, ``g - decoded``). Reports the median
+milliseconds, GB/s of gradient (``4 numel / t``), and the ratios to the copy and to the naive Top-K.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_gravac.compressors import ErrorFeedback, get_compressor, list_compressors
+
+SPARSIFIERS = ("topk", "dgc", "redsync", "sidco", "threshold", "randomk")
+
+
+def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
+    options = {"warmup_epochs": 0, "clip_norm": None} if name == "dgc" else {}
+    compressor = get_compressor(name, **options)
+    memory = ErrorFeedback()
+    work = grad.clone()
+    memory.set("g", torch.zeros_like(grad))
+
+    def run() -> None:
+        work.copy_(grad)  # the fresh gradient in the bucket: not part of the method, not timed
+        start = time.perf_counter()
+        if compressor.owns_feedback:  # DGC keeps its own accumulation instead
+            payload = compressor.compress(work, cf, key="g", step=0)
+            compressor.commit(["g"])
+        else:
+            fed = memory.error_fed("g", work)
+            payload = compressor.compress(fed, cf, key="g", step=0)
+            compressor.residual_(fed, payload)
+            memory.set("g", fed)
+        work.zero_()
+        compressor.aggregate_(work, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
+        run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
+
+    return run
+
+
+def _naive(cf: float, grad: torch.Tensor) -> Callable[[], None]:
+    k = max(1, round(grad.numel() / (2 * cf)))  # value + int32-sized index budget, as topk's accounting
+    residual = torch.zeros_like(grad)
+    work = grad.clone()
+
+    def run() -> None:
+        nonlocal residual
+        work.copy_(grad)
+        start = time.perf_counter()
+        fed = work + residual
+        _, indices = torch.topk(fed.abs(), k)  # sorted, int64
+        values = fed.gather(0, indices)
+        decoded = torch.zeros_like(fed).scatter_(0, indices, values)
+        residual = fed - decoded
+        run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
+
+    return run
+
+
+def _copy(grad: torch.Tensor) -> Callable[[], None]:
+    dst = torch.empty_like(grad)
+
+    def run() -> None:
+        start = time.perf_counter()
+        dst.copy_(grad)
+        run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, default=25_000_000)
+    parser.add_argument("--cfs", type=float, nargs="+", default=[100.0, 1000.0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--methods", nargs="+", default=[n for n in list_compressors() if n != "none"])
+    parser.add_argument("--json", help="also write the raw figures here")
+    args = parser.parse_args()
+
+    grad = torch.distributions.StudentT(3.0).sample((args.numel,)).float()
+    rows: dict[tuple[str, float], Callable[[], None]] = {("copy", 1.0): _copy(grad)}
+    for cf in args.cfs:
+        rows[("naive topk", cf)] = _naive(cf, grad)
+        for name in args.methods:
+            rows[(name, cf)] = _pipeline(name, cf, grad)
+
+    times: dict[tuple[str, float], list[float]] = {key: [] for key in rows}
+    for run in rows.values():  # warm-up: allocations, first-touch page faults
+        run()
+    for _ in range(args.rounds):
+        for key, run in rows.items():
+            run()
+            times[key].append(run.elapsed)  # type: ignore[attr-defined]
+
+    gigabytes = args.numel * 4 / 1e9
+    copy_s = statistics.median(times[("copy", 1.0)])
+    print(
+        f"{args.numel / 1e6:g}M fp32 entries ({gigabytes * 1e3:.0f} MB), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; median of {args.rounds} "
+        "interleaved rounds\n"
+    )
+    print("| method | cf | ms | GB/s | ratio to copy | speed-up over naive Top-K |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    results = []
+    for (name, cf), samples in times.items():
+        seconds = statistics.median(samples)
+        naive = statistics.median(times[("naive topk", cf)]) if name != "copy" else float("nan")
+        row = {
+            "method": name,
+            "cf": cf,
+            "ms": seconds * 1e3,
+            "gb_per_s": gigabytes / seconds,
+            "ratio_to_copy": copy_s / seconds,
+            "speedup_over_naive": naive / seconds,
+        }
+        results.append(row)
+        speedup = "" if name in ("copy", "naive topk") else f"{row['speedup_over_naive']:.1f}x"
+        print(f"| {name} | {cf:g} | {row['ms']:.1f} | {row['gb_per_s']:.2f} | {row['ratio_to_copy']:.3f} | {speedup} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"numel": args.numel, "rounds": args.rounds, "rows": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
