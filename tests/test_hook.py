@@ -138,7 +138,7 @@ def test_hook_averages_the_compressed_error_fed_gradients(request, compressor, c
         for s in steps:
             assert s["equal"], f"max abs error {s['max_err']}"
             assert s["residual_err"] == 0.0
-            assert s["gain"] == pytest.approx(s["expected_gain"], rel=1e-9)
+            assert s["gain"] == pytest.approx(s["expected_gain"], rel=1e-6)  # norms: fp32 chunks summed in fp64
             assert s["gathered"] == (s["buckets"] if collective == GATHER else 0)
     # Both ranks hold the same averaged gradient, bit for bit.
     for a, b in zip(ranks[0], ranks[1], strict=True):

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import INDEX_BYTES, Compressor, Payload, register_compressor
+from lightning_gravac.compressors.select import exact_topk, seeded_generator
 
 
 @register_compressor
@@ -28,18 +29,40 @@ class AdaQ(Compressor):
         k = max(1, min(n, math.ceil(n * value_bytes / (cf * INDEX_BYTES))))
         low = min(k // 2, n // 2)
         high = min(k - low, n - low)
-        top = torch.topk(flat, high, sorted=False).indices
-        bottom = torch.topk(flat, low, largest=False, sorted=False).indices
-        means = torch.stack([_mean(flat[top]), _mean(flat[bottom])]).to(tensor.dtype)
+        out = self.scratch.like(flat)
+        top = exact_topk(flat, high, out, seeded_generator(0, step, key), signed=True)
+        if low:
+            negated = torch.neg(flat, out=self.scratch.like(flat, slot=1))
+            bottom = exact_topk(negated, low, out, seeded_generator(1, step, key), signed=True)
+        else:
+            bottom = top.new_zeros(0)
+        means = torch.stack([_mean(flat.index_select(0, top)), _mean(flat.index_select(0, bottom))]).to(tensor.dtype)
         wire = (means, top.to(torch.int32), bottom.to(torch.int32))
         return Payload(wire, tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
         means, top, bottom = payload.wire
         out = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=means.device)
-        out[bottom.long()] = means[1]
-        out[top.long()] = means[0]
+        out.index_fill_(0, bottom.long(), means[1])
+        out.index_fill_(0, top.long(), means[0])
         return out.view(payload.shape)
+
+    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        means, top, bottom = stacked.wire  # [ranks, 2], [ranks, high], [ranks, low]
+        for rank in range(means.shape[0]):  # rank order, as the decoded sum would run
+            scaled = (means[rank] * scale).to(out.dtype)
+            out.index_add_(0, bottom[rank].long(), scaled[1].expand(bottom.shape[1]))
+            out.index_add_(0, top[rank].long(), scaled[0].expand(top.shape[1]))
+
+    def residual_(self, tensor: Tensor, payload: Payload) -> None:
+        # Only the sent positions change; the top group is written last, as decoding writes it.
+        means, top, bottom = payload.wire
+        flat = tensor.view(-1)
+        top, bottom = top.long(), bottom.long()
+        below = flat.index_select(0, bottom).sub_(means[1])
+        above = flat.index_select(0, top).sub_(means[0])
+        flat.index_copy_(0, bottom, below)
+        flat.index_copy_(0, top, above)
 
 
 def _mean(values: Tensor) -> Tensor:

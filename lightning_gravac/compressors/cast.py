@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
+from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor, sq_norm
 
 
 class _Cast(Compressor):
@@ -32,7 +32,7 @@ class _Cast(Compressor):
         out.add_(stacked.wire[0].to(out.dtype).sum(0), alpha=scale)
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
-        return payload.wire[0].double().square().sum()
+        return sq_norm(payload.wire[0])
 
 
 @register_compressor

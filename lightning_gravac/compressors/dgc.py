@@ -6,8 +6,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k
-from lightning_gravac.compressors.select import sample, seeded_generator
+from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k, sq_norm
+from lightning_gravac.compressors.select import above, exact_topk, fill_to_k, sample, seeded_generator
 from lightning_gravac.compressors.sparse import Sparsifier
 
 #: Warm-up densities: each epoch keeps a quarter as much (75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity).
@@ -73,6 +73,9 @@ class DGC(Sparsifier):
         self._u: dict[str, Tensor] = {}
         self._v: dict[str, Tensor] = {}
         self._pending: dict[str, tuple[Tensor | None, Tensor, Tensor]] = {}  # u, v after the step, ||v||^2 before
+        # Buffers of the state a commit replaced, reused for the next step's (no gradient-sized allocation a step).
+        self._spare_u: dict[str, Tensor] = {}
+        self._spare_v: dict[str, Tensor] = {}
 
     def setup(self, world_size: int, rank: int = 0) -> None:
         self.world_size = world_size
@@ -91,20 +94,43 @@ class DGC(Sparsifier):
                     "without momentum (SGD(momentum=0)) or DGC(momentum_correction=False)."
                 )
 
-    def _accumulate(self, tensor: Tensor, key: str) -> tuple[Tensor | None, Tensor]:
-        """The new momentum and velocity of ``key`` (fp32, flat); the stored state is untouched."""
-        # A copy: `float()` of an fp32 tensor is the tensor itself, and the state is masked in place later.
-        g = tensor.reshape(-1).to(torch.float32, copy=True)
+    def _take(self, spares: dict[str, Tensor], key: str, like: Tensor) -> Tensor:
+        """A flat fp32 buffer for ``key``'s new state: a recycled one when there is one."""
+        buffer = spares.pop(key, None)
+        if buffer is None or buffer.numel() != like.numel() or buffer.device != like.device:
+            buffer = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
+        return buffer
+
+    def _accumulate(self, tensor: Tensor, key: str, recycle: bool = True) -> tuple[Tensor | None, Tensor]:
+        """The new momentum and velocity of ``key`` (fp32, flat) in fresh buffers; the stored state is untouched.
+
+        With ``recycle`` the buffers are the ones a previous :meth:`commit` freed (no allocation a step); a pure probe
+        allocates its own.
+        """
+        g = tensor.reshape(-1)
+        spare_u, spare_v = (self._spare_u, self._spare_v) if recycle else ({}, {})
+        scale = None
         if self.clip_norm is not None:
-            limit = self.clip_norm / math.sqrt(self.world_size)
-            norm = torch.linalg.vector_norm(g)
-            g = g * torch.clamp(limit / (norm + 1e-12), max=1.0)
+            norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+            scale = torch.clamp(self.clip_norm / math.sqrt(self.world_size) / (norm + 1e-12), max=1.0)
+        # u = m u + g and v = v + u, evaluated in that order (the paper's arithmetic, bit for bit without clipping).
         v_old = self._v.get(key)
-        if self.momentum_correction:
-            u_old = self._u.get(key)
-            u = g if u_old is None else u_old.mul(self.momentum).add_(g)
-            return u, u.clone() if v_old is None else v_old + u
-        return None, g if v_old is None else v_old + g
+        u_old = self._u.get(key) if self.momentum_correction else None
+        fresh = self._take(spare_u if self.momentum_correction else spare_v, key, g)
+        if u_old is not None:
+            torch.mul(u_old, self.momentum, out=fresh)
+            if scale is None:
+                fresh.add_(g)
+            else:
+                fresh.addcmul_(g, scale)
+        elif scale is None:
+            fresh.copy_(g)
+        else:
+            torch.mul(g, scale, out=fresh)
+        if not self.momentum_correction:
+            return None, fresh if v_old is None else fresh.add_(v_old)
+        v = self._take(spare_v, key, g)
+        return fresh, v.copy_(fresh) if v_old is None else torch.add(v_old, fresh, out=v)
 
     def _k(self, numel: int, cf: float, dtype: torch.dtype) -> int:
         k = sparse_k(numel, cf, dtype)
@@ -112,22 +138,24 @@ class DGC(Sparsifier):
             k = max(k, math.ceil(numel * _WARMUP_BASE ** (self.epoch + 1)))
         return min(k, numel)
 
-    def _select(self, magnitude: Tensor, k: int, key: str, step: int) -> Tensor:
-        """Exactly ``k`` indices of large ``magnitude``: sampled threshold, refined, filled to ``k``."""
-        n = magnitude.numel()
+    def _select(self, v: Tensor, k: int, key: str, step: int) -> Tensor:
+        """Exactly ``k`` indices of large ``|v|``: sampled threshold, refined, filled to ``k``."""
+        n = v.numel()
         samples = math.ceil(self.sample_ratio * n)
         if k * 20 >= n or samples < 64:  # small or dense: the exact top-k costs no more than sampling
-            return torch.topk(magnitude, k, sorted=False).indices
-        drawn = sample(magnitude, samples, seeded_generator(self.seed, step, key))
-        threshold = torch.topk(drawn, max(1, math.ceil(k / n * samples))).values.min()
+            return torch.topk(v.abs(), k, sorted=False).indices
+        generator = seeded_generator(self.seed, step, key)
+        drawn = sample(v, samples, generator).abs_()
+        threshold = float(torch.topk(drawn, max(1, math.ceil(k / n * samples))).values.min())
+        out = self.scratch.like(v)
         for _ in range(10):
-            candidates = (magnitude >= threshold).nonzero().view(-1)
+            candidates = above(v, threshold, out)
             if candidates.numel() >= 0.8 * k:
                 break
-            threshold = threshold * 0.8
+            threshold *= 0.8
         if candidates.numel() >= k:  # more than enough (more than 1.3k too): the exact top k among them
-            return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
-        return torch.topk(magnitude, k, sorted=False).indices  # too few even after 10 rounds: exact top-k
+            return fill_to_k(v, candidates, k, out)
+        return exact_topk(v, k, out, generator)  # too few even after 10 rounds: exact top-k
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         return self.compress_and_probe(tensor, cf, (), key=key, step=step)[0]
@@ -136,29 +164,30 @@ class DGC(Sparsifier):
         self, tensor: Tensor, cf: float, probe_cfs: Sequence[float], *, key: str = "", step: int = 0
     ) -> tuple[Payload, Tensor]:
         u, v = self._accumulate(tensor, key)
-        magnitude = v.abs()
         k = self._k(v.numel(), cf, tensor.dtype)
-        indices = self._select(magnitude, k, key, step)
-        payload = Payload((v[indices].to(tensor.dtype), indices.to(torch.int32)), tensor.shape, tensor.dtype)
-        probes = self._probe_v(v, magnitude, probe_cfs, tensor.dtype)
-        basis = v.double().square().sum()
+        indices = self._select(v, k, key, step)
+        values = v.index_select(0, indices).to(tensor.dtype)
+        payload = Payload((values, indices.to(torch.int32)), tensor.shape, tensor.dtype)
+        probes = self._probe_v(v, probe_cfs, tensor.dtype, key, step)
+        basis = sq_norm(v)
         v.index_fill_(0, indices, 0)  # what was sent leaves the accumulation
         if u is not None and self.momentum_masking:
             u.index_fill_(0, indices, 0)
         self._pending[key] = (u, v, basis)
         return payload, probes
 
-    def _probe_v(self, v: Tensor, magnitude: Tensor, cfs: Sequence[float], dtype: torch.dtype) -> Tensor:
-        # Approximate nesting: the norm of the exact top-k of v at each factor, from one sorted selection.
+    def _probe_v(self, v: Tensor, cfs: Sequence[float], dtype: torch.dtype, key: str, step: int) -> Tensor:
+        # Approximate nesting: the norm of the exact top-k of |v| at each factor, from one sorted selection.
         if not cfs:
             return torch.zeros(0, dtype=torch.float64, device=v.device)
         ks = [self._k(v.numel(), cf, dtype) for cf in cfs]
-        top = torch.topk(magnitude, max(ks), sorted=True).values.double().square().cumsum(0)
-        return top[torch.tensor(ks, device=top.device) - 1]
+        top = exact_topk(v, max(ks), self.scratch.like(v), seeded_generator(self.seed, step, key))
+        prefix = v.index_select(0, top).double().square().sort(descending=True).values.cumsum(0)
+        return prefix[torch.tensor(ks, device=prefix.device) - 1]
 
     def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
-        _, v = self._accumulate(tensor, key)
-        return self._probe_v(v, v.abs(), cfs, tensor.dtype)
+        _, v = self._accumulate(tensor, key, recycle=False)
+        return self._probe_v(v, cfs, tensor.dtype, key, step)
 
     def basis_sq_norm(self, tensor: Tensor, key: str = "") -> Tensor:
         pending = self._pending.get(key)
@@ -168,13 +197,25 @@ class DGC(Sparsifier):
         for key in keys:
             if key in self._pending:
                 u, v, _ = self._pending.pop(key)
-                self._v[key] = v
+                self._swap(self._v, self._spare_v, key, v)
                 if u is not None:
-                    self._u[key] = u
+                    self._swap(self._u, self._spare_u, key, u)
 
     def discard(self, keys: Sequence[str]) -> None:
         for key in keys:
-            self._pending.pop(key, None)
+            pending = self._pending.pop(key, None)
+            if pending is not None:  # the new state's buffers are free again
+                u, v, _ = pending
+                self._spare_v[key] = v
+                if u is not None:
+                    self._spare_u[key] = u
+
+    @staticmethod
+    def _swap(current: dict[str, Tensor], spares: dict[str, Tensor], key: str, new: Tensor) -> None:
+        old = current.get(key)
+        current[key] = new
+        if old is not None:
+            spares[key] = old
 
     def state_dict(self) -> dict[str, object]:
         return {**{f"u/{k}": t.detach().clone() for k, t in self._u.items()},
@@ -184,6 +225,7 @@ class DGC(Sparsifier):
         tensors = {k: t for k, t in state.items() if isinstance(t, Tensor)}
         self._u = {k[2:]: t.clone() for k, t in tensors.items() if k.startswith("u/")}
         self._v = {k[2:]: t.clone() for k, t in tensors.items() if k.startswith("v/")}
+        self._spare_u, self._spare_v = {}, {}
 
     def __repr__(self) -> str:
         return (

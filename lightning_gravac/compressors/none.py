@@ -2,7 +2,7 @@
 
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Compressor, Payload, register_compressor
+from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sq_norm
 
 
 @register_compressor
@@ -30,4 +30,4 @@ class NoCompression(Compressor):
         tensor.zero_()
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
-        return payload.wire[0].double().square().sum()
+        return sq_norm(payload.wire[0])

@@ -10,7 +10,7 @@ from torch import Tensor
 # that is faster. Private API; should it move, `torch.linalg.qr` is the drop-in.
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
-from lightning_gravac.compressors.base import Compressor, Payload, register_compressor
+from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sq_norm
 from lightning_gravac.compressors.select import seeded_generator
 
 
@@ -98,9 +98,9 @@ class PowerSGD(Compressor):
 
     def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
         if not self.low_rank(tensor):
-            return torch.full((len(cfs),), float(tensor.double().square().sum()), dtype=torch.float64)
+            return sq_norm(tensor).expand(len(cfs)).clone()
         # ||P Q^T||^2 = ||Q||^2 for orthonormal P: no decoding needed.
-        norms = [self.compress(tensor, cf, key=key).wire[1].double().square().sum() for cf in cfs]
+        norms = [sq_norm(self.compress(tensor, cf, key=key).wire[1]) for cf in cfs]
         return torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=tensor.device)
 
     def commit(self, keys: Sequence[str]) -> None:

@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sparse_k
+from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sparse_k, sq_norm
 from lightning_gravac.compressors.select import distinct_indices, seeded_generator
 
 
@@ -60,7 +60,7 @@ class RandomK(Compressor):
             tensor.view(-1).index_fill_(0, payload.local[0], 0)
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
-        return payload.wire[0].double().square().sum()
+        return sq_norm(payload.wire[0])
 
     def __repr__(self) -> str:
         return f"RandomK(seed={self.seed}, unbiased={self.unbiased})"

@@ -14,8 +14,8 @@ class RedSync(ThresholdSparsifier):
     ``thr(r) = mean|g| + r (max|g| - mean|g|)`` with ``r`` searched in ``[0, 1]`` by bisection until more than ``k``
     and fewer than ``2k`` entries pass, or the interval is narrower than ``min_width``. The highest threshold found to
     pass at least ``k`` entries is used, so the exact top ``k`` of its candidates is usually the exact Top-K; when
-    even ``r = 0`` passes fewer, the payload is filled to ``k`` (:func:`fill_to_k`). Mean and max are over every
-    entry; the counts are estimated on a ``sample_ratio`` sample (on a GPU the paper counts every entry, on a CPU
+    even ``r = 0`` passes fewer, the payload is filled to ``k`` (:func:`fill_to_k`). The max is over every entry; the
+    mean and the counts are estimated on a ``sample_ratio`` sample (on a GPU the paper counts every entry; on a CPU
     each full count is a pass over the gradient).
 
     Args:
@@ -30,11 +30,15 @@ class RedSync(ThresholdSparsifier):
         super().__init__(seed, sample_ratio)
         self.min_width = min_width
 
-    def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
-        # Mean and max over every entry (the max is what a sample misses); the bisection counts on a sample.
-        mean, top = magnitude.float().mean(), magnitude.max().float()
-        drawn = self.sample(magnitude, key=key, step=step)
-        target = k * drawn.numel() / magnitude.numel()
+    def threshold(self, flat: Tensor, k: int, *, key: str, step: int) -> float:
+        # The max over every entry (what a sample misses; one aminmax pass, no |g| materialized); the mean of the
+        # magnitudes and the bisection's counts from a sample.
+        n = flat.numel()
+        low_end, high_end = torch.aminmax(flat)
+        top = max(-float(low_end), float(high_end))
+        drawn = self.sample(flat, key=key, step=step)
+        mean = float(drawn.mean())
+        target = k * drawn.numel() / n
         low, high = 0.0, 1.0
         best = mean  # r = 0
         while high - low >= self.min_width:
@@ -47,4 +51,4 @@ class RedSync(ThresholdSparsifier):
                 low, best = r, thr
                 if count < 2 * target:
                     break
-        return best.to(magnitude.dtype)
+        return best

@@ -1,9 +1,9 @@
 """Helpers shared by the methods that select or draw at random: seeded generators, sampling, thresholds, fill to k.
 
-The selection path is written for large gradients on CPU as much as on GPU: no full-size temporaries beyond the
-caller's scratch buffers (fresh 100 MB allocations cost more in page faults than the arithmetic), no full sort or
-``topk`` over the whole tensor (``torch.topk`` of 25M entries takes half a second on a CPU core), and ``index_select``
-instead of advanced indexing.
+The selection path is written for large gradients on CPU as much as on GPU: one fused pass over the tensor per
+threshold tried, no full-size temporaries beyond the caller's scratch buffer (fresh 100 MB allocations cost more in
+page faults than the arithmetic), no sort or ``topk`` over the whole tensor (``torch.topk`` of 25M entries takes
+half a second on a CPU core), and ``index_select`` instead of advanced indexing.
 """
 
 import math
@@ -46,94 +46,125 @@ def distinct_indices(numel: int, k: int, generator: torch.Generator) -> Tensor:
     return chosen
 
 
-def at_least(magnitude: Tensor, threshold: Tensor, mask: Tensor) -> Tensor:
-    """Sorted int64 indices of the flat ``magnitude``'s entries at or above ``threshold``.
+def above(values: Tensor, threshold: float, out: Tensor) -> Tensor:
+    """Sorted int64 indices of the flat ``values`` whose magnitude exceeds ``threshold`` (``>= 0``).
 
-    ``mask`` is a caller-owned bool scratch of the same size. When few entries pass, the mask is scanned 8 entries at a
-    time (as int64 words) and only the words holding one are expanded: about twice as fast as ``nonzero`` on CPU.
+    One fused pass, ``hardshrink`` into the caller's scratch ``out`` (same size and dtype): entries at or below the
+    threshold become 0, the rest keep their value, so no ``|x|`` and no bool mask is materialized. The result is then
+    scanned 8 bytes at a time (int64 words) and only the words holding a survivor are expanded: about twice as fast
+    as ``nonzero`` on a CPU when few survive. NaN entries survive (they fail every comparison).
     """
-    torch.ge(magnitude, threshold, out=mask)
-    n = mask.numel()
-    whole = n - n % 8
-    if whole == 0:
-        return mask.nonzero().view(-1)
-    words = mask[:whole].view(torch.int64).nonzero().view(-1)
-    inner = mask[:whole].view(-1, 8).index_select(0, words).nonzero()
-    found = words.index_select(0, inner[:, 0]).mul_(8).add_(inner[:, 1])
+    torch.hardshrink(values, threshold, out=out)
+    return nonzero_words(out)
+
+
+def nonzero_words(flat: Tensor) -> Tensor:
+    """Sorted int64 indices of the non-zero entries of the flat ``flat``, scanning whole 8-byte words first.
+
+    Bit patterns are compared, so ``-0.0`` counts as non-zero (``hardshrink`` never produces it).
+    """
+    per_word = 8 // flat.element_size()
+    n = flat.numel()
+    whole = n - n % per_word
+    if per_word < 2 or whole == 0 or flat.data_ptr() % 8:
+        return flat.nonzero().view(-1)
+    words = flat[:whole].view(torch.int64).nonzero().view(-1)
+    lanes = flat[:whole].view(-1, per_word).index_select(0, words)
+    inner = lanes.view(_bits_of(flat.dtype)).nonzero()
+    found = words.index_select(0, inner[:, 0]).mul_(per_word).add_(inner[:, 1])
     if whole < n:
-        found = torch.cat([found, mask[whole:].nonzero().view(-1).add_(whole)])
+        found = torch.cat([found, flat[whole:].nonzero().view(-1).add_(whole)])
     return found
 
 
-def fill_to_k(magnitude: Tensor, candidates: Tensor, k: int, mask: Tensor) -> Tensor:
-    """Exactly ``k`` distinct indices of the flat ``magnitude``: the exact top ``k`` among ``candidates`` when there
-    are at least ``k``, else every candidate and the first entries that are not one, in index order.
+def _bits_of(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype of ``dtype``'s width: its bit patterns, for exact zero tests."""
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty((), dtype=dtype).element_size()]
 
-    ``mask`` must hold ``True`` exactly at the candidates (as :func:`at_least` leaves it). Padding sends the padded
-    entries' true values, so nothing is lost (error feedback zeroes exactly what was sent); they are just not the
-    next largest. That keeps payloads at their fixed size without a ``topk`` over the whole tensor.
+
+def fill_to_k(values: Tensor, candidates: Tensor, k: int, out: Tensor) -> Tensor:
+    """Exactly ``k`` distinct indices of the flat ``values``: the ``k`` of largest magnitude among ``candidates`` when
+    there are at least ``k``, else every candidate and the first entries that are not one, in index order.
+
+    ``out`` must be what :func:`above` left (zero exactly off the candidates). Padding sends the padded entries' true
+    values, so nothing is lost (error feedback zeroes exactly what was sent); they are just not the next largest.
+    That keeps payloads at their fixed size without a ``topk`` over the whole tensor.
     """
     found = candidates.numel()
     if found >= k:
         if found == k:
             return candidates
-        return candidates.index_select(0, torch.topk(magnitude.index_select(0, candidates), k, sorted=False).indices)
-    rest = (~mask).nonzero().view(-1)[: k - found]
+        magnitude = values.index_select(0, candidates).abs_()
+        return candidates.index_select(0, torch.topk(magnitude, k, sorted=False).indices)
+    rest = (out.view(_bits_of(out.dtype)) == 0).nonzero().view(-1)[: k - found]
     return torch.cat([candidates, rest])
 
 
 def exact_topk(
-    magnitude: Tensor, k: int, mask: Tensor, generator: torch.Generator, sample_ratio: float = 0.01
+    values: Tensor, k: int, out: Tensor, generator: torch.Generator, sample_ratio: float = 0.01, signed: bool = False
 ) -> Tensor:
-    """The indices of the ``k`` largest entries of the flat, non-negative ``magnitude``: exact, without a full ``topk``.
+    """Indices of the ``k`` entries of the flat ``values`` of largest magnitude (largest value with ``signed``):
+    exact, without a ``topk`` over the whole tensor.
 
-    A uniform sample estimates a threshold a little below the ``k``-th largest value; if at least ``k`` entries pass
-    it, the top ``k`` among them is the top ``k`` of the whole (ties broken as ``topk`` breaks them). Otherwise the
-    threshold is lowered and the pass repeated. Small or dense selections go straight to ``torch.topk``.
+    A uniform sample estimates a threshold a little below the ``k``-th largest; if at least ``k`` entries pass it,
+    the top ``k`` among them is the top ``k`` of the whole (ties broken as ``topk`` breaks them). Otherwise a lower
+    quantile of the sample is tried. The sample decides only how much work is done, never which entries win. Small
+    or dense selections, and signed ones whose threshold is not positive, go straight to ``torch.topk``. ``out`` is
+    a scratch of ``values``' size and dtype.
     """
-    n = magnitude.numel()
+    n = values.numel()
     samples = math.ceil(sample_ratio * n)
     if k * 20 >= n or samples < 1024:
-        return torch.topk(magnitude, k, sorted=False).indices
-    drawn = sample(magnitude, samples, generator)
+        return _topk(values, k, signed)
+    drawn = sample(values, samples, generator)
+    drawn = drawn.float() if signed else drawn.abs().float()
     # Expected passes in the sample: k/n of it; aim 20% and 3 standard deviations (of a binomial count) higher.
     expected = samples * k / n
-    rank = min(samples, math.ceil(1.2 * expected + 3 * math.sqrt(expected)) + 1)
-    threshold = torch.topk(drawn, rank, sorted=False).values.min()
-    for _ in range(8):
-        candidates = at_least(magnitude, threshold, mask)
+    rank = math.ceil(1.2 * expected + 3 * math.sqrt(expected)) + 1
+    for _ in range(4):
+        rank = min(samples, rank)
+        threshold = float(torch.topk(drawn, rank, sorted=False).values.min())
+        if signed and threshold <= 0:
+            break
+        candidates = above(values, threshold, out)
+        if signed:
+            candidates = candidates[values.index_select(0, candidates) > 0]
         if candidates.numel() >= k:
-            return fill_to_k(magnitude, candidates, k, mask)
-        threshold = threshold * 0.5
-    return torch.topk(magnitude, k, sorted=False).indices
+            chosen = values.index_select(0, candidates)
+            chosen = chosen if signed else chosen.abs_()
+            return candidates.index_select(0, torch.topk(chosen, k, sorted=False).indices)
+        if rank == samples:
+            break
+        rank *= 4
+    return _topk(values, k, signed)
+
+
+def _topk(values: Tensor, k: int, signed: bool) -> Tensor:
+    return torch.topk(values if signed else values.abs(), k, sorted=False).indices
 
 
 class Scratch:
     """Flat buffers reused from call to call, one per ``(dtype, device)``, grown to the largest request.
 
-    Compressors take their magnitude and mask temporaries from it: a gradient-sized allocation each call costs page
-    faults on CPU. Views are valid until the next request of the same dtype, so nothing returned may keep one. Not
+    Compressors take their gradient-sized temporaries from it: a fresh allocation each call costs page faults on
+    CPU. Views are valid until the next request of the same dtype and slot, so nothing returned may keep one. Not
     pickled (a spawned strategy starts with none).
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._buffers: dict[tuple[torch.dtype, torch.device, int], Tensor] = {}
 
-    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """A flat tensor of ``numel`` entries, contents undefined."""
-        buffer = self._buffers.get((dtype, device))
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> Tensor:
+        """A flat tensor of ``numel`` entries, contents undefined; ``slot`` tells apart buffers needed together."""
+        buffer = self._buffers.get((dtype, device, slot))
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[(dtype, device)] = buffer
+            self._buffers[(dtype, device, slot)] = buffer
         return buffer[:numel]
 
-    def magnitude(self, flat: Tensor) -> Tensor:
-        """``|flat|`` in a reused buffer."""
-        return torch.abs(flat, out=self.get(flat.numel(), flat.dtype, flat.device))
-
-    def mask(self, like: Tensor) -> Tensor:
-        """A reused bool buffer of ``like``'s size."""
-        return self.get(like.numel(), torch.bool, like.device)
+    def like(self, flat: Tensor, slot: int = 0) -> Tensor:
+        """A reused flat buffer of ``flat``'s size, dtype and device."""
+        return self.get(flat.numel(), flat.dtype, flat.device, slot)
 
     def __getstate__(self) -> dict[str, object]:
         return {"_buffers": {}}

@@ -34,16 +34,16 @@ class SIDCo(ThresholdSparsifier):
         super().__init__(seed, sample_ratio)
         self.stages, self.first_keep = stages, first_keep
 
-    def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
-        density = k / magnitude.numel()
-        drawn = self.sample(magnitude, key=key, step=step)
+    def threshold(self, flat: Tensor, k: int, *, key: str, step: int) -> float:
+        density = k / flat.numel()
+        drawn = self.sample(flat, key=key, step=step)
         if density >= self.first_keep:
-            return (drawn.mean() * math.log(1 / density)).to(magnitude.dtype)
+            return float(drawn.mean()) * math.log(1 / density)
         later = (density / self.first_keep) ** (1 / (self.stages - 1))
-        thr = drawn.mean() * math.log(1 / self.first_keep)
+        thr = float(drawn.mean()) * math.log(1 / self.first_keep)
         for _ in range(self.stages - 1):
             tail = drawn[drawn >= thr]
             if tail.numel() == 0:
                 break
-            thr = thr + (tail - thr).mean() * math.log(1 / later)
-        return thr.to(magnitude.dtype)
+            thr += float(tail.mean() - thr) * math.log(1 / later)
+        return thr

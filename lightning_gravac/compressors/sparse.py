@@ -6,13 +6,19 @@ from abc import abstractmethod
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Compressor, Payload, sparse_k
-from lightning_gravac.compressors.select import at_least, exact_topk, fill_to_k, sample, seeded_generator
+from lightning_gravac.compressors.base import Compressor, Payload, sparse_k, sq_norm
+from lightning_gravac.compressors.select import above, exact_topk, fill_to_k, sample, seeded_generator
 
 
 class Sparsifier(Compressor):
     """A compressor whose payload is ``(values, int32 indices)`` into the flat tensor: decoding, aggregation and
     residuals are shared by every such method (Top-K, DGC and the threshold methods)."""
+
+    @staticmethod
+    def kept(tensor: Tensor, indices: Tensor) -> Payload:
+        """The payload that keeps the entries of the flat ``tensor`` at ``indices``."""
+        values = tensor.reshape(-1).index_select(0, indices)
+        return Payload((values, indices.to(torch.int32)), tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
         values, indices = payload.wire
@@ -30,61 +36,68 @@ class Sparsifier(Compressor):
         tensor.view(-1).index_fill_(0, payload.wire[1].long(), 0)
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
-        return payload.wire[0].double().square().sum()
+        return sq_norm(payload.wire[0])
 
 
 class ThresholdSparsifier(Sparsifier):
     """A sparsifier that estimates a magnitude threshold instead of running a top-k over the whole tensor.
 
-    Subclasses implement :meth:`threshold`, usually from a sample of the magnitudes (:meth:`sample`). Entries at or
-    above it are candidates, and :func:`fill_to_k` turns them into exactly ``k`` indices, so the payload has the
-    fixed size ``sparse_k(numel, cf)`` like Top-K's whatever the estimate's error: when fewer than ``k`` pass, the
-    threshold is lowered (up to :attr:`retries` times) before padding; when more than ``4k`` pass, the exact Top-K is
-    taken instead. Probes at other factors are approximate (a threshold estimated per
-    factor).
+    Subclasses implement :meth:`threshold`, usually from a sample of the magnitudes (:meth:`sample`). Entries above
+    it are candidates, and :func:`fill_to_k` turns them into exactly ``k`` indices, so the payload has the fixed size
+    ``sparse_k(numel, cf)`` like Top-K's whatever the estimate's error. A threshold is checked on every 101st entry
+    before the full pass: one admitting too few is lowered (x0.7, up to :attr:`retries` times, then again on the full
+    pass), one admitting more than ``8k`` gives way to the exact Top-K. Probes at other factors are approximate (a
+    threshold estimated per factor).
     """
 
     nesting = "approximate"
     #: Times the threshold is lowered (x0.7) when fewer than ``k`` entries pass, before the payload is padded.
     retries = 3
+    #: Stride of the quick check of a threshold.
+    _STRIDE = 101
 
     def __init__(self, seed: int = 0, sample_ratio: float = 0.01, min_samples: int = 1024) -> None:
         if not 0 < sample_ratio <= 1:
             raise ValueError(f"`sample_ratio` must be in (0, 1], got {sample_ratio!r}.")
         self.seed, self.sample_ratio, self.min_samples = seed, sample_ratio, min_samples
 
-    def sample(self, magnitude: Tensor, *, key: str, step: int) -> Tensor:
-        """A uniform sample of ``sample_ratio`` of the magnitudes (at least ``min_samples``, at most all), float32."""
-        n = magnitude.numel()
+    def sample(self, flat: Tensor, *, key: str, step: int) -> Tensor:
+        """The magnitudes of a uniform sample of ``sample_ratio`` of ``flat`` (at least ``min_samples``), float32."""
+        n = flat.numel()
         count = min(n, max(self.min_samples, math.ceil(self.sample_ratio * n)))
-        if count == n:
-            return magnitude.float()
-        return sample(magnitude, count, seeded_generator(self.seed, step, key)).float()
+        drawn = flat if count == n else sample(flat, count, seeded_generator(self.seed, step, key))
+        return drawn.abs().float()
 
     @abstractmethod
-    def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
-        """A 0-d tensor: the magnitude at or above which about ``k`` entries of the flat ``magnitude`` lie."""
+    def threshold(self, flat: Tensor, k: int, *, key: str, step: int) -> float:
+        """The magnitude above which about ``k`` entries of ``flat`` lie."""
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         flat = tensor.reshape(-1)
-        k = sparse_k(flat.numel(), cf, flat.dtype)
-        magnitude = self.scratch.magnitude(flat)
-        if k * 4 >= flat.numel():  # a quarter or more: the exact top-k is as cheap as an estimate
-            indices = torch.topk(magnitude, k, sorted=False).indices
-        else:
-            mask = self.scratch.mask(flat)
-            threshold = self.threshold(magnitude, k, key=key, step=step)
-            candidates = at_least(magnitude, threshold, mask)
-            for _ in range(self.retries):  # too few passed: lower the bar, as DGC does, before padding
-                if candidates.numel() >= k:
-                    break
-                threshold = threshold * 0.7
-                candidates = at_least(magnitude, threshold, mask)
-            if candidates.numel() > 4 * k:  # an estimate far too low (RedSync's search on heavy tails): exact instead
-                indices = exact_topk(magnitude, k, mask, seeded_generator(self.seed, step, key))
-            else:
-                indices = fill_to_k(magnitude, candidates, k, mask)
-        return Payload((flat.index_select(0, indices), indices.to(torch.int32)), tensor.shape, tensor.dtype)
+        n = flat.numel()
+        k = sparse_k(n, cf, flat.dtype)
+        if k * 4 >= n:  # a quarter or more: the exact top-k is as cheap as an estimate
+            return self.kept(tensor, torch.topk(flat.abs(), k, sorted=False).indices)
+        out = self.scratch.like(flat)
+        threshold = max(0.0, self.threshold(flat, k, key=key, step=step))
+        strided = flat[:: self._STRIDE].abs()
+
+        def estimate(thr: float) -> int:
+            return int(torch.count_nonzero(strided > thr)) * self._STRIDE
+
+        for _ in range(self.retries):
+            if estimate(threshold) >= k:
+                break
+            threshold *= 0.7
+        if estimate(threshold) > 8 * k:  # far too low (RedSync's linear search on heavy tails ends at the mean)
+            return self.kept(tensor, exact_topk(flat, k, out, seeded_generator(self.seed, step, key)))
+        candidates = above(flat, threshold, out)
+        for _ in range(self.retries):
+            if candidates.numel() >= k:
+                break
+            threshold *= 0.7
+            candidates = above(flat, threshold, out)
+        return self.kept(tensor, fill_to_k(flat, candidates, k, out))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seed={self.seed})"

@@ -26,9 +26,9 @@ class Threshold(ThresholdSparsifier):
 
     name = "threshold"
 
-    def threshold(self, magnitude: Tensor, k: int, *, key: str, step: int) -> Tensor:
-        drawn = self.sample(magnitude, key=key, step=step)
+    def threshold(self, flat: Tensor, k: int, *, key: str, step: int) -> float:
+        drawn = self.sample(flat, key=key, step=step)
         # The sample's (1 - 2k/n) quantile (topk is cheaper than a sort): aiming at 2k candidates makes falling short
         # of k, and padding, rare, while the exact top-k among 2k candidates costs little.
-        kept = min(drawn.numel(), max(2, math.ceil(2 * drawn.numel() * k / magnitude.numel())))
-        return torch.topk(drawn, kept, sorted=False).values.min().to(magnitude.dtype)
+        kept = min(drawn.numel(), max(2, math.ceil(2 * drawn.numel() * k / flat.numel())))
+        return float(torch.topk(drawn, kept, sorted=False).values.min())

@@ -37,13 +37,11 @@ class TopK(Sparsifier):
     def _top(self, flat: Tensor, k: int, key: str, step: int) -> Tensor:
         # Exact, by a sampled threshold and a top-k over the few entries that pass it (select.exact_topk); the
         # sample only decides how much work that takes, never which entries win.
-        mask = self.scratch.mask(flat)
-        return exact_topk(self.scratch.magnitude(flat), k, mask, seeded_generator(self.seed, step, key))
+        return exact_topk(flat, k, self.scratch.like(flat), seeded_generator(self.seed, step, key))
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         flat = tensor.reshape(-1)
-        indices = self._top(flat, sparse_k(flat.numel(), cf, flat.dtype), key, step)
-        return Payload((flat.index_select(0, indices), indices.to(torch.int32)), tensor.shape, tensor.dtype)
+        return self.kept(tensor, self._top(flat, sparse_k(flat.numel(), cf, flat.dtype), key, step))
 
     def compress_and_probe(
         self, tensor: Tensor, cf: float, probe_cfs: Sequence[float], *, key: str = "", step: int = 0
