@@ -30,15 +30,17 @@ def resolve_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict:
     """Load a recipe yaml with omegaconf, apply ``dotted.key=value`` overrides and resolve interpolations.
 
     A key may index a list (``trainer.callbacks[0].init_args.omega=0.5``); a value is read as yaml (``1e-3``,
-    ``[1, 2]``, ``null``).
+    ``[1, 2]``, ``null``, ``{class_path: ..., init_args: {...}}``, which replaces the node whole).
     """
     config = OmegaConf.load(path)
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise ValueError(f"An override is `dotted.key=value`, got {override!r}.")
-        # `update` walks list indices, which a merge of `OmegaConf.from_dotlist` cannot.
-        OmegaConf.update(config, key, yaml.safe_load(value), merge=True)
+        # `update` walks list indices, which a merge of `OmegaConf.from_dotlist` cannot. A mapping replaces the node
+        # (`trainer.logger={class_path: ..., init_args: ...}` swaps the logger, none of the old arguments stay).
+        parsed = yaml.safe_load(value)
+        OmegaConf.update(config, key, parsed, merge=not isinstance(parsed, dict))
     resolved = OmegaConf.to_container(config, resolve=True)
     assert isinstance(resolved, dict)
     return resolved

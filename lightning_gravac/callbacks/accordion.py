@@ -77,6 +77,7 @@ class Accordion(Controller):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        super().on_fit_start(trainer, pl_module)
         if not self.layer_cf:  # a fresh run: the first interval is critical, 1-D parameters are never compressed
             self.layer_cf = {n: DENSE if p.ndim <= 1 else self.low_cf for n, p in pl_module.named_parameters()}
             self.compressible = [n for n, p in pl_module.named_parameters() if p.ndim > 1]

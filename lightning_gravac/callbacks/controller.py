@@ -52,6 +52,17 @@ class Controller(Callback):
                 f"{type(self).__name__} controls GraVACStrategy's compression, but the trainer's strategy is "
                 f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=GraVACStrategy(...))` or drop the callback."
             )
+        # A model that builds its layers in `configure_model` (sized by the data) has none yet: checked at fit start.
+        if any(True for _ in pl_module.parameters()):
+            self._check_max_cf(pl_module)
+        self._state = trainer.strategy.compression_state
+        self.apply(self._state)
+
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._check_max_cf(pl_module)
+
+    def _check_max_cf(self, pl_module: "pl.LightningModule") -> None:
         argument, factor = self.max_cf
         largest = max((p.numel() for p in pl_module.parameters() if p.requires_grad), default=0)
         if factor > largest:
@@ -59,8 +70,6 @@ class Controller(Callback):
                 f"`{argument}`={factor:g} exceeds the size of the largest gradient ({largest} entries): no tensor can "
                 f"be compressed that far, at least one entry is always sent. Allowed: 1 <= {argument} <= {largest}."
             )
-        self._state = trainer.strategy.compression_state
-        self.apply(self._state)
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:

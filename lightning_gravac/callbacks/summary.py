@@ -19,8 +19,8 @@ class RunSummary(Callback):
     the wall time. :attr:`history` keeps one row a step for plots and tests. Its place among the callbacks does not
     matter: a step is collected once the controller has seen it.
 
-    With ``plot`` it also saves ``gravac.png`` in the trainer's log directory: the factor, the gain and the monitored
-    metric over steps.
+    With ``plot`` it also saves ``gravac.png`` in the trainer's log directory: the factor, the gain, the compression
+    throughput (when the controller reports one: GraVAC) and the monitored metric over steps.
 
     Args:
         monitor: the logged metric to report (default ``train_loss``).
@@ -97,7 +97,7 @@ class RunSummary(Callback):
             print(f"RunSummary: plot of the factor, gain and {self.monitor} saved to {self.plot_path}")
 
     def save_plot(self, path: Path) -> Path:
-        """Plot the factor in force, the gain and the monitored metric over steps to ``path`` (PNG)."""
+        """Plot the factor in force, the gain, the compression throughput and the monitored metric to ``path`` (PNG)."""
         import matplotlib
 
         matplotlib.use("Agg")  # files only: no display on a training node
@@ -105,6 +105,8 @@ class RunSummary(Callback):
 
         steps = [r["step"] for r in self.history]
         series = [("gravac/cf", "compression factor", True), ("gravac/gain", "gain ||C(g)||²/||g||²", False)]
+        if any("gravac/compression_throughput" in r for r in self.history):  # GraVAC's T_sys x gain
+            series.append(("gravac/compression_throughput", "compression throughput", False))
         series.append((self.monitor, self.monitor, False))
         fig, axes = plt.subplots(len(series), 1, sharex=True, figsize=(8, 2.4 * len(series)))
         for ax, (key, label, log) in zip(axes, series, strict=True):

@@ -1,5 +1,25 @@
 """Models and data the recipes train."""
 
-from lightning_gravac.zoo.synthetic import TeacherDataModule, TeacherRegression, teacher_dataset
+from lightning_gravac.zoo.cifar import CIFARDataModule, SyntheticImages
+from lightning_gravac.zoo.language import LSTMLanguageModel, PTBDataModule
+from lightning_gravac.zoo.synthetic import (
+    BagOfWordsRegression,
+    TeacherDataModule,
+    TeacherRegression,
+    bag_of_words_dataset,
+    teacher_dataset,
+)
+from lightning_gravac.zoo.vision import ImageClassifier
 
-__all__ = ["TeacherDataModule", "TeacherRegression", "teacher_dataset"]
+__all__ = [
+    "BagOfWordsRegression",
+    "CIFARDataModule",
+    "ImageClassifier",
+    "LSTMLanguageModel",
+    "PTBDataModule",
+    "SyntheticImages",
+    "TeacherDataModule",
+    "TeacherRegression",
+    "bag_of_words_dataset",
+    "teacher_dataset",
+]

@@ -70,3 +70,55 @@ class TeacherDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(teacher_dataset(self.n, self.n_in, self.seed), batch_size=self.batch_size, shuffle=True)
+
+
+def bag_of_words_dataset(
+    n: int = 8192, vocab: int = 20_000, words: int = 20, dim: int = 16, seed: int = 0
+) -> TensorDataset:
+    """``n`` bags of ``words`` word ids (Zipf-distributed over ``vocab``) and a teacher's target for each.
+
+    The teacher sums a fixed random ``dim``-vector per word and projects it to one number: a linear model of the
+    bag that a student embedding can represent exactly.
+    """
+    g = torch.Generator().manual_seed(seed)
+    weights = 1 / torch.arange(1, vocab + 1, dtype=torch.float) ** 1.1
+    bags = torch.multinomial(weights, n * words, replacement=True, generator=g).view(n, words)
+    teacher = torch.randn(vocab, dim, generator=g) / dim**0.5
+    projection = torch.randn(dim, 1, generator=g) / words**0.5
+    return TensorDataset(bags, teacher[bags].sum(1) @ projection)
+
+
+class BagOfWordsRegression(pl.LightningModule):
+    """An embedding bag and a linear read-out: the gradient of a large, sparsely used table, as in NLP and
+    recommendation models.
+
+    Each step touches only the rows of the words in its batch, so most of the embedding's gradient is exactly zero
+    and the rest is heavy-tailed (frequent words get large updates): the gradients Top-K and GraVAC are made for.
+    The embedding's gradient is dense (``sparse=False``), so DDP sends all of it. ``vocab x dim`` parameters
+    (10.2M by default).
+
+    Args:
+        vocab: words in the table.
+        dim: embedding width.
+        lr: SGD learning rate.
+        momentum: SGD momentum.
+    """
+
+    def __init__(self, vocab: int = 20_000, dim: int = 512, lr: float = 0.5, momentum: float = 0.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.embedding = nn.EmbeddingBag(vocab, dim, mode="sum")
+        nn.init.normal_(self.embedding.weight, std=0.01)
+        self.readout = nn.Linear(dim, 1)
+
+    def forward(self, bags: Tensor) -> Tensor:
+        return self.readout(self.embedding(bags))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        bags, y = batch
+        loss = nn.functional.mse_loss(self(bags), y)
+        self.log("train_loss", loss, on_step=True, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=self.hparams["momentum"])

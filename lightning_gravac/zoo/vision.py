@@ -12,6 +12,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_gravac.zoo.optim import sgd_with_steps
+
 Architecture = Literal["resnet18", "resnet50", "resnet101", "vgg11_bn", "vgg16_bn"]
 
 _RESNET_BLOCKS = {"resnet18": ("basic", [2, 2, 2, 2]), "resnet50": ("bottleneck", [3, 4, 6, 3]),
@@ -156,8 +158,4 @@ class ImageClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         h = self.hparams
-        optimizer = torch.optim.SGD(self.parameters(), lr=h["lr"], momentum=h["momentum"], weight_decay=h["weight_decay"])
-        if not h["milestones"]:
-            return optimizer
-        schedule = torch.optim.lr_scheduler.MultiStepLR(optimizer, h["milestones"], h["gamma"])
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "epoch"}}
+        return sgd_with_steps(self.parameters(), h["lr"], h["momentum"], h["weight_decay"], h["milestones"], h["gamma"])

@@ -1,0 +1,44 @@
+"""Weights & Biases through Lightning's own WandbLogger, offline by itself when no API key is set up."""
+
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning_utilities.core.rank_zero import rank_zero_info
+from pytorch_lightning.loggers import WandbLogger as _LightningWandbLogger
+
+
+def wandb_api_key_available() -> bool:
+    """Whether W&B could authenticate: ``WANDB_API_KEY`` is set or ``wandb login`` left a key in ``~/.netrc``."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        path = os.environ.get("NETRC", str(Path.home() / ".netrc"))
+        return netrc.netrc(path).authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+class WandbLogger(_LightningWandbLogger):
+    """Lightning's ``WandbLogger`` that logs offline, and says so, when no API key is available.
+
+    With ``offline=None`` (the default) the run is online if a key is set up (``WANDB_API_KEY`` or ``wandb login``)
+    and ``WANDB_MODE`` does not say otherwise, else offline under ``save_dir``; the log says how to upload it later
+    with ``wandb sync``. Everything else is Lightning's ``WandbLogger``.
+
+    Args:
+        offline: ``True`` or ``False`` to decide yourself; ``None`` to decide by the key.
+        **kwargs: what Lightning's ``WandbLogger`` takes (``project``, ``name``, ``save_dir``, ``log_model``...).
+    """
+
+    def __init__(self, offline: bool | None = None, **kwargs: Any) -> None:
+        if offline is None:
+            offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_api_key_available()
+            if offline:
+                where = Path(kwargs.get("save_dir") or kwargs.get("dir") or ".") / "wandb"
+                rank_zero_info(
+                    f"W&B: no API key found (WANDB_API_KEY or `wandb login`); logging offline to {where}. "
+                    f"Upload the run later with: wandb sync {where}/offline-run-*"
+                )
+        super().__init__(offline=offline, **kwargs)

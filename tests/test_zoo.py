@@ -1,0 +1,142 @@
+"""The recipes' models and data: real-format files the tests write, synthetic modes, transforms, shapes."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_gravac.zoo import CIFARDataModule, ImageClassifier, LSTMLanguageModel, PTBDataModule, SyntheticImages
+from lightning_gravac.zoo.cifar import ARCHIVES, read_split
+from lightning_gravac.zoo.language import Streams, read_tokens, synthetic_stream
+from lightning_gravac.zoo.transforms import normalize, random_crop, random_flip
+from lightning_gravac.zoo.vision import resnet, vgg
+
+
+def _write_cifar(root, variant, per_file=4):
+    """A CIFAR archive's extracted files in the real format: pickled dicts of uint8 rows and labels."""
+    archive = ARCHIVES[variant]
+    folder = root / archive.folder
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    written = {}
+    for name in (*archive.train, archive.test):
+        data = rng.integers(0, 256, (per_file, 3072), dtype=np.uint8)
+        labels = rng.integers(0, archive.classes, per_file).tolist()
+        with open(folder / name, "wb") as f:
+            pickle.dump({b"data": data, archive.label_key: labels, b"batch_label": b"x"}, f)
+        written[name] = (data, labels)
+    return written
+
+
+@pytest.mark.parametrize("variant", ["cifar10", "cifar100"])
+def test_cifar_reads_the_python_pickle_archives(tmp_path, variant):
+    written = _write_cifar(tmp_path, variant)
+    images, labels = read_split(tmp_path, variant, train=True)
+    archive = ARCHIVES[variant]
+    assert images.shape == (4 * len(archive.train), 3, 32, 32) and images.dtype == torch.uint8
+    first, first_labels = written[archive.train[0]]
+    # Rows are channel-major: the first 1024 bytes are the red plane.
+    assert torch.equal(images[0, 0].reshape(-1), torch.from_numpy(first[0, :1024]))
+    assert labels[:4].tolist() == first_labels
+    test_images, _ = read_split(tmp_path, variant, train=False)
+    assert test_images.shape[0] == 4
+
+    data = CIFARDataModule(variant, root=str(tmp_path), batch_size=2)
+    data.setup("fit")
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == (2, 3, 32, 32) and x.dtype == torch.float32 and data.num_classes == archive.classes
+    assert y.dtype == torch.int64
+
+
+def test_cifar_without_files_names_the_expected_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"cifar-10-batches-py/data_batch_1.*download: true.*synthetic: true"):
+        read_split(tmp_path, "cifar10", train=True)
+
+
+def test_synthetic_cifar_has_the_real_shapes_sizes_and_is_reproducible():
+    data = CIFARDataModule("cifar100", synthetic=True, batch_size=8)
+    data.setup("fit")
+    assert len(data.train_set) == 50_000 and len(data.test_set) == 10_000 and data.num_classes == 100
+    a, b = SyntheticImages(10, 100)[3], SyntheticImages(10, 100)[3]
+    assert a[0].shape == (3, 32, 32) and a[0].dtype == torch.uint8 and torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+def test_transforms_crop_flip_normalize():
+    image = torch.arange(3 * 4 * 4, dtype=torch.uint8).view(3, 4, 4)
+    crops = {tuple(random_crop(image, 4, 1, torch.Generator().manual_seed(s)).flatten().tolist()) for s in range(30)}
+    assert len(crops) > 1 and all(len(c) == 48 for c in crops)
+    assert torch.equal(random_crop(image, 4, 0), image)
+    flips = {random_flip(image, torch.Generator().manual_seed(s)).equal(image.flip(-1)) for s in range(20)}
+    assert flips == {True, False}
+    out = normalize(torch.full((3, 2, 2), 255, dtype=torch.uint8), (0.5, 0.5, 0.5), (0.25, 0.5, 1.0))
+    assert out[:, 0, 0].tolist() == [2.0, 1.0, 0.5]
+
+
+@pytest.mark.parametrize(("build", "name", "params"), [(resnet, "resnet18", 11.2e6), (vgg, "vgg11_bn", 9.2e6)])
+def test_cifar_networks_classify_32x32_images(build, name, params):
+    net = build(name, 10)
+    assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert sum(p.numel() for p in net.parameters()) == pytest.approx(params, rel=0.02)
+
+
+def test_resnet101_and_vgg16_have_their_known_sizes():
+    assert sum(p.numel() for p in resnet("resnet101", 10).parameters()) == pytest.approx(42.5e6, rel=0.01)
+    assert sum(p.numel() for p in vgg("vgg16_bn", 100).parameters()) == pytest.approx(14.8e6, rel=0.01)
+    with pytest.raises(ValueError, match=r"Unknown architecture 'resnet7'"):
+        ImageClassifier("resnet7")
+
+
+def _write_ptb(root):
+    root.mkdir()
+    lines = {"train": ["the cat sat", "a dog ran far", "the dog sat"], "valid": ["the cat ran"], "test": ["a cat"]}
+    for split, text in lines.items():
+        (root / f"ptb.{split}.txt").write_text("".join(f" {line} \n" for line in text))
+
+
+def test_ptb_reads_the_text_files_with_eos(tmp_path):
+    _write_ptb(tmp_path / "ptb")
+    assert read_tokens(tmp_path / "ptb" / "ptb.valid.txt") == ["the", "cat", "ran", "<eos>"]
+    data = PTBDataModule(root=str(tmp_path / "ptb"), batch_size=2, bptt=3)
+    data.setup("fit")
+    assert data.vocab_size == 8  # the cat sat <eos> a dog ran far
+    assert data.splits["train"][:4].tolist() == [0, 1, 2, 3]
+    x, y = next(iter(data.train_dataloader()))
+    assert x.shape == (2, 3) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_ptb_without_files_names_the_expected_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"expected .*ptb.train.txt.*synthetic: true"):
+        PTBDataModule(root=str(tmp_path)).setup("fit")
+
+
+def test_streams_run_in_order_so_the_hidden_state_can_carry():
+    stream = torch.arange(2 * 10 + 1)
+    windows = list(Streams(stream, rows=2, bptt=4))
+    assert [w[0].tolist() for w in windows] == [[[0, 1, 2, 3], [10, 11, 12, 13]], [[4, 5, 6, 7], [14, 15, 16, 17]],
+                                                [[8, 9], [18, 19]]]  # fmt: skip
+    assert windows[-1][1].tolist() == [[9, 10], [19, 20]]  # row r reads tokens 10r.. and predicts the next
+    assert len(Streams(stream, rows=2, bptt=4)) == 3
+
+
+def test_synthetic_ptb_has_its_sizes_and_vocabulary():
+    data = PTBDataModule(synthetic=True, synthetic_tokens=80_000)
+    data.setup("fit")
+    assert data.vocab_size == 10_000 and data.splits["train"].numel() == 80_000
+    assert data.splits["valid"].numel() == 80_000 * 73_760 // 929_589
+    assert not torch.equal(data.splits["valid"][:100], data.splits["train"][:100])
+    assert synthetic_stream(100, 50, 3).max() < 50
+
+
+def test_lstm_carries_its_hidden_state_across_batches_and_ties_weights():
+    model = LSTMLanguageModel(vocab_size=50, embedding=16, hidden=16, dropout=0.0)
+    assert model.decoder.weight is model.encoder.weight
+    batch = (torch.randint(0, 50, (3, 5)), torch.randint(0, 50, (3, 5)))
+    _, loss = model._step(batch, "train")
+    assert loss.item() == pytest.approx(np.log(50), rel=0.1)  # small embeddings: near-uniform first predictions
+    carried = model._hidden["train"]
+    assert carried is not None and carried[0].shape == (2, 3, 16) and not carried[0].requires_grad
+    logits, state = model(batch[0], carried)
+    assert logits.shape == (3, 5, 50) and state[0].shape == carried[0].shape
+    with pytest.raises(ValueError, match="Tied weights need `embedding` == `hidden`"):
+        LSTMLanguageModel(vocab_size=5, embedding=8, hidden=16)
