@@ -109,12 +109,13 @@ def exact_topk(
     A uniform sample estimates a threshold a little below the ``k``-th largest; if at least ``k`` entries pass it,
     the top ``k`` among them is the top ``k`` of the whole (ties broken as ``topk`` breaks them). Otherwise a lower
     quantile of the sample is tried. The sample decides only how much work is done, never which entries win. Small
-    or dense selections, and signed ones whose threshold is not positive, go straight to ``torch.topk``. ``out`` is
+    selections or ones of a quarter or more, and signed ones whose threshold is not positive, go straight to
+    ``torch.topk``. ``out`` is
     a scratch of ``values``' size and dtype.
     """
     n = values.numel()
     samples = math.ceil(sample_ratio * n)
-    if k * 20 >= n or samples < 1024:
+    if k * 4 >= n or samples < 1024:
         return _topk(values, k, signed)
     drawn = sample(values, samples, generator)
     drawn = drawn.float() if signed else drawn.abs().float()
