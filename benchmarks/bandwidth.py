@@ -64,6 +64,12 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
         lambda: (GraVACStrategy("topk"), [Accordion(low_cf=10, high_cf=1000, window=25, interval="step")]),
         True,
     ),
+    # Periodic model averaging (post-local SGD): dense all-reduce for 20 steps, then local steps and a parameter
+    # average every 4. Its averaging traffic is outside the hook: bytes sent counts the all-reduce steps only.
+    "local SGD, average every 4": (
+        lambda: (GraVACStrategy("none", model_averaging_period=4, start_local_sgd_step=20), [Static(cf=1)]),
+        True,
+    ),
     "gravac sequential": (
         lambda: (GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, omega=0.05, window=25)]),
         False,

@@ -49,7 +49,9 @@ def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
         if compressor.owns_feedback:  # DGC keeps its own accumulation instead
             payload = compressor.compress(work, cf, key="g", step=0)
             compressor.commit(["g"])
-        elif not compressor.error_feedback_default:  # unbiased methods (casts, QSGD, TernGrad), signSGD: as the strategy
+        elif (
+            not compressor.error_feedback_default
+        ):  # unbiased methods (casts, QSGD, TernGrad), signSGD: as the strategy
             payload = compressor.compress(work, cf, key="g", step=0)
         else:
             fed = memory.error_fed("g", work)

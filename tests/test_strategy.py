@@ -193,3 +193,35 @@ def test_every_registered_compressor_trains_the_task_close_to_dense():
         assert r0[name] < 1.2 * dense, f"{name}: {r0[name]:.4f} against dense {dense:.4f}"
         pairs = zip(r0[f"{name}/weights"].values(), r1[f"{name}/weights"].values(), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs), f"{name}: ranks hold different weights"
+
+
+class ParameterTrace(pl.Callback):
+    """This rank's parameters after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.after: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        self.after.append(torch.cat([p.detach().reshape(-1).clone() for p in pl_module.parameters()]))
+
+
+def _local_sgd(rank, world_size):
+    trace = ParameterTrace()
+    strategy = GraVACStrategy("none", model_averaging_period=3, start_local_sgd_step=2)
+    # Each rank reads its own shard (Lightning's distributed sampler): local steps drift apart.
+    _fit(world_size, strategy, [Static(cf=1), trace], steps=9)
+    return trace.after
+
+
+@pytest.mark.distributed
+def test_periodic_model_averaging_makes_ranks_identical_after_each_average_and_only_then():
+    r0, r1 = run_distributed(_local_sgd)
+    same = [torch.equal(a, b) for a, b in zip(r0, r1, strict=True)]
+    # Steps 1-2 (indices 0, 1): gradients all-reduced, replicas identical. From step 3 on gradients stay local and
+    # PeriodicModelAverager(period=3, warmup_steps=2) averages after steps 3, 6 and 9 (its step count is 2, 5, 8).
+    assert same == [True, True, True, False, False, True, False, False, True]
+
+
+def test_model_averaging_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"`model_averaging_period` must be a whole number >= 1, got 0"):
+        GraVACStrategy(model_averaging_period=0)

@@ -12,7 +12,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gravac._validation import choice
+from lightning_gravac._validation import choice, whole
 from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.strategies.hook import gravac_hook
 from lightning_gravac.strategies.state import CompressionState, Granularity
@@ -37,6 +37,11 @@ class GraVACStrategy(DDPStrategy):
         error_feedback: keep what compression dropped and add it to the next gradient. ``None`` turns it on for
             biased methods (sparsifiers, 1-bit, EF-signSGD, PowerSGD) and off for unbiased ones (QSGD, TernGrad,
             casts) and for signSGD, which is defined without it.
+        model_averaging_period: periodic model averaging (post-local SGD, Lin et al. 2020): from step
+            ``start_local_sgd_step`` on, gradients are not communicated at all (each rank steps on its own), and every
+            ``model_averaging_period`` steps the parameters are averaged across ranks (Lightning's
+            ``PeriodicModelAverager``). Before that step, gradients go through the compressor as usual. ``None``: off.
+        start_local_sgd_step: the step from which local SGD runs.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here.
@@ -57,6 +62,8 @@ class GraVACStrategy(DDPStrategy):
         compressor: str | Compressor = "topk",
         granularity: Granularity = "layer",
         error_feedback: bool | None = None,
+        model_averaging_period: int | None = None,
+        start_local_sgd_step: int = 0,
         **kwargs: Any,
     ) -> None:
         clashing = [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]
@@ -84,6 +91,16 @@ class GraVACStrategy(DDPStrategy):
                 f"`granularity='bucket'` with {compressor!r}: the method needs each parameter's shape. "
                 "Use granularity='layer'."
             )
+        if model_averaging_period is not None:
+            whole(model_averaging_period, "model_averaging_period", minimum=1)
+            whole(start_local_sgd_step, "start_local_sgd_step", minimum=0)
+            # Lightning's post-local-SGD machinery: with this state, DDPStrategy.setup builds a PeriodicModelAverager and
+            # optimizer_step averages the parameters every period. Lightning registers the matching gradient hook on
+            # CUDA only; here our own hook stops communicating gradients once local SGD starts, on every device.
+            from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+            kwargs["model_averaging_period"] = model_averaging_period
+            local_sgd = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start_local_sgd_step)
         # Gradients as views into DDP's buckets: no copy of each gradient into its bucket and back. A Python comm
         # hook pays one pass over the bucket for the 1/N that DDP's C++ reducer fuses into that copy; dropping the
         # copies more than pays for it (BENCHMARKS.md). Pass `gradient_as_bucket_view=False` to turn it off.
@@ -93,7 +110,10 @@ class GraVACStrategy(DDPStrategy):
             compressor=compressor,
             error_feedback=compressor.error_feedback_default if error_feedback is None else error_feedback,
             granularity=granularity,
+            local_sgd_from=start_local_sgd_step if model_averaging_period is not None else None,
         )
+        if model_averaging_period is not None:
+            self._ddp_comm_state = local_sgd
 
     @property
     def compressor(self) -> Compressor:

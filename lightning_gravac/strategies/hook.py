@@ -69,6 +69,8 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     grads = bucket.gradients()
     cfs = [state.cf_of(name) for name in names]
 
+    if state.local_sgd_from is not None and state.step >= state.local_sgd_from:
+        return _local(state, names, grads, buffer)
     dense = all(cf == 1.0 for cf in cfs)
     if dense and not state.probe_cfs:
         if state.error_feedback:
@@ -127,6 +129,19 @@ def _plain_allreduce(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
         return fut.value()[0]
 
     return work.get_future().then(done)
+
+
+def _local(state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor) -> Future[Tensor]:
+    """Local SGD: this rank's own gradient, nothing sent (the strategy averages the parameters periodically)."""
+    if state.error_feedback:  # what compression still owed goes into the local step instead of being lost
+        for name, grad in zip(names, grads, strict=True):
+            state.memory.compensate_(name, grad)
+            state.memory.discard(name)
+    nbytes = buffer.numel() * buffer.element_size()
+    state.record(BucketRecord(bytes_sent=0, bytes_dense=nbytes, collective=REDUCE))
+    future: Future[Tensor] = Future()
+    future.set_result(buffer)
+    return future
 
 
 def _segments(

@@ -108,6 +108,7 @@ class CompressionState:
     cf: float = 1.0
     param_cf: dict[str, float] = field(default_factory=dict)
     probe_cfs: tuple[float, ...] = ()  # factors whose gain the hook measures as well (GraVAC's candidates)
+    local_sgd_from: int | None = None  # the step from which gradients stay local (periodic model averaging)
 
     # Bound at hook registration.
     process_group: dist.ProcessGroup | None = None
