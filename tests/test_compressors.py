@@ -415,3 +415,14 @@ def test_sq_norm_is_accurate_without_a_float64_copy(dtype, numel):
     assert sq_norm(g).dtype == torch.float64
     assert sq_norm(g).item() == pytest.approx(g.double().square().sum().item(), rel=1e-6)
     assert math.isnan(sq_norm(torch.full((numel,), math.nan, dtype=dtype)).item())
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc", "redsync", "sidco", "threshold"])
+def test_a_gradient_with_fewer_non_zeros_than_k_sends_them_all(name):
+    # An embedding's gradient: a few rows touched, the rest exactly zero. k = 50,000 > 3,000 non-zeros.
+    g = torch.zeros(1_000_000)
+    g[torch.randperm(1_000_000, generator=torch.Generator().manual_seed(0))[:3000]] = torch.randn(3000)
+    c = get_compressor(name, warmup_epochs=0, clip_norm=None) if name == "dgc" else get_compressor(name)
+    values, indices = c.compress(g, cf=10, key="w").wire
+    assert indices.numel() == sparse_k(1_000_000, 10, torch.float32) == indices.unique().numel()
+    assert torch.count_nonzero(values) == 3000 and torch.equal(c.decompress(c.compress(g, cf=10, key="v")), g)

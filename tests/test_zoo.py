@@ -140,3 +140,36 @@ def test_lstm_carries_its_hidden_state_across_batches_and_ties_weights():
     assert logits.shape == (3, 5, 50) and state[0].shape == carried[0].shape
     with pytest.raises(ValueError, match="Tied weights need `embedding` == `hidden`"):
         LSTMLanguageModel(vocab_size=5, embedding=8, hidden=16)
+
+
+def test_large_minibatch_schedule_scales_linearly_and_warms_up():
+    # Goyal et al.: 8 ranks x 32 = 256 against a reference of 32: 8x the rate, reached linearly over 2 epochs of
+    # 10 steps; then x0.1 at epoch 5.
+    from lightning_gravac.zoo.optim import large_batch_factor, sgd_with_steps
+
+    factors = [large_batch_factor(s, 10, 8.0, 2, [5], 0.1) for s in (0, 5, 10, 19, 20, 49, 50, 70)]
+    assert factors == pytest.approx([1.0, 1.0 + 7 * 5 / 20, 1.0 + 7 * 10 / 20, 1.0 + 7 * 19 / 20, 8.0, 8.0, 0.8, 0.8])
+    config = sgd_with_steps(
+        [torch.nn.Parameter(torch.zeros(1))], 0.1, milestones=[5], global_batch=256, reference_batch=32,
+        warmup_epochs=2, steps_per_epoch=10,
+    )  # fmt: skip
+    assert config["lr_scheduler"]["interval"] == "step"
+    optimizer, schedule = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(51):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates[0] == pytest.approx(0.1) and rates[20] == pytest.approx(0.8) and rates[50] == pytest.approx(0.08)
+    with pytest.raises(ValueError, match="needs `steps_per_epoch`"):
+        sgd_with_steps([torch.nn.Parameter(torch.zeros(1))], 0.1, global_batch=64)
+
+
+def test_batch_geometry_comes_from_the_trainer():
+    from types import SimpleNamespace
+
+    from lightning_gravac.zoo.optim import trainer_batch_geometry
+
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=32), world_size=4, accumulate_grad_batches=2,
+                              max_epochs=10, estimated_stepping_batches=1000)  # fmt: skip
+    assert trainer_batch_geometry(SimpleNamespace(trainer=trainer)) == (256, 100)

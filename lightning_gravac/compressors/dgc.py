@@ -150,10 +150,10 @@ class DGC(Sparsifier):
         out = self.scratch.like(v)
         for _ in range(10):
             candidates = above(v, threshold, out)
-            if candidates.numel() >= 0.8 * k:
+            if candidates.numel() >= 0.8 * k or threshold <= 0:
                 break
             threshold *= 0.8
-        if candidates.numel() >= k:  # more than enough (more than 1.3k too): the exact top k among them
+        if candidates.numel() >= k or threshold <= 0:  # enough (the exact top k among them), or every non-zero
             return fill_to_k(v, candidates, k, out)
         return exact_topk(v, k, out, generator)  # too few even after 10 rounds: exact top-k
 

@@ -108,7 +108,8 @@ def exact_topk(
 
     A uniform sample estimates a threshold a little below the ``k``-th largest; if at least ``k`` entries pass it,
     the top ``k`` among them is the top ``k`` of the whole (ties broken as ``topk`` breaks them). Otherwise a lower
-    quantile of the sample is tried. The sample decides only how much work is done, never which entries win. Small
+    quantile of the sample is tried; a tensor with fewer than ``k`` non-zeros (a sparse gradient) sends them all and
+    pads with zeros. The sample decides only how much work is done, never which entries win. Small
     selections or ones of a quarter or more, and signed ones whose threshold is not positive, go straight to
     ``torch.topk``. ``out`` is
     a scratch of ``values``' size and dtype.
@@ -130,6 +131,8 @@ def exact_topk(
         candidates = above(values, threshold, out)
         if signed:
             candidates = candidates[values.index_select(0, candidates) > 0]
+        elif threshold <= 0 and candidates.numel() < k:  # fewer non-zeros than k: all of them, then zeros
+            return fill_to_k(values, candidates, k, out)
         if candidates.numel() >= k:
             chosen = values.index_select(0, candidates)
             chosen = chosen if signed else chosen.abs_()

@@ -46,8 +46,8 @@ class ThresholdSparsifier(Sparsifier):
     it are candidates, and :func:`fill_to_k` turns them into exactly ``k`` indices, so the payload has the fixed size
     ``sparse_k(numel, cf)`` like Top-K's whatever the estimate's error. A threshold is checked on every 101st entry
     before the full pass: one admitting too few is lowered (x0.7, up to :attr:`retries` times, then again on the full
-    pass), one admitting more than ``8k`` gives way to the exact Top-K. Probes at other factors are approximate (a
-    threshold estimated per factor).
+    pass, and at last to 0: every non-zero), one admitting more than ``8k`` gives way to the exact Top-K. Probes at
+    other factors are approximate (a threshold estimated per factor).
     """
 
     nesting = "approximate"
@@ -86,17 +86,19 @@ class ThresholdSparsifier(Sparsifier):
             return int(torch.count_nonzero(strided > thr)) * self._STRIDE
 
         for _ in range(self.retries):
-            if estimate(threshold) >= k:
+            if estimate(threshold) >= k or threshold <= 0:
                 break
             threshold *= 0.7
         if estimate(threshold) > 8 * k:  # far too low (RedSync's linear search on heavy tails ends at the mean)
             return self.kept(tensor, exact_topk(flat, k, out, seeded_generator(self.seed, step, key)))
         candidates = above(flat, threshold, out)
         for _ in range(self.retries):
-            if candidates.numel() >= k:
+            if candidates.numel() >= k or threshold <= 0:  # enough, or a sparse gradient: every non-zero passed
                 break
             threshold *= 0.7
             candidates = above(flat, threshold, out)
+        if candidates.numel() < k and threshold > 0:  # still short: every non-zero, then the padding
+            candidates = above(flat, 0.0, out)
         return self.kept(tensor, fill_to_k(flat, candidates, k, out))
 
     def __repr__(self) -> str:

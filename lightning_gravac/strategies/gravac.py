@@ -94,8 +94,8 @@ class GraVACStrategy(DDPStrategy):
         if model_averaging_period is not None:
             whole(model_averaging_period, "model_averaging_period", minimum=1)
             whole(start_local_sgd_step, "start_local_sgd_step", minimum=0)
-            # Lightning's post-local-SGD machinery: with this state, DDPStrategy.setup builds a PeriodicModelAverager and
-            # optimizer_step averages the parameters every period. Lightning registers the matching gradient hook on
+            # Lightning's post-local-SGD machinery: with this state, DDPStrategy.setup builds a PeriodicModelAverager
+            # and optimizer_step averages the parameters every period. Lightning registers the matching gradient hook on
             # CUDA only; here our own hook stops communicating gradients once local SGD starts, on every device.
             from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 from torchmetrics.text import Perplexity
 
-from lightning_gravac.zoo.optim import sgd_with_steps
+from lightning_gravac.zoo.optim import sgd_with_steps, trainer_batch_geometry
 
 SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}
 #: Tokens (words and ``<eos>``) in the real splits, and the vocabulary size: what synthetic mode reproduces.
@@ -162,6 +162,10 @@ class LSTMLanguageModel(pl.LightningModule):
         weight_decay: L2 penalty.
         milestones: epochs at which the learning rate is multiplied by ``gamma``.
         gamma: the decay factor.
+        scale_lr: large-minibatch training (Goyal et al.): ``lr`` is the rate for ``reference_batch`` and is
+            scaled by global batch / ``reference_batch``, warmed up linearly over ``warmup_epochs``.
+        reference_batch: the global batch ``lr`` is meant for.
+        warmup_epochs: epochs of the linear warm-up (Goyal et al. use 5).
     """
 
     def __init__(
@@ -177,6 +181,9 @@ class LSTMLanguageModel(pl.LightningModule):
         weight_decay: float = 0.0,
         milestones: list[int] | None = None,
         gamma: float = 0.25,
+        scale_lr: bool = False,
+        reference_batch: int = 256,
+        warmup_epochs: float = 0.0,
     ) -> None:
         super().__init__()
         if tie_weights and embedding != hidden:
@@ -244,4 +251,11 @@ class LSTMLanguageModel(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         h = self.hparams
-        return sgd_with_steps(self.parameters(), h["lr"], h["momentum"], h["weight_decay"], h["milestones"], h["gamma"])
+        large: dict[str, Any] = {}
+        if h["scale_lr"]:  # Goyal et al.: linear scaling with the global batch, warm-up
+            global_batch, steps_per_epoch = trainer_batch_geometry(self)
+            large = dict(global_batch=global_batch, steps_per_epoch=steps_per_epoch,
+                         reference_batch=h["reference_batch"], warmup_epochs=h["warmup_epochs"])  # fmt: skip
+        return sgd_with_steps(
+            self.parameters(), h["lr"], h["momentum"], h["weight_decay"], h["milestones"], h["gamma"], **large
+        )

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_gravac.zoo.optim import sgd_with_steps
+from lightning_gravac.zoo.optim import sgd_with_steps, trainer_batch_geometry
 
 Architecture = Literal["resnet18", "resnet50", "resnet101", "vgg11_bn", "vgg16_bn"]
 
@@ -101,6 +101,10 @@ class ImageClassifier(pl.LightningModule):
         weight_decay: L2 penalty.
         milestones: epochs at which the learning rate is multiplied by ``gamma``.
         gamma: the decay factor.
+        scale_lr: large-minibatch training (Goyal et al.): ``lr`` is the rate for ``reference_batch`` and is
+            scaled by global batch / ``reference_batch``, warmed up linearly over ``warmup_epochs``.
+        reference_batch: the global batch ``lr`` is meant for.
+        warmup_epochs: epochs of the linear warm-up (Goyal et al. use 5).
     """
 
     def __init__(
@@ -112,6 +116,9 @@ class ImageClassifier(pl.LightningModule):
         weight_decay: float = 5e-4,
         milestones: list[int] | None = None,
         gamma: float = 0.1,
+        scale_lr: bool = False,
+        reference_batch: int = 256,
+        warmup_epochs: float = 0.0,
     ) -> None:
         super().__init__()
         if architecture not in (*_RESNET_BLOCKS, *_VGG_LAYERS):
@@ -158,4 +165,11 @@ class ImageClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         h = self.hparams
-        return sgd_with_steps(self.parameters(), h["lr"], h["momentum"], h["weight_decay"], h["milestones"], h["gamma"])
+        large: dict[str, Any] = {}
+        if h["scale_lr"]:  # Goyal et al.: linear scaling with the global batch, warm-up
+            global_batch, steps_per_epoch = trainer_batch_geometry(self)
+            large = dict(global_batch=global_batch, steps_per_epoch=steps_per_epoch,
+                         reference_batch=h["reference_batch"], warmup_epochs=h["warmup_epochs"])  # fmt: skip
+        return sgd_with_steps(
+            self.parameters(), h["lr"], h["momentum"], h["weight_decay"], h["milestones"], h["gamma"], **large
+        )
