@@ -71,11 +71,17 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
         True,
     ),
     "gravac sequential": (
-        lambda: (GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, omega=0.05, window=25)]),
+        lambda: (
+            GraVACStrategy("topk"),
+            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, omega=0.05, window=25, probe_every=5)],
+        ),
         False,
     ),
     "gravac model": (
-        lambda: (GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, window=25, search="model")]),
+        lambda: (
+            GraVACStrategy("topk"),
+            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, window=25, search="model", probe_every=5)],
+        ),
         False,
     ),
 }

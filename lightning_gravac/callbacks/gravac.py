@@ -84,6 +84,9 @@ class GraVAC(Controller):
         alpha: EWMA factor of the gains, in (0, 1]; ``None`` for the paper's default.
         interval: unit of ``window``, ``"step"`` or ``"epoch"``.
         search: ``"sequential"`` (the paper) or ``"model"``.
+        probe_every: after the first window, measure the probe factors' gains on one step in this many (1: every
+            step, as the paper). Steps without probes send at the chosen factor alone: dense then costs what
+            stock DDP costs.
 
     Raises:
         ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
@@ -101,6 +104,7 @@ class GraVAC(Controller):
         alpha: float | None = None,
         interval: Interval = "step",
         search: Search = "sequential",
+        probe_every: int = 1,
     ) -> None:
         cf_min, cf_max = validate_cf(cf_min, "cf_min"), validate_cf(cf_max, "cf_max")
         if cf_min > cf_max:
@@ -113,6 +117,7 @@ class GraVAC(Controller):
         self.policy = choice(policy, "policy", ("exponential", "geometric"))
         self.interval = choice(interval, "interval", ("step", "epoch"))
         self.search = choice(search, "search", ("sequential", "model"))
+        self.probe_every = whole(probe_every, "probe_every")
         self.cf_max = cf_max
         self.ladder = self._ladder(cf_min, cf_max)
 
@@ -133,6 +138,7 @@ class GraVAC(Controller):
         self._batch_size = 1
         self._bytes_dense = 0
         self._step_start = 0.0
+        self._steps = 0
 
     def _ladder(self, cf_min: float, cf_max: float) -> tuple[float, ...]:
         factors, scale = [cf_min], 2.0
@@ -173,7 +179,10 @@ class GraVAC(Controller):
     @override
     def apply(self, state: CompressionState) -> None:
         super().apply(state)
-        state.probe_cfs = self.probe_cfs
+        # Every step of the first window; then one step in `probe_every` (the gains are smoothed anyway), so that a
+        # settled or dense choice stops paying for the measurement on the other steps.
+        probing = self.windows == 0 or self._steps % self.probe_every == 0
+        state.probe_cfs = self.probe_cfs if probing else ()
 
     @override
     def on_train_batch_start(
@@ -195,6 +204,7 @@ class GraVAC(Controller):
 
     @override
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
+        self._steps += 1
         self._bytes_dense = stats.bytes_dense
         alpha = self.ewma_alpha
         for cf, gain in stats.probe_gains().items():
@@ -316,6 +326,7 @@ class GraVAC(Controller):
             "link": asdict(self.link) if self.link is not None else None,
             "windows": self.windows,
             "progress": self._progress,
+            "steps": self._steps,
             "tally": {f: asdict(t) for f, t in self._tally.items()},
         }
 
@@ -330,10 +341,11 @@ class GraVAC(Controller):
         self.gains, self.throughput = dict(state_dict["gains"]), dict(state_dict["throughput"])
         self.link = _Link(**state_dict["link"]) if state_dict["link"] is not None else None
         self._tally = {f: _Tally(**t) for f, t in state_dict["tally"].items()}
+        self._steps = state_dict.get("steps", 0)
         super().load_state_dict(state_dict)
 
     def __repr__(self) -> str:
         return (
             f"GraVAC(cf_min={self.cf_min:g}, cf_max={self.cf_max:g}, epsilon={self.epsilon}, omega={self.omega}, "
-            f"window={self.window}, policy={self.policy!r}, search={self.search!r})"
+            f"window={self.window}, policy={self.policy!r}, search={self.search!r}, probe_every={self.probe_every})"
         )

@@ -96,7 +96,8 @@ def fill_to_k(values: Tensor, candidates: Tensor, k: int, out: Tensor) -> Tensor
             return candidates
         magnitude = values.index_select(0, candidates).abs_()
         return candidates.index_select(0, torch.topk(magnitude, k, sorted=False).indices)
-    rest = (out.view(_bits_of(out.dtype)) == 0).nonzero().view(-1)[: k - found]
+    # The first k - found entries that are not candidates lie within the first k entries: scan those alone.
+    rest = (out[:k].view(_bits_of(out.dtype)) == 0).nonzero().view(-1)[: k - found]
     return torch.cat([candidates, rest])
 
 

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k
+from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k, sq_norm
 from lightning_gravac.compressors.select import exact_topk, seeded_generator
 from lightning_gravac.compressors.sparse import Sparsifier
 
@@ -46,22 +46,30 @@ class TopK(Sparsifier):
     def compress_and_probe(
         self, tensor: Tensor, cf: float, probe_cfs: Sequence[float], *, key: str = "", step: int = 0
     ) -> tuple[Payload, Tensor]:
-        """Multi-level Top-K: one selection at the least aggressive of all the factors, sorted by magnitude.
+        """Multi-level Top-K: one selection at the least aggressive of all the factors, then nested ones.
 
-        The top ``k`` of any more aggressive factor is a prefix of it, so the payload at ``cf`` is a slice and
-        every probe's ``||C(g)||^2`` is a prefix sum of squares: one selection and one sort of its ``k`` values,
-        instead of one selection a factor.
+        The top ``k`` of any more aggressive factor lies inside the top ``K`` of a less aggressive one, so each level
+        is selected from the previous level's entries alone (a top-k over ``K`` values, not over the tensor), and
+        every probe's ``||C(g)||^2`` is the squared norm of its level's values.
         """
         flat = tensor.reshape(-1)
         ks = [sparse_k(flat.numel(), c, flat.dtype) for c in (cf, *probe_cfs)]
-        indices = self._top(flat, max(ks), key, step)
-        values = flat.index_select(0, indices)
-        order = values.abs().argsort(descending=True, stable=True)
-        indices, values = indices.index_select(0, order), values.index_select(0, order)
-        prefix_sq = values.double().square().cumsum(0)
-        k = ks[0]
-        payload = Payload((values[:k], indices[:k].to(torch.int32)), tensor.shape, tensor.dtype)
-        return payload, prefix_sq[torch.tensor(ks[1:], device=prefix_sq.device, dtype=torch.long) - 1]
+        levels: dict[int, tuple[Tensor, Tensor]] = {}
+        indices: Tensor | None = None
+        values: Tensor | None = None
+        for k in sorted(set(ks), reverse=True):
+            if indices is None or values is None:
+                indices = self._top(flat, k, key, step)
+                values = flat.index_select(0, indices)
+            else:
+                chosen = torch.topk(values.abs(), k, sorted=False).indices
+                indices, values = indices.index_select(0, chosen), values.index_select(0, chosen)
+            levels[k] = (indices, values)
+        kept_indices, kept_values = levels[ks[0]]
+        payload = Payload((kept_values, kept_indices.to(torch.int32)), tensor.shape, tensor.dtype)
+        norms = [sq_norm(levels[k][1]) for k in ks[1:]]
+        probes = torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=flat.device)
+        return payload, probes
 
     def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
         if not cfs:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 from torchmetrics.text import Perplexity
 
-from lightning_gravac.zoo.optim import sgd_with_steps, trainer_batch_geometry
+from lightning_gravac.zoo.optim import configure_sgd
 
 SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}
 #: Tokens (words and ``<eos>``) in the real splits, and the vocabulary size: what synthetic mode reproduces.
@@ -250,12 +250,4 @@ class LSTMLanguageModel(pl.LightningModule):
         self.log("val_ppl", self.perplexity, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
-        h = self.hparams
-        large: dict[str, Any] = {}
-        if h["scale_lr"]:  # Goyal et al.: linear scaling with the global batch, warm-up
-            global_batch, steps_per_epoch = trainer_batch_geometry(self)
-            large = dict(global_batch=global_batch, steps_per_epoch=steps_per_epoch,
-                         reference_batch=h["reference_batch"], warmup_epochs=h["warmup_epochs"])  # fmt: skip
-        return sgd_with_steps(
-            self.parameters(), h["lr"], h["momentum"], h["weight_decay"], h["milestones"], h["gamma"], **large
-        )
+        return configure_sgd(self)

@@ -75,3 +75,18 @@ def trainer_batch_geometry(module: Any) -> tuple[int, int]:
     epochs = max(1, trainer.max_epochs or 1)
     steps = trainer.estimated_stepping_batches
     return global_batch, max(1, math.ceil(steps / epochs)) if math.isfinite(steps) else 1
+
+
+def configure_sgd(module: Any) -> Any:
+    """The zoo models' ``configure_optimizers``: :func:`sgd_with_steps` from their hyper-parameters (``lr``,
+    ``momentum``, ``weight_decay``, ``milestones``, ``gamma``, and ``scale_lr``, ``reference_batch``,
+    ``warmup_epochs`` for large-minibatch training)."""
+    h = module.hparams
+    large: dict[str, Any] = {}
+    if h["scale_lr"]:
+        global_batch, steps_per_epoch = trainer_batch_geometry(module)
+        large = dict(global_batch=global_batch, steps_per_epoch=steps_per_epoch,
+                     reference_batch=h["reference_batch"], warmup_epochs=h["warmup_epochs"])  # fmt: skip
+    return sgd_with_steps(
+        module.parameters(), h["lr"], h["momentum"], h["weight_decay"], h["milestones"], h["gamma"], **large
+    )

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_gravac.zoo.optim import sgd_with_steps, trainer_batch_geometry
+from lightning_gravac.zoo.optim import configure_sgd
 
 Architecture = Literal["resnet18", "resnet50", "resnet101", "vgg11_bn", "vgg16_bn"]
 
@@ -164,12 +164,4 @@ class ImageClassifier(pl.LightningModule):
         self.log_dict({"val_acc": self.top1, "val_acc_top5": self.top5}, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
-        h = self.hparams
-        large: dict[str, Any] = {}
-        if h["scale_lr"]:  # Goyal et al.: linear scaling with the global batch, warm-up
-            global_batch, steps_per_epoch = trainer_batch_geometry(self)
-            large = dict(global_batch=global_batch, steps_per_epoch=steps_per_epoch,
-                         reference_batch=h["reference_batch"], warmup_epochs=h["warmup_epochs"])  # fmt: skip
-        return sgd_with_steps(
-            self.parameters(), h["lr"], h["momentum"], h["weight_decay"], h["milestones"], h["gamma"], **large
-        )
+        return configure_sgd(self)
