@@ -84,6 +84,14 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
         ),
         False,
     ),
+    # The same with epsilon 0.3: with error feedback this task keeps less than 0.7 of the energy beyond cf 40.
+    "gravac model, epsilon 0.3": (
+        lambda: (
+            GraVACStrategy("topk"),
+            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.3, window=25, search="model", probe_every=5)],
+        ),
+        False,
+    ),
 }
 
 

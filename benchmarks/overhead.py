@@ -8,6 +8,9 @@ shared machine cancels. Reports the median time a step and the median and range 
 cf 1: <= 1.02). A Top-K row at cf 100 is shown for context: on loopback the link is fast, so it
 measures compression cost more than savings.
 
+Rows marked [CPU] give the process's CPU time a step (all its threads, gloo's included) instead of wall time: work
+done, which the neighbours on a shared machine disturb less than they disturb wall time.
+
 A second table isolates the hook: plain torch DDP (no Lightning) with no hook, torch's own ``allreduce_hook`` and
 ``gravac_hook`` at cf 1, timing forward + backward + optimizer step.
 """
@@ -39,18 +42,25 @@ class StepTimer(Callback):
 
     def __init__(self, warmup: int) -> None:
         self.warmup, self.start, self.end, self.steps = warmup, 0.0, 0.0, 0
+        self.cpu_start, self.cpu_end = 0.0, 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.warmup:
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step > self.warmup:
             self.end, self.steps = time.perf_counter(), trainer.global_step - self.warmup
+            self.cpu_end = time.process_time()
 
     @property
     def seconds_per_step(self) -> float:
         return (self.end - self.start) / self.steps
+
+    @property
+    def cpu_seconds_per_step(self) -> float:
+        """CPU time of this process (every thread, gloo's included) a step: less sensitive to the neighbours."""
+        return (self.cpu_end - self.cpu_start) / self.steps
 
 
 CONFIGS = {
@@ -89,6 +99,7 @@ def _rank(rank: int, world_size: int, width: int, depth: int, steps: int, rounds
             )  # fmt: skip
             trainer.fit(TeacherRegression(width=width, depth=depth), DataLoader(data, batch_size=32))
             times[name].append(timer.seconds_per_step)
+            times.setdefault(f"{name} [CPU]", []).append(timer.cpu_seconds_per_step)
     return times
 
 
@@ -114,11 +125,12 @@ def _raw_rank(rank: int, world_size: int, width: int, depth: int, steps: int, ro
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             for step in range(steps):
                 if step == 3:
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                 optimizer.zero_grad()
                 ddp(x).square().mean().backward()
                 optimizer.step()
             times[name].append((time.perf_counter() - start) / (steps - 3))
+            times.setdefault(f"{name} [CPU]", []).append((time.process_time() - cpu_start) / (steps - 3))
     return times
 
 
@@ -126,8 +138,10 @@ def _table(times: dict[str, list[float]], base: str) -> None:
     print(f"| configuration | ms / step | steps / s | time ratio to {base}, median | range over rounds |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, runs in times.items():
+        # "[CPU]" rows: process CPU time a step, compared with the baseline's CPU time.
+        reference = times[f"{base} [CPU]"] if name.endswith("[CPU]") else times[base]
         median = statistics.median(runs)
-        ratios = [t / d for t, d in zip(runs, times[base], strict=True)]
+        ratios = [t / d for t, d in zip(runs, reference, strict=True)]
         spread = f"{min(ratios):.3f} - {max(ratios):.3f}"
         print(f"| {name} | {1e3 * median:.1f} | {1 / median:.2f} | {statistics.median(ratios):.3f} | {spread} |")
 
