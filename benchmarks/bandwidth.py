@@ -254,7 +254,7 @@ def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -
             t = r["trajectory"]
             ax.plot([p[0] for p in t], [p[2] for p in t], label=r["config"], lw=1.2)
         ax.axhline(target, color="k", ls="--", lw=0.8)
-        ax.set_xscale("symlog")
+        ax.set_xscale("log")
         ax.set_title(f"link {rate}")
         ax.set_xlabel("wall time (s)")
         ax.set_ylabel("smoothed training loss")
