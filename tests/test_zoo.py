@@ -173,3 +173,30 @@ def test_batch_geometry_comes_from_the_trainer():
     trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=32), world_size=4, accumulate_grad_batches=2,
                               max_epochs=10, estimated_stepping_batches=1000)  # fmt: skip
     assert trainer_batch_geometry(SimpleNamespace(trainer=trainer)) == (256, 100)
+
+
+def test_cifar_download_checks_the_md5_and_extracts(tmp_path, monkeypatch):
+    # The real download path, from a file:// URL: an archive of the real layout, its MD5, extraction.
+    import hashlib
+    import tarfile
+
+    from lightning_gravac.zoo import cifar
+
+    source = tmp_path / "source"
+    _write_cifar(source, "cifar10")
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(source / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    digest = hashlib.md5(archive.read_bytes()).hexdigest()
+    real = cifar.ARCHIVES["cifar10"]
+    monkeypatch.setitem(
+        cifar.ARCHIVES, "cifar10", real.__class__(**{**vars(real), "url": archive.as_uri(), "md5": digest})
+    )
+    data = CIFARDataModule("cifar10", root=str(tmp_path / "data"), download=True, batch_size=2)
+    data.prepare_data()
+    data.setup("fit")
+    assert len(data.train_set) == 20
+    bad = real.__class__(**{**vars(real), "url": archive.as_uri(), "md5": "0" * 32})
+    monkeypatch.setitem(cifar.ARCHIVES, "cifar10", bad)
+    with pytest.raises(OSError, match=r"MD5 [0-9a-f]{32}, expected 0{32}"):
+        cifar.download(tmp_path / "elsewhere", "cifar10")
