@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader
 from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, Static
 from lightning_gravac.compressors import DGC
 from lightning_gravac.launch import run_distributed
+from lightning_gravac.meprop import MeProp
 from lightning_gravac.zoo import BagOfWordsRegression, bag_of_words_dataset
 
 _INSIDE = "GRAVAC_BANDWIDTH_NETNS"
@@ -70,6 +71,8 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
         lambda: (GraVACStrategy("none", model_averaging_period=4, start_local_sgd_step=20), [Static(cf=1)]),
         True,
     ),
+    # meProp (a compute saving): each example's output gradient of the embedding bag keeps its top 10%.
+    "dense DDP + meProp 10%": (lambda: (DDPStrategy(), [MeProp(ratio=0.1)]), True),
     "gravac sequential": (
         lambda: (
             GraVACStrategy("topk"),

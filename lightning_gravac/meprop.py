@@ -59,10 +59,26 @@ class MePropLinear(nn.Linear):
         return _SparseBackward.apply(x, self.weight, self.bias, self.k, self.unified)
 
 
+def _keep_top_k_per_row(k: int):  # type: ignore[no-untyped-def]
+    def hook(grad: Tensor) -> Tensor:
+        top = torch.topk(grad.abs(), k, dim=-1, sorted=False).indices
+        return torch.zeros_like(grad).scatter_(-1, top, grad.gather(-1, top))
+
+    return hook
+
+
+def _sparsify_bag_gradient(module: nn.Module, args: Any, output: Tensor) -> None:
+    k: int = getattr(module, "_meprop_k")  # noqa: B009 - set by apply_meprop, not a declared attribute
+    if torch.is_grad_enabled() and output.requires_grad and k < output.shape[-1]:
+        output.register_hook(_keep_top_k_per_row(k))
+
+
 def apply_meprop(
     module: nn.Module, k: int | None = None, ratio: float | None = None, unified: bool = False, exclude: tuple = ()
 ) -> list[str]:
-    """Turn every ``nn.Linear`` in ``module`` (but those named in ``exclude``) into a :class:`MePropLinear`, in place.
+    """Turn every ``nn.Linear`` in ``module`` (but those named in ``exclude``) into a :class:`MePropLinear`, in place;
+    an ``nn.EmbeddingBag`` (a linear layer of word counts) gets the same per-example sparsification of its output
+    gradient through a hook (not in the unified form).
 
     The layers keep their parameters (the class of the module object changes), so this works before or after DDP
     has wrapped the model. Give ``k`` (entries kept per example) or ``ratio`` (of each layer's width, at least 1).
@@ -76,11 +92,21 @@ def apply_meprop(
         raise ValueError(f"`ratio` must be in (0, 1], got {ratio!r}.")
     changed = []
     for name, layer in module.named_modules():
-        if isinstance(layer, nn.Linear) and name not in exclude:
+        if name in exclude:
+            continue
+        if isinstance(layer, nn.Linear):
             layer.__class__ = MePropLinear
             assert isinstance(layer, MePropLinear)
             layer.k = k if k is not None else max(1, round(ratio * layer.out_features))  # type: ignore[operator]
             layer.unified = unified
+            changed.append(name)
+        elif isinstance(layer, nn.EmbeddingBag) and not unified:
+            # A linear layer of the bag's word counts: its output gradient is sparsified per example the same way
+            # (a gradient hook on the output), so each bag's words get k of the embedding's columns.
+            kept = k if k is not None else max(1, round(ratio * layer.embedding_dim))  # type: ignore[operator]
+            setattr(layer, "_meprop_k", kept)  # noqa: B010 - a plain attribute on a stock module
+            if not hasattr(layer, "_meprop_handle"):
+                setattr(layer, "_meprop_handle", layer.register_forward_hook(_sparsify_bag_gradient))  # noqa: B010
             changed.append(name)
     return changed
 

@@ -77,3 +77,16 @@ def test_training_with_meprop_still_converges():
     assert meprop.layers == ["net.0", "net.2", "net.4"]  # the 1-unit output layer keeps its k = 1: whole
     # Within 30% of dense SGD's loss after 6 epochs, keeping a quarter of each hidden layer's output gradient.
     assert sparse < 1.3 * dense, f"meProp {sparse:.4f} against dense {dense:.4f}"
+
+
+def test_embedding_bag_output_gradient_keeps_the_top_k_of_each_example():
+    torch.manual_seed(0)
+    dense, sparse = nn.EmbeddingBag(30, 8, mode="sum"), nn.EmbeddingBag(30, 8, mode="sum")
+    sparse.load_state_dict(dense.state_dict())
+    assert apply_meprop(sparse, k=2) == [""]
+    bags, c = torch.randint(0, 30, (4, 5)), torch.randn(4, 8)
+    (sparse(bags) * c).sum().backward()
+    keep = torch.zeros_like(c, dtype=torch.bool).scatter_(1, c.abs().topk(2, dim=1).indices, True)
+    (dense(bags) * torch.where(keep, c, 0)).sum().backward()  # the dense layer, fed the masked output gradient
+    torch.testing.assert_close(sparse.weight.grad, dense.weight.grad)
+    assert apply_meprop(sparse, k=3) == [""] and sparse._meprop_k == 3  # re-applied: one hook, the new k
