@@ -253,9 +253,10 @@ def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
     for ax, (rate, rows) in zip(axes[0], results.items(), strict=True):
-        for r in rows:
+        for i, r in enumerate(rows):
             t = r["trajectory"]
-            ax.plot([p[0] for p in t], [p[2] for p in t], label=r["config"], lw=1.2)
+            color = plt.get_cmap("tab20")(i % 20)  # more rows than the default cycle's 10 colours
+            ax.plot([p[0] for p in t], [p[2] for p in t], label=r["config"], lw=1.2, color=color)
         ax.axhline(target, color="k", ls="--", lw=0.8)
         ax.set_xscale("log")
         ax.set_title(f"link {rate}")
