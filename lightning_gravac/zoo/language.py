@@ -157,15 +157,9 @@ class LSTMLanguageModel(pl.LightningModule):
         layers: LSTM layers.
         dropout: dropout on the embedding, between layers and before the decoder.
         tie_weights: share the embedding matrix with the decoder.
-        lr: SGD learning rate.
-        momentum: SGD momentum (0 with DGC, whose momentum correction applies it instead).
-        weight_decay: L2 penalty.
-        milestones: epochs at which the learning rate is multiplied by ``gamma``.
-        gamma: the decay factor.
-        scale_lr: large-minibatch training (Goyal et al.): ``lr`` is the rate for ``reference_batch`` and is
-            scaled by global batch / ``reference_batch``, warmed up linearly over ``warmup_epochs``.
-        reference_batch: the global batch ``lr`` is meant for.
-        warmup_epochs: epochs of the linear warm-up (Goyal et al. use 5).
+        lr, momentum, weight_decay, milestones, gamma, scale_lr, reference_batch, warmup_epochs: the optimizer's,
+            as :func:`~lightning_gravac.zoo.optim.configure_sgd` reads them (momentum 0 with DGC, whose momentum
+            correction applies it; ``scale_lr`` for Goyal et al.'s large-minibatch rule).
     """
 
     def __init__(

@@ -78,9 +78,13 @@ def trainer_batch_geometry(module: Any) -> tuple[int, int]:
 
 
 def configure_sgd(module: Any) -> Any:
-    """The zoo models' ``configure_optimizers``: :func:`sgd_with_steps` from their hyper-parameters (``lr``,
-    ``momentum``, ``weight_decay``, ``milestones``, ``gamma``, and ``scale_lr``, ``reference_batch``,
-    ``warmup_epochs`` for large-minibatch training)."""
+    """The zoo models' ``configure_optimizers``: :func:`sgd_with_steps` from their hyper-parameters.
+
+    ``lr``: SGD learning rate; ``momentum``: SGD momentum; ``weight_decay``: L2 penalty; ``milestones``: epochs at
+    which the rate is multiplied by ``gamma``. ``scale_lr``: large-minibatch training (Goyal et al.): ``lr`` is the
+    rate for a global batch of ``reference_batch`` and is scaled by global batch / ``reference_batch``, warmed up
+    linearly over ``warmup_epochs`` (Goyal et al. use 5).
+    """
     h = module.hparams
     large: dict[str, Any] = {}
     if h["scale_lr"]:
