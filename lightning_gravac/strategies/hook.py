@@ -73,12 +73,8 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         return _local(state, names, grads, buffer)
     dense = all(cf == 1.0 for cf in cfs)
     if dense and not state.probe_cfs:
-        if state.error_feedback:
-            # Going dense sends what was pending too: the residuals are added in and dropped. (This path has no
-            # header to tell a non-finite step, which then loses the pending residual, as stock DDP loses nothing.)
-            for name, grad in zip(names, grads, strict=True):
-                state.memory.compensate_(name, grad)
-                state.memory.discard(name)
+        # (This path has no header to tell a non-finite step, which then loses the pending residual.)
+        _flush_residuals(state, names, grads)
         return _plain_allreduce(state, buffer)
 
     start = time.perf_counter()
@@ -131,12 +127,17 @@ def _plain_allreduce(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
     return work.get_future().then(done)
 
 
-def _local(state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor) -> Future[Tensor]:
-    """Local SGD: this rank's own gradient, nothing sent (the strategy averages the parameters periodically)."""
-    if state.error_feedback:  # what compression still owed goes into the local step instead of being lost
+def _flush_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> None:
+    """Add every pending residual into its gradient and drop it: what is sent now in full carries it."""
+    if state.error_feedback:
         for name, grad in zip(names, grads, strict=True):
             state.memory.compensate_(name, grad)
             state.memory.discard(name)
+
+
+def _local(state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor) -> Future[Tensor]:
+    """Local SGD: this rank's own gradient, nothing sent (the strategy averages the parameters periodically)."""
+    _flush_residuals(state, names, grads)  # what compression still owed goes into the local step
     nbytes = buffer.numel() * buffer.element_size()
     state.record(BucketRecord(bytes_sent=0, bytes_dense=nbytes, collective=REDUCE))
     future: Future[Tensor] = Future()
@@ -264,8 +265,9 @@ def _low_rank(state: CompressionState, segments: list[_Segment], buffer: Tensor,
     matrices = [as_matrix(s.tensor) for s in low]  # views of the inputs for fp32
     ps = [method.project(m, method.rank_for(s.tensor.shape, s.cf), s.key) for s, m in zip(low, matrices, strict=True)]
     probes = [method.probe(s.tensor, state.probe_cfs, key=s.key) for s in segments] if state.probe_cfs else []
-    basis = torch.stack([sq_norm(s.tensor) for s in segments]).sum()
-    dense_sq = torch.stack([sq_norm(s.tensor) for s in full]).sum() if full else basis.new_zeros(())
+    norms = {s.key: sq_norm(s.tensor) for s in segments}
+    basis = torch.stack(list(norms.values())).sum()
+    dense_sq = torch.stack([norms[s.key] for s in full]).sum() if full else basis.new_zeros(())
     first = torch.cat([p.view(-1) for p in ps] + [s.tensor.reshape(-1).float() / world for s in full])
     work = _Work(state, buffer, segments, [], basis.new_zeros(0), start=start)
     second_numel = sum(m.shape[1] * p.shape[1] for m, p in zip(matrices, ps, strict=True))
