@@ -206,7 +206,7 @@ def test_fill_to_k_takes_the_top_of_many_candidates_and_pads_few():
     out = torch.empty(6)
 
     def pick(threshold: float, k: int) -> list[int]:
-        return fill_to_k(values, above(values, threshold, out), k, out).tolist()
+        return fill_to_k(values, above(values, threshold, out), k).tolist()
 
     assert sorted(pick(1.5, 2)) == [0, 2]
     assert pick(4.5, 3) == [0, 1, 2]  # the one candidate, then the first entries left out, in index order
@@ -222,6 +222,24 @@ def test_above_finds_every_entry_whose_magnitude_exceeds_the_threshold(numel, dt
         assert torch.equal(found, (values.abs() > threshold).nonzero().view(-1))
     offset = values[1:]  # not 8-byte aligned: the plain scan
     assert torch.equal(above(offset, 0.5, torch.empty_like(offset)), (offset.abs() > 0.5).nonzero().view(-1))
+
+
+def test_above_by_blocks_is_the_plain_scan_signed_and_with_nan():
+    # Sparse survivors (the block path: few blocks of 32 hold one), a tail past the last whole block, NaN entries.
+    torch.manual_seed(0)
+    values = torch.distributions.StudentT(3.0).sample((70_001,))
+    values[[5, 40_000, 70_000]] = float("nan")
+    out = torch.empty_like(values)
+    for threshold in (8.0, 30.0):
+        plain = (values.abs() > threshold) | values.isnan()
+        assert torch.equal(above(values, threshold, out), plain.nonzero().view(-1))
+        assert torch.equal(above(values, threshold, out, signed=True), (values > threshold).nonzero().view(-1))
+
+
+def test_fill_to_k_pads_around_candidates_in_index_order():
+    values = torch.zeros(10)
+    values[[1, 7]] = 1.0
+    assert fill_to_k(values, torch.tensor([1, 7]), 5).tolist() == [1, 7, 0, 2, 3]
 
 
 @pytest.mark.parametrize("k", [1, 10, 500, 5000, 60_000])

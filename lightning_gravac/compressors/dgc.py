@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k, sq_norm
-from lightning_gravac.compressors.select import above, exact_topk, fill_to_k, sample, seeded_generator
+from lightning_gravac.compressors.select import Blocks, exact_topk, fill_to_k, sample, seeded_generator
 from lightning_gravac.compressors.sparse import Sparsifier
 
 #: Warm-up densities: each epoch keeps a quarter as much (75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity).
@@ -113,16 +113,15 @@ class DGC(Sparsifier):
         if self.clip_norm is not None:
             norm = torch.linalg.vector_norm(g, dtype=torch.float32)
             scale = torch.clamp(self.clip_norm / math.sqrt(self.world_size) / (norm + 1e-12), max=1.0)
-        # u = m u + g and v = v + u, evaluated in that order (the paper's arithmetic, bit for bit without clipping).
+        # u = m u + g and v = v + u, evaluated in that order (the paper's arithmetic).
         v_old = self._v.get(key)
         u_old = self._u.get(key) if self.momentum_correction else None
         fresh = self._take(spare_u if self.momentum_correction else spare_v, key, g)
         if u_old is not None:
-            torch.mul(u_old, self.momentum, out=fresh)
-            if scale is None:
-                fresh.add_(g)
+            if scale is None:  # one pass: g + m u
+                torch.add(g, u_old, alpha=self.momentum, out=fresh)
             else:
-                fresh.addcmul_(g, scale)
+                torch.mul(u_old, self.momentum, out=fresh).addcmul_(g, scale)
         elif scale is None:
             fresh.copy_(g)
         else:
@@ -148,14 +147,15 @@ class DGC(Sparsifier):
         drawn = sample(v, samples, generator).abs_()
         threshold = float(torch.topk(drawn, max(1, math.ceil(k / n * samples))).values.min())
         out = self.scratch.like(v)
+        blocks = Blocks(v, signed=False)  # the peaks once; each threshold tried looks at them and the blocks passing
         for _ in range(10):
-            candidates = above(v, threshold, out)
+            candidates = blocks.above(threshold, out)
             if candidates.numel() >= 0.8 * k or threshold <= 0:
                 break
-            threshold *= 0.8
+            threshold = blocks.lowered(threshold, k, 0.8)  # just below the k-th block peak: k or more pass
         if candidates.numel() >= k or threshold <= 0:  # enough (the exact top k among them), or every non-zero
-            return fill_to_k(v, candidates, k, out)
-        return exact_topk(v, k, out, generator)  # too few even after 10 rounds: exact top-k
+            return fill_to_k(v, candidates, k)
+        return blocks.topk(k, out, generator)  # too few even after 10 rounds: exact top-k
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         return self.compress_and_probe(tensor, cf, (), key=key, step=step)[0]

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Compressor, Payload, sparse_k, sq_norm
-from lightning_gravac.compressors.select import above, exact_topk, fill_to_k, sample, seeded_generator
+from lightning_gravac.compressors.select import Blocks, fill_to_k, sample, seeded_generator
 
 
 class Sparsifier(Compressor):
@@ -44,17 +44,18 @@ class ThresholdSparsifier(Sparsifier):
 
     Subclasses implement :meth:`threshold`, usually from a sample of the magnitudes (:meth:`sample`). Entries above
     it are candidates, and :func:`fill_to_k` turns them into exactly ``k`` indices, so the payload has the fixed size
-    ``sparse_k(numel, cf)`` like Top-K's whatever the estimate's error. A threshold is checked on every 101st entry
-    before the full pass: one admitting too few is lowered (x0.7, up to :attr:`retries` times, then again on the full
-    pass, and at last to 0: every non-zero), one admitting more than ``8k`` gives way to the exact Top-K. Probes at
-    other factors are approximate (a threshold estimated per factor).
+    ``sparse_k(numel, cf)`` like Top-K's whatever the estimate's error. A threshold is first checked against the
+    block peaks (:class:`~lightning_gravac.compressors.select.Blocks`): one that more than ``8k`` blocks (or a
+    quarter of them) pass gives way to the exact Top-K, the same entries found faster. One admitting fewer than
+    ``k`` candidates is lowered to just below the ``k``-th largest block peak (:meth:`Blocks.lowered`; x0.7 when
+    there are fewer than ``k`` blocks), up to :attr:`retries` times, then to 0 (every non-zero); each try looks at
+    the peaks and the blocks that pass, not at the whole tensor. Probes at other factors are approximate (a
+    threshold estimated per factor).
     """
 
     nesting = "approximate"
-    #: Times the threshold is lowered (x0.7) when fewer than ``k`` entries pass, before the payload is padded.
+    #: Times the threshold is lowered when fewer than ``k`` entries pass, before the payload is padded.
     retries = 3
-    #: Stride of the quick check of a threshold.
-    _STRIDE = 101
 
     def __init__(self, seed: int = 0, sample_ratio: float = 0.01, min_samples: int = 1024) -> None:
         if not 0 < sample_ratio <= 1:
@@ -80,26 +81,20 @@ class ThresholdSparsifier(Sparsifier):
             return self.kept(tensor, torch.topk(flat.abs(), k, sorted=False).indices)
         out = self.scratch.like(flat)
         threshold = max(0.0, self.threshold(flat, k, key=key, step=step))
-        strided = flat[:: self._STRIDE].abs()
-
-        def estimate(thr: float) -> int:
-            return int(torch.count_nonzero(strided > thr)) * self._STRIDE
-
-        for _ in range(self.retries):
-            if estimate(threshold) >= k or threshold <= 0:
-                break
-            threshold *= 0.7
-        if estimate(threshold) > 8 * k:  # far too low (RedSync's linear search on heavy tails ends at the mean)
-            return self.kept(tensor, exact_topk(flat, k, out, seeded_generator(self.seed, step, key)))
-        candidates = above(flat, threshold, out)
+        blocks = Blocks(flat, signed=False)
+        # Far too low (RedSync's linear search on heavy tails ends at the mean): with that many candidates the top k
+        # among them, which is what is sent, is the exact top k, and that is cheaper to find directly.
+        if blocks.count(threshold) > min(8 * k, blocks.peak.numel() // 4):
+            return self.kept(tensor, blocks.topk(k, out, seeded_generator(self.seed, step, key)))
+        candidates = blocks.above(threshold, out)
         for _ in range(self.retries):
             if candidates.numel() >= k or threshold <= 0:  # enough, or a sparse gradient: every non-zero passed
                 break
-            threshold *= 0.7
-            candidates = above(flat, threshold, out)
+            threshold = blocks.lowered(threshold, k, 0.7)
+            candidates = blocks.above(threshold, out)
         if candidates.numel() < k and threshold > 0:  # still short: every non-zero, then the padding
-            candidates = above(flat, 0.0, out)
-        return self.kept(tensor, fill_to_k(flat, candidates, k, out))
+            candidates = blocks.above(0.0, out)
+        return self.kept(tensor, fill_to_k(flat, candidates, k))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seed={self.seed})"

@@ -15,8 +15,8 @@ class Threshold(ThresholdSparsifier):
 
     The share dropped follows ``cf`` (``1 - k / numel`` with ``k = sparse_k(numel, cf)``: ``cf=50`` drops Aji and
     Heafield's 99% with fp32 values and int32 indices). The threshold is the quantile of a ``sample_ratio`` sample (at
-    least ``min_samples`` entries) that about ``2k`` entries pass; the exact top ``k`` among those (or, when fewer
-    pass, all of them filled to ``k``) is sent (:func:`fill_to_k`).
+    least ``min_samples`` entries) that a little over ``k`` entries pass; the exact top ``k`` among those (or, when
+    fewer pass, all of them filled to ``k``) is sent (:func:`fill_to_k`).
 
     Args:
         sample_ratio: share of the entries sampled.
@@ -28,7 +28,9 @@ class Threshold(ThresholdSparsifier):
 
     def threshold(self, flat: Tensor, k: int, *, key: str, step: int) -> float:
         drawn = self.sample(flat, key=key, step=step)
-        # The sample's (1 - 2k/n) quantile (topk is cheaper than a sort): aiming at 2k candidates makes falling short
-        # of k, and padding, rare, while the exact top-k among 2k candidates costs little.
-        kept = min(drawn.numel(), max(2, math.ceil(2 * drawn.numel() * k / flat.numel())))
+        # A quantile of the sample (topk is cheaper than a sort) aimed 20% and 3 standard deviations of the sampled
+        # count above k candidates: falling short of k (another look at the blocks) is rare, and the candidates
+        # stay few enough that few blocks hold one.
+        expected = drawn.numel() * k / flat.numel()
+        kept = min(drawn.numel(), max(2, math.ceil(1.2 * expected + 3 * math.sqrt(expected)) + 1))
         return float(torch.topk(drawn, kept, sorted=False).values.min())
