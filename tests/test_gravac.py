@@ -27,10 +27,13 @@ class Scripted(GraVAC):
     def step_seconds(self, stats: StepStats) -> float:
         return self.seconds_of(self.cf)
 
-    def run(self, steps: int) -> "Scripted":
+    def run(self, steps: int, state=None) -> "Scripted":
+        """``steps`` steps; with a ``CompressionState``, probing only where :meth:`apply` asks for probes."""
         for _ in range(steps):
             self.sent.append(self.cf)
-            probes = self.probe_cfs
+            if state is not None:
+                self.apply(state)
+            probes = self.probe_cfs if state is None else tuple(state.probe_cfs)
             gain = 1.0 if self.cf == 1 else self.gain_of(self.cf)
             dense = 1_000_000
             stats = StepStats(
@@ -254,3 +257,54 @@ def test_after_the_first_window_probes_run_one_step_in_probe_every():
     assert GraVAC(probe_every=1).probe_every == 1
     with pytest.raises(ValueError, match=r"`probe_every` must be a whole number >= 1, got 0"):
         GraVAC(probe_every=0)
+
+
+def test_spaced_probes_weigh_as_the_steps_they_stand_for():
+    from lightning_gravac import CompressionState
+
+    level = {"gain": 0.8}
+    # 20x keeps half what 10x keeps: no promotion, so cf_min stays 10 and is probed each time.
+    c = Scripted(
+        lambda cf: level["gain"] / (1 if cf == 10 else 2),
+        cf_min=10, window=1000, first_window=2, epsilon=0.3, alpha=0.5, probe_every=4,
+    )  # fmt: skip
+    state = CompressionState(get_compressor("topk"), error_feedback=True)
+    c.run(3, state)  # the first window (steps 1-2) probes every step; then step 3 probes nothing
+    assert c.gains[10] == pytest.approx(0.8)
+    level["gain"] = 0.4
+    c.run(2, state)  # steps 4-5: step 5 (4 steps done) probes, 3 steps after step 2: weight 1 - 0.5^3
+    assert c.gains[10] == pytest.approx(0.8 * 0.5**3 + 0.4 * (1 - 0.5**3))
+    before = c.gains[10]
+    c.run(4, state)  # steps 6-9: step 9 probes, 4 steps after step 5
+    assert c.gains[10] == pytest.approx(before * 0.5**4 + 0.4 * (1 - 0.5**4))
+
+
+def test_model_search_decides_after_a_short_first_window():
+    assert GraVAC(search="model", window=500).first_window == 10
+    assert GraVAC(window=500).first_window == 500
+    assert GraVAC(search="model", window=4).first_window == 4
+    with pytest.raises(ValueError, match=r"`first_window` must be a whole number >= 1, got 0"):
+        GraVAC(first_window=0)
+    gain = {10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}
+
+    def comm(cf: float) -> float:
+        return 0.05 + 1_000_000 / cf / 100_000  # 50 ms a step, then the bytes at 100 kB/s
+
+    c = Scripted(lambda cf: gain[cf], lambda cf: 1.0 + comm(cf), comm, cf_min=10, window=100, search="model")
+    c._world_size = 2
+    c.run(10)
+    # Steps at 10x and 20x moved different byte counts: the fit separates the per-step cost from the per-byte one.
+    assert c.windows == 1 and c.link is not None
+    assert c.link.seconds_per_byte == pytest.approx(1e-5) and c.link.per_step == pytest.approx(0.05)
+    assert c.link.other_seconds == pytest.approx(1.0)
+    c.run(1)
+    assert c.sent[:2] == [10, 20] and c.sent[-1] == 160
+
+
+def test_link_fit_is_proportional_with_one_payload_size_and_none_without_bytes():
+    from lightning_gravac.callbacks.gravac import fit_link
+
+    link = fit_link({100.0: (4, 4.4, 0.4, 4000.0)})
+    assert link is not None and link.per_step == 0 and link.seconds_per_byte == pytest.approx(1e-4)
+    assert link.other_seconds == pytest.approx(1.0)
+    assert fit_link({1.0: (3, 3.0, 0.0, 0.0)}) is None

@@ -35,10 +35,34 @@ class _Tally:
 
 @dataclass
 class _Link:
-    """A fitted model of a step: ``seconds = other + moved_bytes * seconds_per_byte``."""
+    """A fitted model of a step: ``seconds = other + per_step + moved_bytes * seconds_per_byte``."""
 
     other_seconds: float
     seconds_per_byte: float
+    per_step: float = 0.0  # communication time that does not grow with the bytes (latency, the header)
+
+
+def fit_link(tallies: dict[float, tuple[int, float, float, float]]) -> _Link | None:
+    """The link model from ``{cf: (steps, seconds, comm_seconds, moved_bytes)}`` summed over a window's steps.
+
+    Communication a step is fitted as ``per_step + bytes * seconds_per_byte`` by least squares over the factors
+    sent (weighted by their steps) when they moved different byte counts and the slope comes out positive; else as
+    proportional to the bytes. ``other`` is the mean of the rest of the step. ``None`` when nothing was moved.
+    """
+    rows = [(n, sec / n, comm / n, moved / n) for n, sec, comm, moved in tallies.values() if n > 0]
+    steps = sum(r[0] for r in rows)
+    moved_total = sum(r[0] * r[3] for r in rows)
+    if not rows or moved_total <= 0:
+        return None
+    other = max(0.0, sum(n * (sec - comm) for n, sec, comm, _ in rows) / steps)
+    mean_x = moved_total / steps
+    mean_y = sum(n * comm for n, _, comm, _ in rows) / steps
+    spread = sum(n * (x - mean_x) ** 2 for n, _, _, x in rows)
+    if spread > 0:
+        slope = sum(n * (x - mean_x) * (y - mean_y) for n, _, y, x in rows) / spread
+        if slope > 0:
+            return _Link(other, slope, max(0.0, mean_y - slope * mean_x))
+    return _Link(other, mean_y / mean_x)
 
 
 def moved_bytes(payload_bytes: float, dense_bytes: float, world_size: int) -> float:
@@ -65,9 +89,10 @@ class GraVAC(Controller):
     less aggressive of the two best factors when their throughputs are within ``omega`` (checked again every window).
 
     ``search="model"`` goes beyond the paper: the hook measures the gain of every factor on the policy's ladder each
-    step (one selection serves them all for Top-K), a link model ``t_step = other + bytes * s_per_byte`` is fitted
-    to each window, and the factor with the highest predicted ``Tc`` (dense among them) is sent from the first
-    window's end on.
+    step (one selection serves them all for Top-K), a link model ``t_step = other + per_step + bytes * s_per_byte``
+    is fitted to each window from the measured communication times (:func:`fit_link`), and the factor with the
+    highest predicted ``Tc`` (dense among them) is sent from the first window's end on. Since the link is measured,
+    not searched, that first window can be short (``first_window``, 10 steps by default).
 
     Tuning: ``epsilon`` is the share of the gradient's energy a step must keep (lower it for methods or models
     whose gradients are not heavy-tailed); ``window`` should cover enough steps for a stable step time (hundreds
@@ -86,11 +111,14 @@ class GraVAC(Controller):
         search: ``"sequential"`` (the paper) or ``"model"``.
         probe_every: after the first window, measure the probe factors' gains on one step in this many (1: every
             step, as the paper). Steps without probes send at the chosen factor alone: dense then costs what
-            stock DDP costs.
+            stock DDP costs. The smoothing still runs per step: a probe after ``p`` steps weighs
+            ``1 - (1 - alpha)^p``.
+        first_window: length of the first window; ``None`` for ``window`` with the sequential search and
+            ``min(window, 10)`` with the model search, whose first decision needs only the link's cost.
 
     Raises:
         ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
-            window below 1, or an unknown policy, interval or search.
+            window or first window below 1, or an unknown policy, interval or search.
     """
 
     def __init__(
@@ -105,6 +133,7 @@ class GraVAC(Controller):
         interval: Interval = "step",
         search: Search = "sequential",
         probe_every: int = 1,
+        first_window: int | None = None,
     ) -> None:
         cf_min, cf_max = validate_cf(cf_min, "cf_min"), validate_cf(cf_max, "cf_max")
         if cf_min > cf_max:
@@ -118,6 +147,8 @@ class GraVAC(Controller):
         self.interval = choice(interval, "interval", ("step", "epoch"))
         self.search = choice(search, "search", ("sequential", "model"))
         self.probe_every = whole(probe_every, "probe_every")
+        default_first = min(self.window, 10) if self.search == "model" else self.window
+        self.first_window = default_first if first_window is None else whole(first_window, "first_window")
         self.cf_max = cf_max
         self.ladder = self._ladder(cf_min, cf_max)
 
@@ -139,6 +170,7 @@ class GraVAC(Controller):
         self._bytes_dense = 0
         self._step_start = 0.0
         self._steps = 0
+        self._last_probe = 0  # the step of the last probe
 
     def _ladder(self, cf_min: float, cf_max: float) -> tuple[float, ...]:
         factors, scale = [cf_min], 2.0
@@ -206,9 +238,12 @@ class GraVAC(Controller):
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
         self._steps += 1
         self._bytes_dense = stats.bytes_dense
-        alpha = self.ewma_alpha
-        for cf, gain in stats.probe_gains().items():
-            self.gains[cf] = gain if cf not in self.gains else (1 - alpha) * self.gains[cf] + alpha * gain
+        gains = stats.probe_gains()
+        if gains:  # the EWMA decays per step: a probe after p steps without one weighs 1 - (1 - alpha)^p
+            weight = 1 - (1 - self.ewma_alpha) ** (self._steps - self._last_probe)
+            self._last_probe = self._steps
+            for cf, gain in gains.items():
+                self.gains[cf] = gain if cf not in self.gains else (1 - weight) * self.gains[cf] + weight * gain
         tally = self._tally.setdefault(self.cf, _Tally())
         tally.steps += 1
         tally.seconds += self.step_seconds(stats)
@@ -217,7 +252,7 @@ class GraVAC(Controller):
         tally.moved_bytes += moved_bytes(stats.bytes_sent, stats.bytes_dense, self._world_size)
         if self.interval == "step":
             self._progress += 1
-            if self._progress >= self.window:
+            if self._progress >= self.window_length:
                 self._end_window(trainer)
         self.cf = self._choose()
 
@@ -225,10 +260,15 @@ class GraVAC(Controller):
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.interval == "epoch":
             self._progress += 1
-            if self._progress >= self.window:
+            if self._progress >= self.window_length:
                 self._end_window(trainer)
                 self.cf = self._choose()
                 self.apply(self.state)
+
+    @property
+    def window_length(self) -> int:
+        """Steps (or epochs) of the current window: ``first_window`` for the first, ``window`` after."""
+        return self.first_window if self.windows == 0 else self.window
 
     def _choose(self) -> float:
         """The factor to send next step: decided from values every rank holds identically."""
@@ -250,13 +290,14 @@ class GraVAC(Controller):
         )
         # Step times are this rank's own: the slowest rank sets the pace, and every rank must see the same value.
         slowest = trainer.strategy.reduce(local, reduce_op="max") if trainer is not None else local
+        measured = {}
         for f, (seconds, comm_seconds) in zip(factors, slowest.tolist(), strict=True):
             tally = self._tally[f]
             samples = self._world_size * self._batch_size * tally.steps
             self.throughput[f] = samples / seconds * (tally.gain / tally.steps)
-            if self.search == "model" and tally.moved_bytes > 0:
-                per_byte = comm_seconds / tally.moved_bytes
-                self.link = _Link(max(0.0, (seconds - comm_seconds) / tally.steps), per_byte)
+            measured[f] = (tally.steps, seconds, comm_seconds, tally.moved_bytes)
+        if self.search == "model":
+            self.link = fit_link(measured) or self.link
         self._tally.clear()
         self.windows += 1
         if self.search == "sequential":
@@ -289,9 +330,8 @@ class GraVAC(Controller):
         if self.link is None:
             return math.nan
         payload = dense_bytes if cf == DENSE else dense_bytes / cf
-        seconds = (
-            self.link.other_seconds + moved_bytes(payload, dense_bytes, self._world_size) * self.link.seconds_per_byte
-        )
+        moved = moved_bytes(payload, dense_bytes, self._world_size)
+        seconds = self.link.other_seconds + self.link.per_step + moved * self.link.seconds_per_byte
         gain = 1.0 if cf == DENSE else self.gains.get(cf, 0.0)
         return self._world_size * self._batch_size / seconds * gain if seconds > 0 else math.inf
 
@@ -327,6 +367,7 @@ class GraVAC(Controller):
             "windows": self.windows,
             "progress": self._progress,
             "steps": self._steps,
+            "last_probe": self._last_probe,
             "tally": {f: asdict(t) for f, t in self._tally.items()},
         }
 
@@ -342,10 +383,12 @@ class GraVAC(Controller):
         self.link = _Link(**state_dict["link"]) if state_dict["link"] is not None else None
         self._tally = {f: _Tally(**t) for f, t in state_dict["tally"].items()}
         self._steps = state_dict.get("steps", 0)
+        self._last_probe = state_dict.get("last_probe", self._steps)
         super().load_state_dict(state_dict)
 
     def __repr__(self) -> str:
         return (
             f"GraVAC(cf_min={self.cf_min:g}, cf_max={self.cf_max:g}, epsilon={self.epsilon}, omega={self.omega}, "
-            f"window={self.window}, policy={self.policy!r}, search={self.search!r}, probe_every={self.probe_every})"
+            f"window={self.window}, policy={self.policy!r}, search={self.search!r}, probe_every={self.probe_every}, "
+            f"first_window={self.first_window})"
         )
