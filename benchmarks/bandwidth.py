@@ -73,17 +73,19 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
     ),
     # meProp (a compute saving): each example's output gradient of the embedding bag keeps its top 10%.
     "dense DDP + meProp 10%": (lambda: (DDPStrategy(), [MeProp(ratio=0.1)]), True),
+    # GraVAC probes the gains at its factors on one step in 25 (every step of its first window); the model search
+    # fits its link model after 3 steps and again at each window's end.
     "gravac sequential": (
         lambda: (
             GraVACStrategy("topk"),
-            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, omega=0.05, window=25, probe_every=5)],
+            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, omega=0.05, window=25, probe_every=25)],
         ),
         False,
     ),
     "gravac model": (
         lambda: (
             GraVACStrategy("topk"),
-            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, window=25, search="model", probe_every=5)],
+            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, window=25, search="model", probe_every=25, first_window=3)],
         ),
         False,
     ),
@@ -91,7 +93,7 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
     "gravac model, epsilon 0.3": (
         lambda: (
             GraVACStrategy("topk"),
-            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.3, window=25, search="model", probe_every=5)],
+            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.3, window=25, search="model", probe_every=25, first_window=3)],
         ),
         False,
     ),
