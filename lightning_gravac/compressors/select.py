@@ -1,9 +1,10 @@
 """Helpers shared by the methods that select or draw at random: seeded generators, sampling, thresholds, fill to k.
 
-The selection path is written for large gradients on CPU as much as on GPU: one fused pass over the tensor per
-threshold tried, no full-size temporaries beyond the caller's scratch buffer (fresh 100 MB allocations cost more in
-page faults than the arithmetic), no sort or ``topk`` over the whole tensor (``torch.topk`` of 25M entries takes
-half a second on a CPU core), and ``index_select`` instead of advanced indexing.
+The selection path is written for large gradients on CPU as much as on GPU: the tensor is read, never written,
+to find what lies above a threshold (the peaks of 32-entry blocks, then only the blocks holding a survivor), further
+thresholds are tried on the peaks alone, no full-size temporaries beyond the caller's scratch buffer (fresh 100 MB
+allocations cost more in page faults than the arithmetic), no sort or ``topk`` over the whole tensor (``torch.topk``
+of 25M entries takes half a second on a CPU core), and ``index_select`` instead of advanced indexing.
 """
 
 import math
