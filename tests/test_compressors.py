@@ -236,6 +236,15 @@ def test_above_by_blocks_is_the_plain_scan_signed_and_with_nan():
         assert torch.equal(above(values, threshold, out, signed=True), (values > threshold).nonzero().view(-1))
 
 
+def test_selection_reads_strided_tensors():
+    torch.manual_seed(1)
+    values = torch.distributions.StudentT(3.0).sample((200_000,))[::2]  # a 1-D view with stride 2
+    out = torch.empty(values.numel())
+    assert torch.equal(above(values, 10.0, out), (values.abs() > 10.0).nonzero().view(-1))
+    got = exact_topk(values, 500, out, torch.Generator().manual_seed(0))
+    assert torch.equal(got.sort().values, torch.topk(values.abs(), 500).indices.sort().values)
+
+
 def test_fill_to_k_pads_around_candidates_in_index_order():
     values = torch.zeros(10)
     values[[1, 7]] = 1.0

@@ -72,6 +72,7 @@ class Blocks:
     """
 
     def __init__(self, values: Tensor, signed: bool) -> None:
+        values = values if values.is_contiguous() else values.contiguous()  # blocks are rows of a view
         self.values, self.signed = values, signed
         self.whole = values.numel() - values.numel() % _BLOCK
         self.rows = values[: self.whole].view(-1, _BLOCK)
