@@ -236,6 +236,20 @@ def test_above_by_blocks_is_the_plain_scan_signed_and_with_nan():
         assert torch.equal(above(values, threshold, out, signed=True), (values > threshold).nonzero().view(-1))
 
 
+def test_a_lowered_threshold_admits_k_entries_from_the_block_peaks_alone():
+    from lightning_gravac.compressors.select import Blocks
+
+    torch.manual_seed(2)
+    values = torch.distributions.StudentT(3.0).sample((64_000,))  # 2,000 blocks of 32
+    blocks = Blocks(values, signed=False)
+    for k in (1, 300, 2000):
+        threshold = blocks.lowered(float(values.abs().max()), k, 0.7)
+        passed = int((values.abs() > threshold).sum())
+        peaks = values.abs().view(-1, 32).amax(1)
+        assert passed >= k and int((peaks > threshold).sum()) == k  # just below the k-th largest peak
+    assert blocks.lowered(1.0, 2001, 0.7) == pytest.approx(0.7)  # more than one a block: the plain factor
+
+
 def test_selection_reads_strided_tensors():
     torch.manual_seed(1)
     values = torch.distributions.StudentT(3.0).sample((200_000,))[::2]  # a 1-D view with stride 2
