@@ -121,9 +121,7 @@ class Blocks:
         drawn = sample(values, math.ceil(sample_ratio * n), generator)
         drawn = drawn.float() if self.signed else drawn.abs().float()
         samples = drawn.numel()
-        # Expected passes in the sample: k/n of it; aim 20% and 3 standard deviations (of a binomial count) higher.
-        expected = samples * k / n
-        rank = math.ceil(1.2 * expected + 3 * math.sqrt(expected)) + 1
+        rank = margin_rank(samples, k, n)
         for _ in range(4):
             rank = min(samples, rank)
             threshold = float(torch.topk(drawn, rank, sorted=False).values.min())
@@ -133,9 +131,7 @@ class Blocks:
             if threshold <= 0 and candidates.numel() < k:  # fewer non-zeros than k: all of them, then zeros
                 return fill_to_k(values, candidates, k)
             if candidates.numel() >= k:
-                chosen = values.index_select(0, candidates)
-                chosen = chosen if self.signed else chosen.abs_()
-                return candidates.index_select(0, torch.topk(chosen, k, sorted=False).indices)
+                return _top_among(values, candidates, k, self.signed)
             if rank == samples:
                 break
             rank *= 4
@@ -197,14 +193,28 @@ def fill_to_k(values: Tensor, candidates: Tensor, k: int) -> Tensor:
     """
     found = candidates.numel()
     if found >= k:
-        if found == k:
-            return candidates
-        magnitude = values.index_select(0, candidates).abs_()
-        return candidates.index_select(0, torch.topk(magnitude, k, sorted=False).indices)
+        return _top_among(values, candidates, k, signed=False)
     # The first k - found entries that are not candidates lie within the first k entries: scan those alone.
     free = torch.ones(k, dtype=torch.bool, device=values.device)
     free.index_fill_(0, candidates[: int(torch.searchsorted(candidates, k))], False)
     return torch.cat([candidates, free.nonzero().view(-1)[: k - found]])
+
+
+def _top_among(values: Tensor, candidates: Tensor, k: int, signed: bool) -> Tensor:
+    """The ``k`` of ``candidates`` (at least ``k`` indices into the flat ``values``) of largest magnitude (value)."""
+    if candidates.numel() == k:
+        return candidates
+    chosen = values.index_select(0, candidates)
+    chosen = chosen if signed else chosen.abs_()
+    return candidates.index_select(0, torch.topk(chosen, k, sorted=False).indices)
+
+
+def margin_rank(samples: int, k: int, n: int) -> int:
+    """The rank in a sample of ``samples`` of ``n`` entries whose value a little more than ``k`` entries exceed: the
+    expected count ``samples * k / n`` plus 20% and 3 standard deviations of a binomial count, so that falling short
+    of ``k`` is rare while the candidates stay few."""
+    expected = samples * k / n
+    return math.ceil(1.2 * expected + 3 * math.sqrt(expected)) + 1
 
 
 def exact_topk(

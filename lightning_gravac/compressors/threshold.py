@@ -1,11 +1,10 @@
 """Sampled-quantile thresholding (Aji & Heafield, EMNLP 2017)."""
 
-import math
-
 import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import register_compressor
+from lightning_gravac.compressors.select import margin_rank
 from lightning_gravac.compressors.sparse import ThresholdSparsifier
 
 
@@ -28,9 +27,7 @@ class Threshold(ThresholdSparsifier):
 
     def threshold(self, flat: Tensor, k: int, *, key: str, step: int) -> float:
         drawn = self.sample(flat, key=key, step=step)
-        # A quantile of the sample (topk is cheaper than a sort) aimed 20% and 3 standard deviations of the sampled
-        # count above k candidates: falling short of k (another look at the blocks) is rare, and the candidates
-        # stay few enough that few blocks hold one.
-        expected = drawn.numel() * k / flat.numel()
-        kept = min(drawn.numel(), max(2, math.ceil(1.2 * expected + 3 * math.sqrt(expected)) + 1))
+        # A quantile of the sample (topk is cheaper than a sort) a little over k candidates: falling short of k
+        # (another look at the blocks) is rare, and few enough blocks hold a candidate to copy only those.
+        kept = min(drawn.numel(), max(2, margin_rank(drawn.numel(), k, flat.numel())))
         return float(torch.topk(drawn, kept, sorted=False).values.min())

@@ -67,10 +67,10 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     buffer = bucket.buffer()
     names = [state.param_names[id(p)] for p in bucket.parameters()]
     grads = bucket.gradients()
-    cfs = [state.cf_of(name) for name in names]
-
     if state.local_sgd_from is not None and state.step >= state.local_sgd_from:
         return _local(state, names, grads, buffer)
+
+    cfs = [state.cf_of(name) for name in names]
     dense = all(cf == 1.0 for cf in cfs)
     if dense and not state.probe_cfs:
         # (This path has no header to tell a non-finite step, which then loses the pending residual.)
