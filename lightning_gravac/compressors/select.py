@@ -13,6 +13,8 @@ import zlib
 import torch
 from torch import Tensor
 
+from lightning_gravac.compressors import kernels
+
 
 def seeded_generator(seed: int, step: int, key: str, rank: int = 0) -> torch.Generator:
     """A CPU generator seeded from ``(seed, step, key, rank)``.
@@ -58,13 +60,14 @@ def distinct_indices(numel: int, k: int, generator: torch.Generator) -> Tensor:
 
 
 #: Entries a block in :class:`Blocks`. torch's CPU row reductions are vectorized from 32 entries a row on (16 is
-#: four times slower), and few blocks hold a survivor when about 1% of the entries pass.
-_BLOCK = 32
+#: four times slower), and few blocks hold a survivor when about 1% of the entries pass. The compiled kernels use it.
+_BLOCK = kernels.BLOCK
 
 
 class Blocks:
     """A flat tensor seen as blocks of 32 entries with each block's peak: its largest magnitude (largest value when
-    ``signed``), from two vectorized row reductions that read the tensor and write 1/32 of it.
+    ``signed``), from one read of the tensor that writes 1/32 of it: a compiled kernel for fp32 on CPU
+    (:mod:`~lightning_gravac.compressors.kernels`), two vectorized row reductions otherwise.
 
     Which blocks hold an entry above a threshold is then a question about the peaks alone, so thresholds can be
     tried again and again without another pass over the tensor, and only the blocks that hold a survivor are copied
@@ -76,20 +79,28 @@ class Blocks:
         self.values, self.signed = values, signed
         self.whole = values.numel() - values.numel() % _BLOCK
         self.rows = values[: self.whole].view(-1, _BLOCK)
-        peak = torch.amax(self.rows, 1)
-        self.peak = peak if signed else torch.maximum(peak, torch.amin(self.rows, 1).neg_())
+        self.native = kernels.usable(values)
+        if self.native:
+            self.peak = kernels.block_peaks(values, self.rows.shape[0], signed)
+        else:
+            peak = torch.amax(self.rows, 1)
+            self.peak = peak if signed else torch.maximum(peak, torch.amin(self.rows, 1).neg_())
 
     def above(self, threshold: float, out: Tensor) -> Tensor:
         """Sorted indices of the entries above ``threshold``; ``out`` is a scratch of the tensor's size and dtype."""
         n = self.values.numel()
-        hot = self.peak > threshold if self.signed else torch.le(self.peak, threshold).logical_not_()
-        rows = hot.nonzero().view(-1)
-        if rows.numel() * 4 > hot.numel():  # a quarter of the blocks or more: one pass over everything is cheaper
-            return _survivors(self.values, threshold, out[:n], self.signed)
-        lanes = torch.index_select(self.rows, 0, rows, out=out[: rows.numel() * _BLOCK].view(-1, _BLOCK)).view(-1)
-        inner = _survivors(lanes, threshold, lanes, self.signed)
-        found = rows.index_select(0, inner.div(_BLOCK, rounding_mode="floor")).mul_(_BLOCK)
-        found.add_(inner.remainder(_BLOCK))
+        if self.native:
+            found = kernels.scan(self.values, self.peak, threshold, self.signed, out)
+        else:
+            # A NaN peak is hot: its block is scanned, and only the NaN itself is judged by the entry test.
+            hot = torch.le(self.peak, threshold).logical_not_()
+            rows = hot.nonzero().view(-1)
+            if rows.numel() * 4 > hot.numel():  # a quarter of the blocks or more: one pass over all is cheaper
+                return _survivors(self.values, threshold, out[:n], self.signed)
+            lanes = torch.index_select(self.rows, 0, rows, out=out[: rows.numel() * _BLOCK].view(-1, _BLOCK))
+            inner = _survivors(lanes.view(-1), threshold, lanes.view(-1), self.signed)
+            found = rows.index_select(0, inner.div(_BLOCK, rounding_mode="floor")).mul_(_BLOCK)
+            found.add_(inner.remainder(_BLOCK))
         if self.whole < n:
             tail = _survivors(self.values[self.whole :], threshold, out[self.whole : n], self.signed)
             found = torch.cat([found, tail.add_(self.whole)])

@@ -1,0 +1,130 @@
+/*
+ * The two passes of block selection (lightning_gravac/compressors/select.py, class Blocks) for fp32 on CPU.
+ *
+ * A flat tensor is seen as blocks of 32 entries. lg_block_peaks writes each block's peak (largest magnitude, or
+ * largest value when signed) in one read of the tensor; lg_scan lists the entries above a threshold, reading only
+ * the blocks whose peak passes it. Eager PyTorch needs two row reductions (amax, amin) for the first and a full
+ * hardshrink + nonzero for the second; both here are a single read, on all of torch's threads.
+ *
+ * Semantics match the eager path exactly: a block holding a NaN has a NaN peak and is scanned; an unsigned scan keeps
+ * entries with !(|x| <= t), so NaN entries pass; a signed scan keeps x > t. Indices are int32 (callers check that the
+ * tensor has fewer than 2^31 entries).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32
+#define MAX_PARTS 256
+/* Below this many blocks one thread is faster than waking the others. */
+#define PARALLEL_BLOCKS 4096
+#define MAGNITUDE 0x7fffffffu
+#define INF_BITS 0x7f800000u
+
+/* Peaks are computed on bit patterns, read through a uint32_t pointer (built with -fno-strict-aliasing): a float max
+ * does not vectorize (the compiler may not reorder it around NaN), an unsigned max does. Non-negative floats order as
+ * their bits, and every NaN's magnitude bits exceed infinity's, so the largest magnitude's bits are the unsigned
+ * max and a NaN comes out as a NaN. Signed values are mapped to keys that order as the floats do. */
+static inline uint32_t signed_key(uint32_t bits)
+{
+    return bits ^ ((uint32_t)((int32_t)bits >> 31) | 0x80000000u);
+}
+
+static inline uint32_t from_signed_key(uint32_t key)
+{
+    return key & 0x80000000u ? key ^ 0x80000000u : ~key;
+}
+
+void lg_block_peaks(const float *x, int64_t blocks, float *peaks, int is_signed, int threads)
+{
+    const uint32_t *bits = (const uint32_t *)x;
+#pragma omp parallel for num_threads(threads) schedule(static) if (blocks > PARALLEL_BLOCKS)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint32_t *p = bits + b * BLOCK;
+        uint32_t magnitude = 0, key = 0, peak;
+        if (is_signed) {
+            for (int i = 0; i < BLOCK; i++) {
+                uint32_t m = p[i] & MAGNITUDE, k = signed_key(p[i]);
+                magnitude = m > magnitude ? m : magnitude;
+                key = k > key ? k : key;
+            }
+            peak = magnitude > INF_BITS ? magnitude : from_signed_key(key);
+        } else {
+            for (int i = 0; i < BLOCK; i++) {
+                uint32_t m = p[i] & MAGNITUDE;
+                magnitude = m > magnitude ? m : magnitude;
+            }
+            peak = magnitude;
+        }
+        memcpy(peaks + b, &peak, sizeof peak);
+    }
+}
+
+/* Bit i set when entry i of the block survives. */
+static inline uint32_t survivors(const float *p, float t, int is_signed)
+{
+    uint32_t mask = 0;
+#ifdef __AVX__
+    __m256 threshold = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
+    for (int j = 0; j < BLOCK / 8; j++) {
+        __m256 v = _mm256_loadu_ps(p + 8 * j), pass;
+        if (is_signed)
+            pass = _mm256_cmp_ps(v, threshold, _CMP_GT_OQ);
+        else
+            pass = _mm256_cmp_ps(_mm256_andnot_ps(sign, v), threshold, _CMP_NLE_UQ);
+        mask |= (uint32_t)_mm256_movemask_ps(pass) << (8 * j);
+    }
+#else
+    for (int i = 0; i < BLOCK; i++)
+        mask |= (uint32_t)(is_signed ? p[i] > t : !(fabsf(p[i]) <= t)) << i;
+#endif
+    return mask;
+}
+
+/* Entries of blocks [lo, hi) above t, written from out[0]: at most (hi - lo) * BLOCK of them. */
+static int64_t scan_range(const float *x, const float *peaks, int64_t lo, int64_t hi, float t, int is_signed,
+                          int32_t *out)
+{
+    int64_t count = 0;
+    for (int64_t b = lo; b < hi; b++) {
+        if (peaks[b] <= t) /* false for a NaN peak: that block is scanned */
+            continue;
+        int32_t base = (int32_t)(b * BLOCK);
+        for (uint32_t mask = survivors(x + b * BLOCK, t, is_signed); mask; mask &= mask - 1)
+            out[count++] = base + __builtin_ctz(mask);
+    }
+    return count;
+}
+
+/* Sorted indices of the entries above t into out (room for blocks * BLOCK); returns how many. Each thread scans a
+ * contiguous range of blocks into the slots of its own range, then the ranges are packed together in order. */
+int64_t lg_scan(const float *x, int64_t blocks, const float *peaks, float t, int is_signed, int32_t *out, int threads)
+{
+    int64_t counts[MAX_PARTS];
+    int parts = 1;
+    if (threads > MAX_PARTS)
+        threads = MAX_PARTS;
+#pragma omp parallel num_threads(threads) if (blocks > PARALLEL_BLOCKS)
+    {
+        int part = 0;
+#ifdef _OPENMP
+        part = omp_get_thread_num();
+#pragma omp single
+        parts = omp_get_num_threads(); /* the barrier after `single` publishes it */
+#endif
+        int64_t lo = blocks * part / parts, hi = blocks * (part + 1) / parts;
+        counts[part] = scan_range(x, peaks, lo, hi, t, is_signed, out + lo * BLOCK);
+    }
+    int64_t total = counts[0];
+    for (int part = 1; part < parts; part++) {
+        memmove(out + total, out + blocks * part / parts * BLOCK, (size_t)counts[part] * sizeof(int32_t));
+        total += counts[part];
+    }
+    return total;
+}

@@ -1,0 +1,135 @@
+"""Compiled CPU kernels for block selection, built on first use by the system's C compiler, with eager fallback.
+
+On CPU the selection of a sparsifier is bound by memory traffic, and eager PyTorch reads the gradient more often than
+the work needs: a block's peak takes two row reductions (``amax``, ``amin``) and the entries above a threshold a full
+``hardshrink`` plus ``nonzero``. The two kernels in ``_blocks.c`` do each in one read, on all of torch's threads,
+with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager path).
+
+Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
+and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
+a plain C file, built by ``cc`` in under a second and loaded with ``ctypes`` (which releases the GIL during the call),
+serves. The library is cached under ``$LIGHTNING_GRAVAC_CACHE`` (default ``~/.cache/lightning_gravac``), keyed by the
+source, the flags, the compiler and the CPU (it is built for the CPU it runs on). ``LIGHTNING_GRAVAC_NATIVE=0``
+turns the kernels off; a machine without a compiler, or a failed build, falls back to eager PyTorch and logs why once.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("_blocks.c")
+_FLAGS = ("-O3", "-march=native", "-fno-strict-aliasing", "-std=c11", "-shared", "-fPIC")
+#: Entries a block; the C file's BLOCK.
+BLOCK = 32
+
+
+def available() -> bool:
+    """Whether the compiled kernels are loaded (building them on the first call)."""
+    return _library() is not None
+
+
+def usable(values: Tensor) -> bool:
+    """Whether the kernels can take ``values``: a contiguous fp32 CPU tensor with int32-addressable entries."""
+    return (
+        values.device.type == "cpu"
+        and values.dtype == torch.float32
+        and values.is_contiguous()
+        and values.numel() < 2**31
+        and available()
+    )
+
+
+def block_peaks(values: Tensor, blocks: int, signed: bool) -> Tensor:
+    """The peaks of the first ``blocks`` 32-entry blocks of the flat ``values`` (see :func:`usable`)."""
+    lib = _library()
+    assert lib is not None, "block_peaks without the kernels: check usable() first"
+    peaks = torch.empty(blocks, dtype=torch.float32)
+    lib.lg_block_peaks(values.data_ptr(), blocks, peaks.data_ptr(), int(signed), torch.get_num_threads())
+    return peaks
+
+
+def scan(values: Tensor, peaks: Tensor, threshold: float, signed: bool, out: Tensor) -> Tensor:
+    """Sorted int64 indices of the entries above ``threshold`` in the blocks that ``peaks`` covers; ``out`` is a
+    contiguous 4-byte scratch of at least ``32 * len(peaks)`` entries (reinterpreted as int32)."""
+    lib = _library()
+    assert lib is not None, "scan without the kernels: check usable() first"
+    slots = out.view(torch.int32)
+    count = lib.lg_scan(
+        values.data_ptr(), peaks.numel(), peaks.data_ptr(), threshold, int(signed), slots.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return slots[:count].long()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("LIGHTNING_GRAVAC_NATIVE", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as error:
+        log.info("lightning_gravac: compiled selection kernels unavailable (%s); using eager PyTorch", error)
+        return None
+    lib.lg_block_peaks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.lg_block_peaks.restype = None
+    lib.lg_scan.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_scan.restype = ctypes.c_int64
+    return lib
+
+
+def _build() -> Path:
+    """The shared library for this source, compiler and CPU, compiled unless cached. Ranks starting together may
+    each compile it; each writes its own temporary file and renames it into place, so none loads a partial one."""
+    compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    source = _SOURCE.read_bytes()
+    failure = ""
+    for openmp in (("-fopenmp",), ()):  # without OpenMP the kernels run on one thread
+        flags = (*_FLAGS, *openmp)
+        key = hashlib.sha256(b"\0".join([source, " ".join([*compiler, *flags]).encode(), _cpu()])).hexdigest()[:16]
+        cache = Path(os.environ.get("LIGHTNING_GRAVAC_CACHE") or Path.home() / ".cache" / "lightning_gravac")
+        target = cache / f"blocks-{key}.so"
+        if target.exists():
+            return target
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=cache, suffix=".so")
+        os.close(fd)
+        try:
+            command = [*compiler, *flags, str(_SOURCE), "-o", partial]
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+            os.replace(partial, target)
+            return target
+        except subprocess.CalledProcessError as error:
+            failure = error.stderr.decode(errors="replace")[-500:]
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    raise subprocess.SubprocessError(f"{' '.join(compiler)} failed: {failure}")
+
+
+def _cpu() -> bytes:
+    """What ``-march=native`` depends on: the architecture and, on Linux, the CPU's model and feature flags."""
+    fields = {"machine": platform.machine()}
+    try:
+        with open("/proc/cpuinfo") as info:  # the first CPU's lines; every core of a machine has the same
+            for line in info:
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "flags"):
+                    fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    return repr(sorted(fields.items())).encode()

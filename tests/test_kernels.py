@@ -1,0 +1,136 @@
+"""The compiled selection kernels against the eager path they replace: the same peaks and indices, bit for bit."""
+
+import shlex
+import shutil
+import sysconfig
+
+import pytest
+import torch
+
+from lightning_gravac.compressors import get_compressor, kernels
+from lightning_gravac.compressors.select import Blocks
+
+_COMPILER = shlex.split(sysconfig.get_config_var("CC") or "cc")[0]
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Within the test, selection runs on eager PyTorch whatever the kernels' state."""
+
+    def use() -> None:
+        monkeypatch.setattr(kernels, "usable", lambda values: False)
+
+    return use
+
+
+@pytest.fixture
+def fresh_library():
+    """The kernels' loader starts over, and again after the test: builds and environment are re-read."""
+    kernels._library.cache_clear()
+    yield
+    kernels._library.cache_clear()
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda t: f"threads{t}")
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _awkward(numel: int, seed: int = 0) -> torch.Tensor:
+    """Heavy-tailed values with what a kernel can get wrong: NaN, infinities, negative zeros, a block of ties, and a
+    block whose only large entry is its last."""
+    g = _student(numel, seed)
+    g[100] = float("nan")
+    g[5000:5032] = 2.5
+    g[7001] = float("inf")
+    g[9000] = float("-inf")
+    g[12000:12032] = -0.0
+    g[16031] = -40.0
+    return g
+
+
+def _student(numel: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    normal = torch.randn(numel, generator=generator)
+    chi = torch.randn(numel, 3, generator=generator).square().sum(1)
+    return normal / (chi / 3).sqrt()
+
+
+@pytest.mark.skipif(shutil.which(_COMPILER) is None, reason=f"no C compiler ({_COMPILER})")
+def test_the_kernels_build_where_there_is_a_compiler():
+    assert kernels.available()
+    assert kernels.usable(torch.zeros(64)) and not kernels.usable(torch.zeros(64, dtype=torch.float16))
+
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the compiled kernels did not build here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("signed", [False, True], ids=["magnitude", "signed"])
+@pytest.mark.parametrize("numel", [32 * 5000, 32 * 5000 + 7, 200_003])
+def test_block_peaks_equal_the_eager_reductions(numel, signed, threads, eager):
+    g = _awkward(numel)
+    native = Blocks(g, signed)
+    eager()
+    reference = Blocks(g, signed)
+    assert native.native and not reference.native
+    torch.testing.assert_close(native.peak, reference.peak, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("signed", [False, True], ids=["magnitude", "signed"])
+def test_scan_finds_the_same_entries_as_the_eager_scan(signed, threads, eager):
+    g = _awkward(200_003, seed=1)
+    thresholds = [0.0, 2.5, float(g.abs().nan_to_num(0).quantile(0.99)), 3.0, 1e6, float("inf")]
+    scratch = torch.empty_like(g)
+    native = Blocks(g, signed)
+    found = [native.above(t, scratch) for t in thresholds]
+    eager()
+    reference = Blocks(g, signed)
+    for threshold, indices in zip(thresholds, found, strict=True):
+        expected = reference.above(threshold, scratch)
+        assert torch.equal(indices, expected), threshold
+    # And what the scan means, independently of either path:
+    test = g > 3.0 if signed else ~(g.abs() <= 3.0)
+    assert torch.equal(found[3], test.nonzero().view(-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["topk", "dgc", "redsync", "sidco", "threshold", "adaq"])
+@pytest.mark.parametrize("cf", [10, 100])
+def test_compressors_send_the_same_payload_with_and_without_the_kernels(name, cf, eager):
+    g = _student(300_000, seed=2)
+    options = {"warmup_epochs": 0} if name == "dgc" else {}
+    native = get_compressor(name, **options).compress(g, cf, key="w", step=3)
+    eager()
+    reference = get_compressor(name, **options).compress(g, cf, key="w", step=3)
+    for sent, expected in zip(native.wire, reference.wire, strict=True):
+        assert torch.equal(sent, expected)
+
+
+def test_without_a_compiler_selection_falls_back_to_eager(monkeypatch, tmp_path, fresh_library):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("LIGHTNING_GRAVAC_CACHE", str(tmp_path / "cache"))
+    assert not kernels.available()
+    g = _student(100_000, seed=3)
+    blocks = Blocks(g, signed=False)
+    assert not blocks.native
+    assert torch.equal(blocks.above(3.0, torch.empty_like(g)), (g.abs() > 3.0).nonzero().view(-1))
+
+
+def test_a_compiler_error_falls_back_to_eager(monkeypatch, tmp_path, fresh_library):
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'error: no' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    monkeypatch.setenv("LIGHTNING_GRAVAC_CACHE", str(tmp_path / "cache"))
+    assert not kernels.available()
+    assert not list((tmp_path / "cache").glob("*.so"))  # no partial library left behind
+
+
+def test_the_environment_turns_the_kernels_off(monkeypatch, fresh_library):
+    monkeypatch.setenv("LIGHTNING_GRAVAC_NATIVE", "0")
+    assert not kernels.available() and not Blocks(torch.ones(4096), signed=False).native
