@@ -467,3 +467,14 @@ def test_a_gradient_with_fewer_non_zeros_than_k_sends_them_all(name):
     values, indices = c.compress(g, cf=10, key="w").wire
     assert indices.numel() == sparse_k(1_000_000, 10, torch.float32) == indices.unique().numel()
     assert torch.count_nonzero(values) == 3000 and torch.equal(c.decompress(c.compress(g, cf=10, key="v")), g)
+
+
+@pytest.mark.parametrize("k", [1, 37, 5_000, 60_000, 99_999])
+def test_kth_largest_is_kthvalue_including_ties_and_nan(k):
+    from lightning_gravac.compressors.select import kth_largest
+
+    values = torch.randn(100_000, generator=torch.Generator().manual_seed(k)).abs()
+    values[::7] = values[3]  # many ties
+    values[11] = float("nan")
+    expected = torch.kthvalue(values, values.numel() - k + 1).values
+    torch.testing.assert_close(kth_largest(values, k), expected, rtol=0, atol=0, equal_nan=True)

@@ -134,3 +134,32 @@ def test_a_compiler_error_falls_back_to_eager(monkeypatch, tmp_path, fresh_libra
 def test_the_environment_turns_the_kernels_off(monkeypatch, fresh_library):
     monkeypatch.setenv("LIGHTNING_GRAVAC_NATIVE", "0")
     assert not kernels.available() and not Blocks(torch.ones(4096), signed=False).native
+
+
+def _dgc_run(options: dict, steps: int = 3) -> tuple[list[tuple[torch.Tensor, ...]], dict, torch.Tensor]:
+    dgc = get_compressor("dgc", warmup_epochs=0, **options)
+    payloads, basis = [], None
+    for step in range(steps):
+        g = _student(300_007, seed=10 + step)  # a tail of 7: neither a whole block nor whole vectors
+        payloads.append(dgc.compress(g, 50, key="w", step=step).wire)
+        basis = dgc.basis_sq_norm(g, "w")
+        dgc.commit(["w"])
+    return payloads, dgc.state_dict(), basis
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "options",
+    [{"clip_norm": None}, {"clip_norm": 50.0}, {"momentum_correction": False, "clip_norm": None}],
+    ids=["momentum", "clipped", "no-correction"],
+)
+def test_dgc_accumulates_the_same_bits_with_and_without_the_kernel(options, threads, eager):
+    payloads, state, basis = _dgc_run(options)
+    eager()
+    expected_payloads, expected_state, expected_basis = _dgc_run(options)
+    for wire, expected in zip(payloads, expected_payloads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(wire, expected, strict=True))
+    assert state.keys() == expected_state.keys()
+    assert all(torch.equal(state[key], expected_state[key]) for key in state)
+    # The kernel sums the squared norm in its own order: equal to within fp32 rounding.
+    torch.testing.assert_close(basis, expected_basis, rtol=1e-6, atol=0)

@@ -128,3 +128,69 @@ int64_t lg_scan(const float *x, int64_t blocks, const float *peaks, float t, int
     }
     return total;
 }
+
+/* DGC's accumulation (lightning_gravac/compressors/dgc.py) in one pass, with the block peaks of the new v and its
+ * squared norm, which would otherwise take two more reads of v:
+ *
+ *     a = g * scale;  u = fma(u_old, momentum, a) (or a);  v = v_old + u (or u)
+ *
+ * u_old, u and v_old may be NULL (no momentum correction, or a first step). The arithmetic is the eager path's:
+ * torch's add with alpha is a fused multiply-add on CPU, and this file is built in ISO C mode, where the compiler does
+ * not contract other products into one. The squared norm is summed per 8 lanes in fp32 within a block, per chunk in
+ * fp64, then over chunks in order: the same bits whatever the thread count. */
+#define CHUNK_BLOCKS 4096
+
+/* Entries [lo, lo + len) of the accumulation; the block's peak into *peak unless NULL; returns their squared norm.
+ * Inlined with len = BLOCK for whole blocks, so that every loop below has a constant trip count and vectorizes. */
+static inline double accumulate_range(const float *g, float scale, const float *u_old, float momentum, float *u,
+                                      const float *v_old, float *v, int64_t lo, int len, uint32_t *peak)
+{
+    float a[BLOCK], lanes[8] = {0};
+    uint32_t magnitude = 0;
+    for (int i = 0; i < len; i++)
+        a[i] = g[lo + i] * scale;
+    if (u != NULL) {
+        if (u_old != NULL)
+            for (int i = 0; i < len; i++)
+                a[i] = fmaf(u_old[lo + i], momentum, a[i]);
+        for (int i = 0; i < len; i++)
+            u[lo + i] = a[i];
+    }
+    if (v_old != NULL)
+        for (int i = 0; i < len; i++)
+            a[i] = v_old[lo + i] + a[i];
+    const uint32_t *bits = (const uint32_t *)a;
+    for (int i = 0; i < len; i++) {
+        uint32_t m = bits[i] & MAGNITUDE;
+        v[lo + i] = a[i];
+        magnitude = m > magnitude ? m : magnitude;
+        lanes[i % 8] += a[i] * a[i];
+    }
+    if (peak != NULL)
+        *peak = magnitude;
+    double sum = 0;
+    for (int j = 0; j < 8; j++)
+        sum += lanes[j];
+    return sum;
+}
+
+double lg_accumulate(const float *g, float scale, const float *u_old, float momentum, float *u, const float *v_old,
+                     float *v, int64_t n, float *peaks, int threads)
+{
+    int64_t blocks = n / BLOCK, chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
+    double partial[chunks > 0 ? chunks : 1];
+#pragma omp parallel for num_threads(threads) schedule(static) if (blocks > PARALLEL_BLOCKS)
+    for (int64_t c = 0; c < chunks; c++) {
+        double sum = 0;
+        int64_t last = (c + 1) * CHUNK_BLOCKS < blocks ? (c + 1) * CHUNK_BLOCKS : blocks;
+        for (int64_t b = c * CHUNK_BLOCKS; b < last; b++)
+            sum += accumulate_range(g, scale, u_old, momentum, u, v_old, v, b * BLOCK, BLOCK, (uint32_t *)(peaks + b));
+        partial[c] = sum;
+    }
+    double total = 0;
+    for (int64_t c = 0; c < chunks; c++)
+        total += partial[c];
+    if (blocks * BLOCK < n) /* the tail: elementwise the same, no peak (Blocks scans it apart) */
+        total += accumulate_range(g, scale, u_old, momentum, u, v_old, v, blocks * BLOCK, (int)(n - blocks * BLOCK), NULL);
+    return total;
+}

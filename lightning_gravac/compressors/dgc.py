@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k, sq_norm
 from lightning_gravac.compressors.select import Blocks, exact_topk, fill_to_k, sample, seeded_generator
 from lightning_gravac.compressors.sparse import Sparsifier
@@ -101,8 +102,12 @@ class DGC(Sparsifier):
             buffer = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
         return buffer
 
-    def _accumulate(self, tensor: Tensor, key: str, recycle: bool = True) -> tuple[Tensor | None, Tensor]:
-        """The new momentum and velocity of ``key`` (fp32, flat) in fresh buffers; the stored state is untouched.
+    def _accumulate(
+        self, tensor: Tensor, key: str, recycle: bool = True
+    ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor | None]:
+        """The new momentum and velocity of ``key`` (fp32, flat) in fresh buffers, with the block peaks of ``|v|``
+        and ``||v||^2`` where the compiled kernel computed them in the same pass (else ``None``); the stored state
+        is untouched.
 
         With ``recycle`` the buffers are the ones a previous :meth:`commit` freed (no allocation a step); a pure probe
         allocates its own.
@@ -113,23 +118,27 @@ class DGC(Sparsifier):
         if self.clip_norm is not None:
             norm = torch.linalg.vector_norm(g, dtype=torch.float32)
             scale = torch.clamp(self.clip_norm / math.sqrt(self.world_size) / (norm + 1e-12), max=1.0)
-        # u = m u + g and v = v + u, evaluated in that order (the paper's arithmetic).
+        # a = scale g, u = m u + a, v = v + u, evaluated in that order (the paper's arithmetic); m u + a is one
+        # fused multiply-add, as torch's add with alpha computes it and as the compiled kernel does.
         v_old = self._v.get(key)
         u_old = self._u.get(key) if self.momentum_correction else None
-        fresh = self._take(spare_u if self.momentum_correction else spare_v, key, g)
-        if u_old is not None:
-            if scale is None:  # one pass: g + m u
-                torch.add(g, u_old, alpha=self.momentum, out=fresh)
-            else:
-                torch.mul(u_old, self.momentum, out=fresh).addcmul_(g, scale)
-        elif scale is None:
-            fresh.copy_(g)
-        else:
-            torch.mul(g, scale, out=fresh)
-        if not self.momentum_correction:
-            return None, fresh if v_old is None else fresh.add_(v_old)
+        u = self._take(spare_u, key, g) if self.momentum_correction else None
         v = self._take(spare_v, key, g)
-        return fresh, v.copy_(fresh) if v_old is None else torch.add(v_old, fresh, out=v)
+        if kernels.usable(g) and all(
+            kernels.usable(t) and t.numel() == g.numel() for t in (u_old, v_old) if t is not None
+        ):
+            factor = 1.0 if scale is None else float(scale)
+            peak, sq = kernels.accumulate(g, factor, u_old, self.momentum, u, v_old, v)
+            return u, v, peak, torch.tensor(sq, dtype=torch.float64)
+        fresh = v if u is None else u
+        a = g if scale is None else torch.mul(g, scale, out=fresh)
+        if u_old is not None:
+            torch.add(a, u_old, alpha=self.momentum, out=fresh)
+        elif a is not fresh:
+            fresh.copy_(a)
+        if u is None:
+            return None, fresh if v_old is None else fresh.add_(v_old), None, None
+        return u, v.copy_(u) if v_old is None else torch.add(v_old, u, out=v), None, None
 
     def _k(self, numel: int, cf: float, dtype: torch.dtype) -> int:
         k = sparse_k(numel, cf, dtype)
@@ -137,7 +146,7 @@ class DGC(Sparsifier):
             k = max(k, math.ceil(numel * _WARMUP_BASE ** (self.epoch + 1)))
         return min(k, numel)
 
-    def _select(self, v: Tensor, k: int, key: str, step: int) -> Tensor:
+    def _select(self, v: Tensor, k: int, key: str, step: int, peak: Tensor | None = None) -> Tensor:
         """Exactly ``k`` indices of large ``|v|``: sampled threshold, refined, filled to ``k``."""
         n = v.numel()
         samples = math.ceil(self.sample_ratio * n)
@@ -147,7 +156,9 @@ class DGC(Sparsifier):
         drawn = sample(v, samples, generator).abs_()
         threshold = float(torch.topk(drawn, max(1, math.ceil(k / n * samples))).values.min())
         out = self.scratch.like(v)
-        blocks = Blocks(v, signed=False)  # the peaks once; each threshold tried looks at them and the blocks passing
+        blocks = Blocks(
+            v, signed=False, peak=peak
+        )  # the peaks once; each threshold tried looks at them and the blocks passing
         for _ in range(10):
             candidates = blocks.above(threshold, out)
             if candidates.numel() >= 0.8 * k or threshold <= 0:
@@ -163,13 +174,13 @@ class DGC(Sparsifier):
     def compress_and_probe(
         self, tensor: Tensor, cf: float, probe_cfs: Sequence[float], *, key: str = "", step: int = 0
     ) -> tuple[Payload, Tensor]:
-        u, v = self._accumulate(tensor, key)
+        u, v, peak, basis = self._accumulate(tensor, key)
         k = self._k(v.numel(), cf, tensor.dtype)
-        indices = self._select(v, k, key, step)
+        indices = self._select(v, k, key, step, peak)
         values = v.index_select(0, indices).to(tensor.dtype)
         payload = Payload((values, indices.to(torch.int32)), tensor.shape, tensor.dtype)
         probes = self._probe_v(v, probe_cfs, tensor.dtype, key, step)
-        basis = sq_norm(v)
+        basis = sq_norm(v) if basis is None else basis
         v.index_fill_(0, indices, 0)  # what was sent leaves the accumulation
         if u is not None and self.momentum_masking:
             u.index_fill_(0, indices, 0)
@@ -186,7 +197,7 @@ class DGC(Sparsifier):
         return prefix[torch.tensor(ks, device=prefix.device) - 1]
 
     def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
-        _, v = self._accumulate(tensor, key, recycle=False)
+        _, v, _, _ = self._accumulate(tensor, key, recycle=False)
         return self._probe_v(v, cfs, tensor.dtype, key, step)
 
     def basis_sq_norm(self, tensor: Tensor, key: str = "") -> Tensor:

@@ -3,7 +3,8 @@
 On CPU the selection of a sparsifier is bound by memory traffic, and eager PyTorch reads the gradient more often than
 the work needs: a block's peak takes two row reductions (``amax``, ``amin``) and the entries above a threshold a full
 ``hardshrink`` plus ``nonzero``. The two kernels in ``_blocks.c`` do each in one read, on all of torch's threads,
-with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager path).
+with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager path). A third fuses
+DGC's momentum and velocity update with the peaks and the squared norm of the velocity.
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
@@ -74,6 +75,28 @@ def scan(values: Tensor, peaks: Tensor, threshold: float, signed: bool, out: Ten
     return slots[:count].long()
 
 
+def accumulate(
+    g: Tensor, scale: float, u_old: Tensor | None, momentum: float, u: Tensor | None, v_old: Tensor | None, v: Tensor
+) -> tuple[Tensor, float]:
+    """DGC's accumulation in one pass: ``a = g * scale``, ``u = u_old * momentum + a`` (a fused multiply-add, as
+    torch's ``add`` with ``alpha``; ``a`` without ``u_old``), ``v = v_old + u`` (``u`` without ``v_old``; ``a`` for
+    ``u`` without ``u``). Writes ``u`` and ``v`` and returns the block peaks of ``|v|`` and ``||v||^2``. Every tensor
+    is flat, fp32, contiguous, on the CPU and of ``g``'s size; the optional ones may be ``None``."""
+    lib = _library()
+    assert lib is not None, "accumulate without the kernels: check usable() first"
+    n = g.numel()
+    peaks = torch.empty(n // BLOCK, dtype=torch.float32)
+    sq = lib.lg_accumulate(
+        g.data_ptr(), scale, _pointer(u_old), momentum, _pointer(u), _pointer(v_old), v.data_ptr(), n,
+        peaks.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return peaks, sq
+
+
+def _pointer(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("LIGHTNING_GRAVAC_NATIVE", "1") == "0":
@@ -89,6 +112,11 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
     ]  # fmt: skip
     lib.lg_scan.restype = ctypes.c_int64
+    floats = ctypes.c_void_p
+    lib.lg_accumulate.argtypes = [
+        floats, ctypes.c_float, floats, ctypes.c_float, floats, floats, floats, ctypes.c_int64, floats, ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_accumulate.restype = ctypes.c_double
     return lib
 
 

@@ -52,11 +52,15 @@ def distinct_indices(numel: int, k: int, generator: torch.Generator) -> Tensor:
     """
     if k * 2 > numel:  # dense: a permutation is as cheap, and the draws would collide often
         return torch.randperm(numel, generator=generator)[:k].sort().values
-    chosen = torch.randint(numel, (k,), generator=generator).unique()
+    # int32 draws sort twice as fast as int64, and a stable sort then unique_consecutive beats unique (on a CPU,
+    # 2.6 ms against 6 ms for 250k draws).
+    dtype = torch.int32 if numel < 2**31 else torch.int64
+    chosen = torch.randint(numel, (k,), generator=generator, dtype=dtype)
+    chosen = chosen.sort(stable=True).values.unique_consecutive()
     while chosen.numel() < k:
-        more = torch.randint(numel, (k - chosen.numel(),), generator=generator)
-        chosen = torch.cat([chosen, more]).unique()
-    return chosen
+        more = torch.randint(numel, (k - chosen.numel(),), generator=generator, dtype=dtype)
+        chosen = torch.cat([chosen, more]).sort(stable=True).values.unique_consecutive()
+    return chosen.long()
 
 
 #: Entries a block in :class:`Blocks`. torch's CPU row reductions are vectorized from 32 entries a row on (16 is
@@ -74,13 +78,15 @@ class Blocks:
     and scanned. A block holding a NaN has a NaN peak and is scanned.
     """
 
-    def __init__(self, values: Tensor, signed: bool) -> None:
+    def __init__(self, values: Tensor, signed: bool, peak: Tensor | None = None) -> None:
         values = values if values.is_contiguous() else values.contiguous()  # blocks are rows of a view
         self.values, self.signed = values, signed
         self.whole = values.numel() - values.numel() % _BLOCK
         self.rows = values[: self.whole].view(-1, _BLOCK)
         self.native = kernels.usable(values)
-        if self.native:
+        if peak is not None:  # computed along with the values (DGC's accumulation)
+            self.peak = peak
+        elif self.native:
             self.peak = kernels.block_peaks(values, self.rows.shape[0], signed)
         else:
             peak = torch.amax(self.rows, 1)
@@ -117,7 +123,7 @@ class Blocks:
         tensor."""
         if k > self.peak.numel():
             return threshold * factor
-        kth = torch.kthvalue(self.peak.float(), self.peak.numel() - k + 1).values
+        kth = kth_largest(self.peak.float(), k)
         return float(torch.nextafter(kth, kth.new_zeros(())))
 
     def topk(self, k: int, out: Tensor, generator: torch.Generator, sample_ratio: float = 0.01) -> Tensor:
@@ -147,6 +153,25 @@ class Blocks:
                 break
             rank *= 4
         return _topk(values, k, self.signed)
+
+
+def kth_largest(values: Tensor, k: int) -> Tensor:
+    """The ``k``-th largest of the flat ``values`` (NaN counting as largest, as ``kthvalue`` orders), exactly.
+
+    ``kthvalue`` over 800k block peaks takes 15 ms on a CPU core. A strided sample's ``margin_rank``-th largest is,
+    almost surely, no larger than the answer; the ``k``-th largest of the few values at or above it is the answer,
+    and ``kthvalue`` of the whole is the fallback when the bound misses. The sample decides the work, not the result.
+    """
+    n = values.numel()
+    drawn = values[:: max(1, n // 8192)]
+    if drawn.numel() * 4 > n:  # short: the sample saves nothing
+        return torch.kthvalue(values, n - k + 1).values
+    rank = min(drawn.numel(), margin_rank(drawn.numel(), k, n))
+    bound = torch.kthvalue(drawn, drawn.numel() - rank + 1).values
+    pool = values[torch.lt(values, bound).logical_not_()]  # NaN stays in the pool, as it is among the largest
+    if pool.numel() >= k:
+        return torch.kthvalue(pool, pool.numel() - k + 1).values
+    return torch.kthvalue(values, n - k + 1).values
 
 
 def above(values: Tensor, threshold: float, out: Tensor, signed: bool = False) -> Tensor:
