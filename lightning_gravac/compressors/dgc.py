@@ -8,7 +8,7 @@ from torch import Tensor
 
 from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k, sq_norm
-from lightning_gravac.compressors.select import Blocks, exact_topk, fill_to_k, sample, seeded_generator
+from lightning_gravac.compressors.select import Blocks, exact_topk, fill_to_k, margin_rank, sample, seeded_generator
 from lightning_gravac.compressors.sparse import Sparsifier
 
 #: Warm-up densities: each epoch keeps a quarter as much (75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity).
@@ -21,9 +21,10 @@ class DGC(Sparsifier):
 
     Per tensor: clip the gradient to ``clip_norm / sqrt(N)`` (local clipping), accumulate momentum
     ``u = m u + g`` and velocity ``v = v + u`` (momentum correction), send the ``k`` largest ``|v|`` and zero ``v``
-    and ``u`` there (momentum factor masking). The threshold comes from a ``sample_ratio`` sample of ``|v|``: if more
-    than ``1.3 k`` entries pass, the exact top ``k`` among them is taken; if fewer than ``0.8 k``, the threshold is
-    lowered (up to 10 rounds); the payload is then filled to exactly ``k``. During the first ``warmup_epochs`` epochs
+    and ``u`` there (momentum factor masking). The threshold comes from a ``sample_ratio`` sample of ``|v|``, set so
+    that a little more than ``k`` entries are expected to pass, and the exact top ``k`` among those that pass is
+    sent. Short of ``k``, the threshold is lowered to just below the ``k``-th largest block peak (up to 10 rounds),
+    and the payload is filled to exactly ``k``. During the first ``warmup_epochs`` epochs
     the density is at least ``0.25 ** (epoch + 1)`` (75%, 93.75%, ... sparsity).
 
     DGC keeps its own residual (``v``), so the strategy's error feedback stays off, and its momentum correction
@@ -154,14 +155,15 @@ class DGC(Sparsifier):
             return torch.topk(v.abs(), k, sorted=False).indices
         generator = seeded_generator(self.seed, step, key)
         drawn = sample(v, samples, generator).abs_()
-        threshold = float(torch.topk(drawn, max(1, math.ceil(k / n * samples))).values.min())
+        # A little more than k are expected to pass (margin_rank): falling short costs another scan, a few extra
+        # candidates cost a slightly larger top-k among them.
+        rank = min(drawn.numel(), margin_rank(drawn.numel(), k, n))
+        threshold = float(torch.topk(drawn, rank, sorted=False).values.min())
         out = self.scratch.like(v)
-        blocks = Blocks(
-            v, signed=False, peak=peak
-        )  # the peaks once; each threshold tried looks at them and the blocks passing
+        blocks = Blocks(v, signed=False, peak=peak)  # each threshold tried looks at the peaks and the hot blocks
         for _ in range(10):
             candidates = blocks.above(threshold, out)
-            if candidates.numel() >= 0.8 * k or threshold <= 0:
+            if candidates.numel() >= k or threshold <= 0:
                 break
             threshold = blocks.lowered(threshold, k, 0.8)  # just below the k-th block peak: k or more pass
         if candidates.numel() >= k or threshold <= 0:  # enough (the exact top k among them), or every non-zero
