@@ -55,8 +55,7 @@ def usable(values: Tensor) -> bool:
 
 def block_peaks(values: Tensor, blocks: int, signed: bool) -> Tensor:
     """The peaks of the first ``blocks`` 32-entry blocks of the flat ``values`` (see :func:`usable`)."""
-    lib = _library()
-    assert lib is not None, "block_peaks without the kernels: check usable() first"
+    lib = _loaded()
     peaks = torch.empty(blocks, dtype=torch.float32)
     lib.lg_block_peaks(values.data_ptr(), blocks, peaks.data_ptr(), int(signed), torch.get_num_threads())
     return peaks
@@ -65,8 +64,7 @@ def block_peaks(values: Tensor, blocks: int, signed: bool) -> Tensor:
 def scan(values: Tensor, peaks: Tensor, threshold: float, signed: bool, out: Tensor) -> Tensor:
     """Sorted int64 indices of the entries above ``threshold`` in the blocks that ``peaks`` covers; ``out`` is a
     contiguous 4-byte scratch of at least ``32 * len(peaks)`` entries (reinterpreted as int32)."""
-    lib = _library()
-    assert lib is not None, "scan without the kernels: check usable() first"
+    lib = _loaded()
     slots = out.view(torch.int32)
     count = lib.lg_scan(
         values.data_ptr(), peaks.numel(), peaks.data_ptr(), threshold, int(signed), slots.data_ptr(),
@@ -82,8 +80,7 @@ def accumulate(
     torch's ``add`` with ``alpha``; ``a`` without ``u_old``), ``v = v_old + u`` (``u`` without ``v_old``; ``a`` for
     ``u`` without ``u``). Writes ``u`` and ``v`` and returns the block peaks of ``|v|`` and ``||v||^2``. Every tensor
     is flat, fp32, contiguous, on the CPU and of ``g``'s size; the optional ones may be ``None``."""
-    lib = _library()
-    assert lib is not None, "accumulate without the kernels: check usable() first"
+    lib = _loaded()
     n = g.numel()
     peaks = torch.empty(n // BLOCK, dtype=torch.float32)
     sq = lib.lg_accumulate(
@@ -91,6 +88,12 @@ def accumulate(
         peaks.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return peaks, sq
+
+
+def _loaded() -> ctypes.CDLL:
+    lib = _library()
+    assert lib is not None, "a kernel called without the kernels: check usable() first"
+    return lib
 
 
 def _pointer(tensor: Tensor | None) -> int | None:
