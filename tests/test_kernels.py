@@ -163,3 +163,22 @@ def test_dgc_accumulates_the_same_bits_with_and_without_the_kernel(options, thre
     assert all(torch.equal(state[key], expected_state[key]) for key in state)
     # The kernel sums the squared norm in its own order: equal to within fp32 rounding.
     torch.testing.assert_close(basis, expected_basis, rtol=1e-6, atol=0)
+
+
+@needs_kernels
+def test_accumulate_writes_the_same_bits_aligned_and_unaligned(threads):
+    # Aligned outputs take the streaming stores, outputs one float off a 32-byte boundary the plain ones; the squared
+    # norm is summed in the same order at every thread count (compared against one thread).
+    n = 300_007
+    g, u_old, v_old = (_student(n, seed) for seed in (1, 2, 3))
+    results = []
+    for offset in (0, 1):
+        u, v = (torch.empty(n + 8)[offset : offset + n] for _ in range(2))
+        assert (u.data_ptr() % 32 == 0) == (offset == 0)
+        peaks, sq = kernels.accumulate(g, 0.5, u_old, 0.9, u, v_old, v)
+        results.append((u, v, peaks, sq))
+    (u, v, peaks, sq), (u1, v1, peaks1, sq1) = results
+    assert torch.equal(u, u1) and torch.equal(v, v1) and torch.equal(peaks, peaks1) and sq == sq1
+    assert torch.equal(u, torch.add(g * 0.5, u_old, alpha=0.9)) and torch.equal(v, v_old + u)
+    torch.set_num_threads(1)
+    assert kernels.accumulate(g, 0.5, u_old, 0.9, torch.empty(n), v_old, torch.empty(n))[1] == sq
