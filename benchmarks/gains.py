@@ -1,0 +1,129 @@
+"""Does GraVAC's gain see what compression costs? Steps to a target per static factor, and the gain with and without
+the residual, on the bandwidth benchmark's task, in one process (no root, no network).
+
+    python benchmarks/gains.py [--cfs 1 10 100 1000] [--steps 600] [--targets 0.5 0.4 0.3] [--ranks 2]
+                               [--compressor topk] [--probe-every 5] [--json PATH]
+
+``--ranks`` ranks are simulated in one process, as the hook computes them with a sparse all-gather: each rank's
+gradient of its share of the batch (32 examples), error feedback per rank and per parameter with the package's
+compressor (``ErrorFeedback.error_fed``, ``compress``, ``residual_``), then the mean of the ranks' decoded payloads,
+applied by plain SGD (``BagOfWordsRegression``, lr 0.05, the data and seed of ``benchmarks/bandwidth.py``). A factor
+of 1 is dense SGD. For each factor: the steps until the smoothed loss (an EWMA, factor 0.9) first reaches each target.
+
+For the largest factor, every ``--probe-every`` steps, the gain ``sum_ranks ||C_cf(x)||^2 / sum_ranks ||x||^2`` at the
+factors of GraVAC's default ladder (20, 160 and 1000 above ``cf_min`` 10): with ``x`` the error-fed gradient
+(GraVAC's gain, ``ALGORITHMS.md``), and with ``x`` the fresh gradient (what the step's own gradient keeps), beside the
+residual's norm. On a task whose loss does not suffer from a factor, a gain that falls far below ``epsilon`` there
+is measuring the residual's backlog, not a loss of progress.
+"""
+
+import argparse
+import json
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_gravac.compressors import ErrorFeedback, get_compressor
+from lightning_gravac.compressors.base import sq_norm
+from lightning_gravac.zoo import BagOfWordsRegression, bag_of_words_dataset
+
+LADDER = (20.0, 160.0, 1000.0)
+PER_RANK = 32
+
+
+def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
+    torch.manual_seed(0)
+    model = BagOfWordsRegression(lr=0.05)
+    params = dict(model.named_parameters())
+    compressor = get_compressor(args.compressor)
+    memories = [ErrorFeedback() for _ in range(args.ranks)]
+    loader = DataLoader(
+        bag_of_words_dataset(), batch_size=PER_RANK * args.ranks, shuffle=True, drop_last=True,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    ewma, reached, rows, step = None, {}, [], 0
+    while step < args.steps:
+        for bags, targets in loader:
+            probing = trace and step % args.probe_every == 0
+            sums = torch.zeros(2 + 2 * len(LADDER), dtype=torch.float64)  # ||fed||^2, ||g||^2, probes of each
+            update = {name: torch.zeros_like(p) for name, p in params.items()}
+            losses = []
+            for rank in range(args.ranks):
+                model.zero_grad()
+                part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+                loss = torch.nn.functional.mse_loss(model(bags[part]), targets[part])
+                loss.backward()
+                losses.append(loss.item())
+                for name, p in params.items():
+                    grad = p.grad.reshape(-1)
+                    if cf == 1:
+                        update[name] += grad.view_as(p)
+                        continue
+                    if probing:
+                        sums[1] += sq_norm(grad)
+                        sums[2 + len(LADDER) :] += compressor.probe(grad, LADDER, key=name, step=step)
+                    fed = memories[rank].error_fed(name, grad)
+                    if probing:
+                        sums[0] += sq_norm(fed)
+                        sums[2 : 2 + len(LADDER)] += compressor.probe(fed, LADDER, key=name, step=step)
+                    payload = compressor.compress(fed, cf, key=name, step=step)
+                    update[name] += compressor.decompress(payload).view_as(p)
+                    compressor.residual_(fed, payload)
+                    memories[rank].set(name, fed)
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.sub_(update[name], alpha=0.05 / args.ranks)
+            loss = sum(losses) / len(losses)
+            ewma = loss if ewma is None else 0.9 * ewma + 0.1 * loss
+            step += 1
+            for target in args.targets:
+                if target not in reached and ewma <= target:
+                    reached[target] = step
+            if probing:
+                residual = sum(float(sq_norm(r)) for m in memories for r in (m.get(n) for n in params) if r is not None)
+                rows.append({
+                    "step": step,
+                    "error_fed": (sums[2 : 2 + len(LADDER)] / sums[0]).tolist(),
+                    "fresh": (sums[2 + len(LADDER) :] / sums[1]).tolist(),
+                    "residual_norm": residual**0.5,
+                })  # fmt: skip
+            if step >= args.steps:
+                break
+    return {"cf": cf, "reached": reached, "final_loss": ewma, "trace": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cfs", type=float, nargs="+", default=[1.0, 10.0, 100.0, 1000.0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--targets", type=float, nargs="+", default=[0.5, 0.4, 0.3])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--compressor", default="topk")
+    parser.add_argument("--probe-every", type=int, default=5)
+    parser.add_argument("--json", help="also write the raw figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = [run(cf, args, trace=cf == max(args.cfs) and cf > 1) for cf in args.cfs]
+
+    print(f"Steps until the smoothed loss reaches each target ({args.ranks} simulated ranks, {args.compressor}):\n")
+    print("| factor | " + " | ".join(f"loss {t:g}" for t in args.targets) + " | final loss |")
+    print("| ---: | " + " | ".join("---:" for _ in args.targets) + " | ---: |")
+    for r in results:
+        cells = [str(r["reached"].get(t, f"missed in {args.steps}")) for t in args.targets]
+        print(f"| {r['cf']:g} | " + " | ".join(cells) + f" | {r['final_loss']:.3f} |")
+    for r in results:
+        if not r["trace"]:
+            continue
+        print(f"\nGains while sending at cf {r['cf']:g} (error-fed gradient / fresh gradient), residual norm:\n")
+        print("| step | " + " | ".join(f"cf {c:g}" for c in LADDER) + " | residual norm |")
+        print("| ---: | " + " | ".join("---:" for _ in LADDER) + " | ---: |")
+        for row in r["trace"][:: max(1, len(r["trace"]) // 12)]:
+            cells = [f"{e:.2f} / {f:.2f}" for e, f in zip(row["error_fed"], row["fresh"], strict=True)]
+            print(f"| {row['step']} | " + " | ".join(cells) + f" | {row['residual_norm']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
