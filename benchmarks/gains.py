@@ -34,6 +34,7 @@ PER_RANK = 32
 def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
     torch.manual_seed(0)
     model = BagOfWordsRegression(lr=0.05)
+    lr = model.hparams["lr"]
     params = dict(model.named_parameters())
     compressor = get_compressor(args.compressor)
     memories = [ErrorFeedback() for _ in range(args.ranks)]
@@ -45,7 +46,9 @@ def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
     while step < args.steps:
         for bags, targets in loader:
             probing = trace and step % args.probe_every == 0
-            sums = torch.zeros(2 + 2 * len(LADDER), dtype=torch.float64)  # ||fed||^2, ||g||^2, probes of each
+            # Summed over ranks and layers, as the hook's header sums them: ||x||^2 and ||C_cf(x)||^2 at each factor.
+            fed_sq, fed_kept = torch.zeros((), dtype=torch.float64), torch.zeros(len(LADDER), dtype=torch.float64)
+            fresh_sq, fresh_kept = torch.zeros_like(fed_sq), torch.zeros_like(fed_kept)
             update = {name: torch.zeros_like(p) for name, p in params.items()}
             losses = []
             for rank in range(args.ranks):
@@ -60,19 +63,19 @@ def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
                         update[name] += grad.view_as(p)
                         continue
                     if probing:
-                        sums[1] += sq_norm(grad)
-                        sums[2 + len(LADDER) :] += compressor.probe(grad, LADDER, key=name, step=step)
+                        fresh_sq += sq_norm(grad)
+                        fresh_kept += compressor.probe(grad, LADDER, key=name, step=step)
                     fed = memories[rank].error_fed(name, grad)
                     if probing:
-                        sums[0] += sq_norm(fed)
-                        sums[2 : 2 + len(LADDER)] += compressor.probe(fed, LADDER, key=name, step=step)
+                        fed_sq += sq_norm(fed)
+                        fed_kept += compressor.probe(fed, LADDER, key=name, step=step)
                     payload = compressor.compress(fed, cf, key=name, step=step)
                     update[name] += compressor.decompress(payload).view_as(p)
                     compressor.residual_(fed, payload)
                     memories[rank].set(name, fed)
             with torch.no_grad():
                 for name, p in params.items():
-                    p.sub_(update[name], alpha=0.05 / args.ranks)
+                    p.sub_(update[name], alpha=lr / args.ranks)
             loss = sum(losses) / len(losses)
             ewma = loss if ewma is None else 0.9 * ewma + 0.1 * loss
             step += 1
@@ -83,8 +86,8 @@ def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
                 residual = sum(float(sq_norm(r)) for m in memories for r in (m.get(n) for n in params) if r is not None)
                 rows.append({
                     "step": step,
-                    "error_fed": (sums[2 : 2 + len(LADDER)] / sums[0]).tolist(),
-                    "fresh": (sums[2 + len(LADDER) :] / sums[1]).tolist(),
+                    "error_fed": (fed_kept / fed_sq).tolist(),
+                    "fresh": (fresh_kept / fresh_sq).tolist(),
                     "residual_norm": residual**0.5,
                 })  # fmt: skip
             if step >= args.steps:

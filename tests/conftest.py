@@ -16,3 +16,10 @@ def _no_leftover_process_group_or_launcher_environment():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(environment)
+
+
+@pytest.fixture(autouse=True)
+def _in_a_scratch_directory(tmp_path, monkeypatch):
+    """Each test runs in its own directory: what Lightning writes by default (``checkpoints/``, the run summary's
+    ``gravac.png``) lands there, never in the checkout. Spawned ranks start in it too."""
+    monkeypatch.chdir(tmp_path)
