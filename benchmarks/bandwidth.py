@@ -97,6 +97,22 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
         ),
         False,
     ),
+    # Gains of the step's own gradient (`gain_of="gradient"`), the paper's epsilon: `benchmarks/gains.py` shows the
+    # error-fed gain measuring the residual's backlog on this task. The model search decides after one step.
+    "gravac sequential, gain of the gradient": (
+        lambda: (
+            GraVACStrategy("topk"),
+            [GraVAC(cf_min=10, cf_max=1000, omega=0.05, window=25, probe_every=25, gain_of="gradient")],
+        ),
+        False,
+    ),
+    "gravac model, gain of the gradient": (
+        lambda: (
+            GraVACStrategy("topk"),
+            [GraVAC(cf_max=1000, window=25, search="model", probe_every=25, first_window=1, gain_of="gradient")],
+        ),
+        False,
+    ),
 }
 
 

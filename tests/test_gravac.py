@@ -1,5 +1,7 @@
 """The GraVAC controller: scripted decisions, multi-level Top-K, and real 2-rank training."""
 
+from types import SimpleNamespace
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -39,7 +41,7 @@ class Scripted(GraVAC):
             stats = StepStats(
                 bytes_sent=dense if self.cf == 1 else int(dense / self.cf), bytes_dense=dense, sq_norm=1.0,
                 sq_norm_sent=gain, buckets=1, probe_cfs=probes, probe_sq=[self.gain_of(c) for c in probes],
-                comm_s=self.comm_of(self.cf),
+                probe_basis=1.0, comm_s=self.comm_of(self.cf),
             )  # fmt: skip
             self.observe(stats, None)
         return self
@@ -132,11 +134,20 @@ def test_model_search_picks_the_best_predicted_factor_after_one_window():
         ({"window": 0}, r"`window` must be a whole number >= 1, got 0"),
         ({"policy": "linear"}, r"`policy` must be one of \('exponential', 'geometric'\), got 'linear'"),
         ({"search": "grid"}, r"`search` must be one of \('sequential', 'model'\), got 'grid'"),
+        ({"gain_of": "fresh"}, r"`gain_of` must be one of \('error_fed', 'gradient'\), got 'fresh'"),
     ],
 )
 def test_bad_options_are_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GraVAC(**kwargs)
+
+
+def test_gain_of_the_gradient_refuses_a_method_with_its_own_accumulation():
+    trainer = SimpleNamespace(strategy=GraVACStrategy("dgc"), world_size=1)
+    with pytest.raises(ValueError, match=r"`gain_of='gradient'`.*'dgc' selects from an accumulation of its own"):
+        GraVAC(gain_of="gradient").setup(trainer, TeacherRegression(width=256), "fit")
+    GraVAC(gain_of="gradient").setup(SimpleNamespace(strategy=GraVACStrategy("topk"), world_size=1),
+                                     TeacherRegression(width=256), "fit")  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -159,6 +159,60 @@ def test_bucket_bytes_follow_the_stated_accounting():
     assert steps[-1]["bytes_sent"] == -(-payload // 8) * 8
 
 
+def _probed(rank, world, granularity):
+    """GraVAC's probe gains from the hook, both ways, against norms of every rank's plain gradients."""
+    dist.init_process_group("gloo")
+    cfs, cf = (20.0, 80.0), 50
+    out = {}
+    for gain_of in ("error_fed", "gradient"):
+        model = _model()
+        reference = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+        topk = get_compressor("topk")
+        state = CompressionState(topk, error_feedback=True, granularity=granularity, cf=cf)
+        state.probe_cfs, state.gain_of = cfs, gain_of
+        state.bind(model)
+        ddp.register_comm_hook(state, gravac_hook)
+        residuals: dict[str, torch.Tensor] = {}
+        got, expected = [], []
+        for step in range(3):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+            for m in (ddp, reference):
+                m.zero_grad()
+                m(x).square().mean().backward()
+            names = [n for n, _ in reference.named_parameters()]
+            grads = [p.grad for _, p in reference.named_parameters()]
+            probed = (
+                grads if gain_of == "gradient" else [g + residuals.get(n, 0) for n, g in zip(names, grads, strict=True)]
+            )
+            # Top-K's kept norm does not depend on the order of a bucket's layers: their concatenation will do.
+            units = [torch.cat([g.reshape(-1) for g in probed])] if granularity == "bucket" else probed
+            sums = torch.tensor(
+                [sum(float(u.double().square().sum()) for u in units)]
+                + [sum(float(topk.sent_sq_norm(topk.compress(u, c))) for u in units) for c in cfs],
+                dtype=torch.float64,
+            )
+            dist.all_reduce(sums)
+            expected.append([(sums[i + 1] / sums[0]).item() for i in range(len(cfs))])
+            _reference_step(topk, names, grads, residuals, cf, granularity, step, {})
+            got.append(list(state.pop_stats().probe_gains().values()))
+        out[gain_of] = {"got": got, "expected": expected}
+    return out
+
+
+@pytest.mark.parametrize("granularity", ["layer", "bucket"])
+def test_probe_gains_are_of_the_error_fed_or_of_the_step_own_gradient(granularity):
+    ranks = run_distributed(_probed, granularity=granularity)
+    for gains in ranks:
+        for gain_of in ("error_fed", "gradient"):
+            for got, expected in zip(gains[gain_of]["got"], gains[gain_of]["expected"], strict=True):
+                assert got == pytest.approx(expected, rel=1e-6)
+        # From the second step on the residual is part of the error-fed gradient: the two gains must differ.
+        for fed, own in zip(gains["error_fed"]["got"][1:], gains["gradient"]["got"][1:], strict=True):
+            assert all(abs(a - b) > 1e-3 for a, b in zip(fed, own, strict=True))
+    assert ranks[0] == ranks[1], "gains are sums over ranks: every rank must see the same"
+
+
 def _low_rank_steps(rank, world, cf):
     dist.init_process_group("gloo")
     model = _model()

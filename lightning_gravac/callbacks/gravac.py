@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.strategies.state import CompressionState, StepStats
+from lightning_gravac.strategies.state import CompressionState, GainOf, StepStats
 
 Policy = Literal["exponential", "geometric"]
 Search = Literal["sequential", "model"]
@@ -94,6 +94,14 @@ class GraVAC(Controller):
     highest predicted ``Tc`` (dense among them) is sent from the first window's end on. Since the link is measured,
     not searched, that first window can be short (``first_window``, 10 steps by default).
 
+    ``gain_of="gradient"`` goes beyond the paper too: the gains are measured on the step's own gradient,
+    ``sum_ranks ||C_cf(grad)||^2 / sum_ranks ||grad||^2``, instead of the error-fed ``grad + residual``. Under error
+    feedback the residual holds what earlier steps did not send; at an aggressive factor it grows to many times the
+    gradient's norm and stays there on models with rarely-touched rows (embeddings), so the error-fed gain of every
+    factor falls far below ``epsilon`` while training loses nothing (``benchmarks/gains.py`` measures both). The
+    gradient's own gain asks what the factor keeps of each step's new information. It costs one more selection per
+    probe step, and is not defined for methods that select from their own accumulation (DGC).
+
     Tuning: ``epsilon`` is the share of the gradient's energy a step must keep (lower it for methods or models
     whose gradients are not heavy-tailed); ``window`` should cover enough steps for a stable step time (hundreds
     on a busy cluster, tens on a quiet one); ``alpha`` smooths the gains (default ``N/100`` clamped to
@@ -115,10 +123,13 @@ class GraVAC(Controller):
             ``1 - (1 - alpha)^p``.
         first_window: length of the first window; ``None`` for ``window`` with the sequential search and
             ``min(window, 10)`` with the model search, whose first decision needs only the link's cost.
+        gain_of: what the gains are measured on, ``"error_fed"`` (the paper: gradient plus residual) or
+            ``"gradient"`` (the step's own gradient).
 
     Raises:
         ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
-            window or first window below 1, or an unknown policy, interval or search.
+            window or first window below 1, or an unknown policy, interval, search or ``gain_of``; at setup,
+            ``gain_of="gradient"`` with a method that keeps its own accumulation (DGC).
     """
 
     def __init__(
@@ -134,6 +145,7 @@ class GraVAC(Controller):
         search: Search = "sequential",
         probe_every: int = 1,
         first_window: int | None = None,
+        gain_of: GainOf = "error_fed",
     ) -> None:
         cf_min, cf_max = validate_cf(cf_min, "cf_min"), validate_cf(cf_max, "cf_max")
         if cf_min > cf_max:
@@ -147,6 +159,7 @@ class GraVAC(Controller):
         self.interval = choice(interval, "interval", ("step", "epoch"))
         self.search = choice(search, "search", ("sequential", "model"))
         self.probe_every = whole(probe_every, "probe_every")
+        self.gain_of: GainOf = choice(gain_of, "gain_of", ("error_fed", "gradient"))
         default_first = min(self.window, 10) if self.search == "model" else self.window
         self.first_window = default_first if first_window is None else whole(first_window, "first_window")
         self.cf_max = cf_max
@@ -207,6 +220,12 @@ class GraVAC(Controller):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._world_size = trainer.world_size
         super().setup(trainer, pl_module, stage)
+        method = self.state.compressor
+        if self.gain_of == "gradient" and method.owns_feedback:
+            raise ValueError(
+                f"`gain_of='gradient'` measures what a factor keeps of the step's own gradient, but {method.name!r} "
+                "selects from an accumulation of its own, not from the gradient. Use `gain_of='error_fed'`."
+            )
 
     @override
     def apply(self, state: CompressionState) -> None:
@@ -215,6 +234,7 @@ class GraVAC(Controller):
         # settled or dense choice stops paying for the measurement on the other steps.
         probing = self.windows == 0 or self._steps % self.probe_every == 0
         state.probe_cfs = self.probe_cfs if probing else ()
+        state.gain_of = self.gain_of
 
     @override
     def on_train_batch_start(
@@ -248,7 +268,10 @@ class GraVAC(Controller):
         tally.steps += 1
         tally.seconds += self.step_seconds(stats)
         tally.comm_seconds += stats.comm_s
-        tally.gain += stats.gain
+        # The sent factor's gain, measured on what the gains are of: the error-fed gradient (what was sent of it), or
+        # the step's own gradient (the probes' smoothed value).
+        fresh = self.gain_of == "gradient" and self.cf != DENSE
+        tally.gain += self.gains.get(self.cf, stats.gain) if fresh else stats.gain
         tally.moved_bytes += moved_bytes(stats.bytes_sent, stats.bytes_dense, self._world_size)
         if self.interval == "step":
             self._progress += 1
@@ -390,5 +413,5 @@ class GraVAC(Controller):
         return (
             f"GraVAC(cf_min={self.cf_min:g}, cf_max={self.cf_max:g}, epsilon={self.epsilon}, omega={self.omega}, "
             f"window={self.window}, policy={self.policy!r}, search={self.search!r}, probe_every={self.probe_every}, "
-            f"first_window={self.first_window})"
+            f"first_window={self.first_window}, gain_of={self.gain_of!r})"
         )

@@ -11,7 +11,9 @@ Data flow for one bucket (see DESIGN.md):
 4. decode and average into the bucket buffer, record the step's statistics, and hand the buffer to DDP.
 
 Every compressed bucket carries a float64 header, summed over ranks: ``||g||^2``, ``||C(g)||^2`` and the norms at
-the controller's probe factors. A non-finite ``||g||^2`` means some rank's gradient was not finite: then the new
+the controller's probe factors; those are of the error-fed gradient by default and, when the controller asks for the
+gain of the step's own gradient (``gain_of="gradient"``), of the gradient before the residual is added, followed by
+its ``||grad||^2``. A non-finite ``||g||^2`` means some rank's gradient was not finite: then the new
 residuals are dropped (the old ones stay, as if the step had not happened) and the bucket is returned as NaN on
 every rank, so that a mixed-precision scaler skips the step as it would with stock DDP.
 """
@@ -53,6 +55,7 @@ class _Work:
     segments: list[_Segment]
     payloads: list[Payload]
     header: Tensor
+    fresh: bool = False  # the header's probes are of the step's own gradient, with its squared norm last
     # New residuals by parameter, committed only once the step is known finite on every rank; None drops one.
     pending: dict[str, Tensor | None] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
@@ -78,6 +81,9 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         return _plain_allreduce(state, buffer)
 
     start = time.perf_counter()
+    # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
+    fresh = _fresh_probes(state, names, grads, buffer) if state.probe_cfs and state.gain_of == "gradient" else None
+    probe_cfs = () if fresh is not None else state.probe_cfs
     # Per layer, the error-fed gradient goes into a buffer the memory recycles, which then becomes the new residual
     # in place: no copy of the gradient and no allocation. Dense steps and whole buckets add the residual in place.
     recycled = state.error_feedback and state.granularity == "layer" and not dense
@@ -86,22 +92,24 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
             state.memory.compensate_(name, grad)
     segments = _segments(state, names, grads, cfs, buffer, recycled)
     if isinstance(state.compressor, PowerSGD) and not dense:
-        return _low_rank(state, segments, buffer, start)
+        return _low_rank(state, segments, buffer, start, probe_cfs, fresh)
     if dense:
         # Sending dense while the controller still measures what compression would keep: residuals drop.
-        probes = [state.compressor.probe(s.tensor, state.probe_cfs, key=s.key, step=state.step) for s in segments]
+        probes = [
+            state.compressor.probe(s.tensor, probe_cfs, key=s.key, step=state.step) for s in segments if probe_cfs
+        ]
         norm = sq_norm(buffer)  # sent dense: what is sent is all there is
-        work = _Work(state, buffer, segments, [], _header(norm, [norm], probes), start=start)
+        work = _Work(state, buffer, segments, [], _header(norm, [norm], probes, fresh), fresh is not None, start=start)
         if state.error_feedback:
             work.pending = dict.fromkeys(names)
         buffer.mul_(1.0 / state.world_size)
         return _launch_reduce(work, buffer, lambda: buffer)
 
-    payloads, probes = _compress(state, segments)
+    payloads, probes = _compress(state, segments, probe_cfs)
     sent = [s.compressor.sent_sq_norm(p) for s, p in zip(segments, payloads, strict=True)]
     # Gains are relative to what each method selects from: the error-fed gradient, or DGC's accumulation.
     basis = torch.stack([s.compressor.basis_sq_norm(s.tensor, s.key) for s in segments]).sum()
-    work = _Work(state, buffer, segments, payloads, _header(basis, sent, probes), start=start)
+    work = _Work(state, buffer, segments, payloads, _header(basis, sent, probes, fresh), fresh is not None, start=start)
     if state.error_feedback:
         work.pending = _new_residuals(work, names, grads)
 
@@ -163,10 +171,22 @@ def _segments(
     ]
 
 
-def _compress(state: CompressionState, segments: list[_Segment]) -> tuple[list[Payload], list[Tensor]]:
-    """Each segment's payload, and the norms at the probe factors (one multi-level selection where nested)."""
+def _fresh_probes(
+    state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(sum ||C_cf(grad)||^2 at the probe factors, ||grad||^2)`` of this rank's own gradient, unit by unit as it
+    is compressed (each layer, or the whole bucket)."""
+    units = [(f"bucket:{names[0]}", buffer)] if state.granularity == "bucket" else list(zip(names, grads, strict=True))
+    probes = [state.compressor.probe(t, state.probe_cfs, key=key, step=state.step) for key, t in units]
+    return torch.stack(probes).sum(0), sq_norm(buffer)
+
+
+def _compress(
+    state: CompressionState, segments: list[_Segment], probe_cfs: tuple[float, ...]
+) -> tuple[list[Payload], list[Tensor]]:
+    """Each segment's payload, and the norms at ``probe_cfs`` (one multi-level selection where nested)."""
     payloads, probes = [], []
-    step, probe_cfs = state.step, state.probe_cfs
+    step = state.step
     for s in segments:
         if not probe_cfs:
             payloads.append(s.compressor.compress(s.tensor, s.cf, key=s.key, step=step))
@@ -180,10 +200,13 @@ def _compress(state: CompressionState, segments: list[_Segment]) -> tuple[list[P
     return payloads, probes
 
 
-def _header(basis: Tensor, sent: list[Tensor], probes: list[Tensor]) -> Tensor:
-    """``[||g||^2, ||C(g)||^2, *probe norms]`` in float64: this rank's part of the sums."""
+def _header(basis: Tensor, sent: list[Tensor], probes: list[Tensor], fresh: tuple[Tensor, Tensor] | None) -> Tensor:
+    """``[||g||^2, ||C(g)||^2, *probe norms]`` in float64, this rank's part of the sums; with ``fresh``, the probe
+    norms of the step's own gradient and its ``||grad||^2`` instead of ``probes``."""
     parts = [basis.view(1), torch.stack(sent).sum().view(1).to(basis.device)]
-    if probes:
+    if fresh is not None:
+        parts += [fresh[0].to(basis.device), fresh[1].view(1).to(basis.device)]
+    elif probes:
         parts.append(torch.stack(probes).sum(0).to(basis.device))
     return torch.cat(parts)
 
@@ -255,7 +278,14 @@ def _reduce_payloads(work: _Work) -> Future[Tensor]:
     return _launch_reduce(work, flat, decode)
 
 
-def _low_rank(state: CompressionState, segments: list[_Segment], buffer: Tensor, start: float) -> Future[Tensor]:
+def _low_rank(
+    state: CompressionState,
+    segments: list[_Segment],
+    buffer: Tensor,
+    start: float,
+    probe_cfs: tuple[float, ...],
+    fresh: tuple[Tensor, Tensor] | None,
+) -> Future[Tensor]:
     """PowerSGD's two all-reduces: ``P = M Q`` with the bucket's dense parts, then ``Q = M^T P`` with the header."""
     method = state.compressor
     assert isinstance(method, PowerSGD)
@@ -264,14 +294,14 @@ def _low_rank(state: CompressionState, segments: list[_Segment], buffer: Tensor,
     full = [s for s in segments if not (s.compressor is method and method.low_rank(s.tensor))]
     matrices = [as_matrix(s.tensor) for s in low]  # views of the inputs for fp32
     ps = [method.project(m, method.rank_for(s.tensor.shape, s.cf), s.key) for s, m in zip(low, matrices, strict=True)]
-    probes = [method.probe(s.tensor, state.probe_cfs, key=s.key) for s in segments] if state.probe_cfs else []
+    probes = [method.probe(s.tensor, probe_cfs, key=s.key) for s in segments] if probe_cfs else []
     norms = {s.key: sq_norm(s.tensor) for s in segments}
     basis = torch.stack(list(norms.values())).sum()
     dense_sq = torch.stack([norms[s.key] for s in full]).sum() if full else basis.new_zeros(())
     first = torch.cat([p.view(-1) for p in ps] + [s.tensor.reshape(-1).float() / world for s in full])
-    work = _Work(state, buffer, segments, [], basis.new_zeros(0), start=start)
+    work = _Work(state, buffer, segments, [], basis.new_zeros(0), fresh is not None, start=start)
     second_numel = sum(m.shape[1] * p.shape[1] for m, p in zip(matrices, ps, strict=True))
-    sent_bytes = (first.numel() + second_numel) * first.element_size() + (2 + len(state.probe_cfs)) * 8
+    sent_bytes = (first.numel() + second_numel) * first.element_size() + (2 + len(state.probe_cfs) + work.fresh) * 8
     encode_s = time.perf_counter() - start
     launched = time.perf_counter()
 
@@ -292,7 +322,7 @@ def _low_rank(state: CompressionState, segments: list[_Segment], buffer: Tensor,
         for s in full:
             work.pending[s.key] = None
         sent = [dense_sq] + [q.double().square().sum() for q in qs]  # ||P Q^T|| = ||Q|| for orthonormal P
-        work.header = _header(basis, sent, probes)
+        work.header = _header(basis, sent, probes, fresh)
         second = torch.cat([q.view(-1) for q in qs]) if qs else summed.new_zeros(0)
         futures = [dist.all_reduce(work.header, group=group, async_op=True).get_future()]
         if qs:  # a bucket of biases alone has no second factor
@@ -345,6 +375,7 @@ def _settle(
 ) -> Tensor:
     """Commit the residuals of a finite step (or poison the result of a non-finite one) and record the stats."""
     values = norms.tolist()
+    probe_sq, probe_basis = (values[2:-1], values[-1]) if work.fresh else (values[2:], values[0])
     keys = [s.key for s in work.segments]
     if math.isfinite(values[0]):
         work.state.compressor.commit(keys)
@@ -365,7 +396,8 @@ def _settle(
         values[1],
         compress_s,
         received - launched,
-        tuple(values[2:]),
+        tuple(probe_sq),
+        probe_basis,
     )
     work.state.record(record)
     return work.buffer

@@ -13,6 +13,7 @@ from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.none import NoCompression
 
 Granularity = Literal["layer", "bucket"]
+GainOf = Literal["error_fed", "gradient"]
 
 #: Value of the ``collective`` statistic: payloads all-gathered, or a dense (or summable) all-reduce.
 GATHER, REDUCE = 0, 1
@@ -30,6 +31,7 @@ class BucketRecord:
     compress_s: float = 0.0
     comm_s: float = 0.0
     probe_sq: tuple[float, ...] = ()
+    probe_basis: float = 0.0  # what the probes are relative to: ``sq_norm``, or ``||grad||^2`` for the fresh gradient
 
 
 @dataclass
@@ -40,7 +42,8 @@ class StepStats:
     the 16-byte statistics header of each compressed bucket and the padding to 8 bytes. ``bytes_dense`` is what
     plain DDP would have sent (numel x element size). Both are identical on every rank; so are the norms,
     which crossed the network. The timings are this rank's own. ``probe_sq[i]`` is ``sum_ranks ||C(g)||^2`` at the
-    factor ``probe_cfs[i]`` the controller asked the hook to measure.
+    factor ``probe_cfs[i]`` the controller asked the hook to measure, of the gradient ``probe_basis`` is the squared
+    norm of: the error-fed gradient (``== sq_norm``) or, with ``gain_of="gradient"``, the step's own.
     """
 
     bytes_sent: int = 0
@@ -53,12 +56,13 @@ class StepStats:
     buckets: int = 0
     probe_cfs: tuple[float, ...] = ()
     probe_sq: list[float] = field(default_factory=list)
+    probe_basis: float = 0.0
 
     def probe_gains(self) -> dict[float, float]:
         """The gain at each probed factor, ``sum ||C_cf(g)||^2 / sum ||g||^2``."""
-        if self.sq_norm <= 0:
+        if self.probe_basis <= 0:
             return dict.fromkeys(self.probe_cfs, 1.0)
-        return {cf: sq / self.sq_norm for cf, sq in zip(self.probe_cfs, self.probe_sq, strict=True)}
+        return {cf: sq / self.probe_basis for cf, sq in zip(self.probe_cfs, self.probe_sq, strict=True)}
 
     @property
     def finite(self) -> bool:
@@ -85,6 +89,7 @@ class StepStats:
             stats.bytes_dense += r.bytes_dense
             stats.sq_norm += r.sq_norm
             stats.sq_norm_sent += r.sq_norm_sent
+            stats.probe_basis += r.probe_basis
             stats.compress_s += r.compress_s
             stats.comm_s += r.comm_s
             stats.gathered += r.collective == GATHER
@@ -108,6 +113,7 @@ class CompressionState:
     cf: float = 1.0
     param_cf: dict[str, float] = field(default_factory=dict)
     probe_cfs: tuple[float, ...] = ()  # factors whose gain the hook measures as well (GraVAC's candidates)
+    gain_of: GainOf = "error_fed"  # what the probes compress: the error-fed gradient, or the step's own gradient
     local_sgd_from: int | None = None  # the step from which gradients stay local (periodic model averaging)
 
     # Bound at hook registration.
