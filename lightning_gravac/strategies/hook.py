@@ -95,9 +95,8 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         return _low_rank(state, segments, buffer, start, probe_cfs, fresh)
     if dense:
         # Sending dense while the controller still measures what compression would keep: residuals drop.
-        probes = [
-            state.compressor.probe(s.tensor, probe_cfs, key=s.key, step=state.step) for s in segments if probe_cfs
-        ]
+        probe = state.compressor.probe
+        probes = [probe(s.tensor, probe_cfs, key=s.key, step=state.step) for s in segments] if probe_cfs else []
         norm = sq_norm(buffer)  # sent dense: what is sent is all there is
         work = _Work(state, buffer, segments, [], _header(norm, [norm], probes, fresh), fresh is not None, start=start)
         if state.error_feedback:
