@@ -1,14 +1,16 @@
 """Does GraVAC's gain see what compression costs? Steps to a target per static factor, and the gain with and without
-the residual, on the bandwidth benchmark's task, in one process (no root, no network).
+the residual, on the bandwidth benchmark's task (or a dense-gradient MLP), in one process (no root, no network).
 
-    python benchmarks/gains.py [--cfs 1 10 100 1000] [--steps 600] [--targets 0.5 0.4 0.3] [--ranks 2]
-                               [--compressor topk] [--probe-every 5] [--json PATH]
+    python benchmarks/gains.py [--task bag|mlp] [--cfs 1 10 100 1000] [--steps 600] [--targets 0.5 0.4 0.3]
+                               [--ranks 2] [--compressor topk] [--probe-every 5] [--json PATH]
 
 ``--ranks`` ranks are simulated in one process, as the hook computes them with a sparse all-gather: each rank's
 gradient of its share of the batch (32 examples), error feedback per rank and per parameter with the package's
 compressor (``ErrorFeedback.error_fed``, ``compress``, ``residual_``), then the mean of the ranks' decoded payloads,
-applied by plain SGD (``BagOfWordsRegression``, lr 0.05, the data and seed of ``benchmarks/bandwidth.py``). A factor
-of 1 is dense SGD. For each factor: the steps until the smoothed loss (an EWMA, factor 0.9) first reaches each target.
+applied by plain SGD (``--task bag``: ``BagOfWordsRegression``, lr 0.05, the data and seed of
+``benchmarks/bandwidth.py``; ``--task mlp``: ``TeacherRegression`` with 4 hidden layers of 1600, 10.2M parameters
+whose gradients are dense, lr 0.05). A factor of 1 is dense SGD. For each factor: the steps until the smoothed loss
+(an EWMA, factor 0.9) first reaches each target.
 
 For the largest factor, every ``--probe-every`` steps, the gain ``sum_ranks ||C_cf(x)||^2 / sum_ranks ||x||^2`` at the
 factors of GraVAC's default ladder (20, 160 and 1000 above ``cf_min`` 10): with ``x`` the error-fed gradient
@@ -25,26 +27,31 @@ from torch.utils.data import DataLoader
 
 from lightning_gravac.compressors import ErrorFeedback, get_compressor
 from lightning_gravac.compressors.base import sq_norm
-from lightning_gravac.zoo import BagOfWordsRegression, bag_of_words_dataset
+from lightning_gravac.zoo import BagOfWordsRegression, TeacherRegression, bag_of_words_dataset, teacher_dataset
 
 LADDER = (20.0, 160.0, 1000.0)
 PER_RANK = 32
+TASKS = {
+    "bag": (lambda: BagOfWordsRegression(lr=0.05), bag_of_words_dataset),
+    "mlp": (lambda: TeacherRegression(width=1600, depth=5, lr=0.05), lambda: teacher_dataset(n=8192)),
+}
 
 
 def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
     torch.manual_seed(0)
-    model = BagOfWordsRegression(lr=0.05)
+    make_model, make_data = TASKS[args.task]
+    model = make_model()
     lr = model.hparams["lr"]
     params = dict(model.named_parameters())
     compressor = get_compressor(args.compressor)
     memories = [ErrorFeedback() for _ in range(args.ranks)]
     loader = DataLoader(
-        bag_of_words_dataset(), batch_size=PER_RANK * args.ranks, shuffle=True, drop_last=True,
+        make_data(), batch_size=PER_RANK * args.ranks, shuffle=True, drop_last=True,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     ewma, reached, rows, step = None, {}, [], 0
     while step < args.steps:
-        for bags, targets in loader:
+        for inputs, targets in loader:
             probing = trace and step % args.probe_every == 0
             # Summed over ranks and layers, as the hook's header sums them: ||x||^2 and ||C_cf(x)||^2 at each factor.
             fed_sq, fed_kept = torch.zeros((), dtype=torch.float64), torch.zeros(len(LADDER), dtype=torch.float64)
@@ -54,7 +61,7 @@ def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
             for rank in range(args.ranks):
                 model.zero_grad()
                 part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-                loss = torch.nn.functional.mse_loss(model(bags[part]), targets[part])
+                loss = torch.nn.functional.mse_loss(model(inputs[part]), targets[part])
                 loss.backward()
                 losses.append(loss.item())
                 for name, p in params.items():
@@ -97,6 +104,7 @@ def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=list(TASKS), default="bag")
     parser.add_argument("--cfs", type=float, nargs="+", default=[1.0, 10.0, 100.0, 1000.0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--targets", type=float, nargs="+", default=[0.5, 0.4, 0.3])
