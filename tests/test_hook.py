@@ -292,5 +292,36 @@ def _vote(rank, world):
     return all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())
 
 
+def _low_rank_probed(rank, world, gain_of):
+    dist.init_process_group("gloo")
+    model = _model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+    state = CompressionState(get_compressor("powersgd"), error_feedback=True, cf=8)
+    state.probe_cfs, state.gain_of = (16.0, 32.0), gain_of
+    state.bind(model)
+    ddp.register_comm_hook(state, gravac_hook)
+    steps = []
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+        stats = state.pop_stats()
+        steps.append({"gains": list(stats.probe_gains().values()), "gain": stats.gain, "bytes": stats.bytes_sent})
+    return {"steps": steps, "grads": [p.grad.clone() for p in model.parameters()]}
+
+
+def test_powersgd_probes_of_the_step_own_gradient_leave_what_is_sent_alone():
+    fed, own = (run_distributed(_low_rank_probed, gain_of=g) for g in ("error_fed", "gradient"))
+    for a, b in zip(fed, own, strict=True):
+        # Probing warm-starts from the same Q but must not advance it: the same factors, the same averaged gradient.
+        assert [s["gain"] for s in a["steps"]] == [s["gain"] for s in b["steps"]]
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True))
+        assert [s["bytes"] + 8 for s in a["steps"]] == [s["bytes"] for s in b["steps"]]  # ||grad||^2 in the header
+        # No residual before the first step: both gains agree there, and differ after.
+        assert a["steps"][0]["gains"] == pytest.approx(b["steps"][0]["gains"], rel=1e-6)
+        assert all(abs(x - y) > 1e-3 for x, y in zip(a["steps"][2]["gains"], b["steps"][2]["gains"], strict=True))
+    assert own[0]["steps"] == own[1]["steps"], "gains are sums over ranks: every rank must see the same"
+
+
 def test_signsgd_through_the_hook_is_the_majority_vote():
     assert run_distributed(_vote) == [True, True]
