@@ -1,6 +1,7 @@
 """Helpers for Trainer-level tests, top-level so that spawned ranks can import them."""
 
 import atexit
+import itertools
 import multiprocessing
 import os
 import time
@@ -12,7 +13,7 @@ from pytorch_lightning import Callback
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_gravac import GraVAC, StepStats
+from lightning_gravac import Controller, GraVAC, StepStats
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
 
@@ -121,3 +122,44 @@ class ExitCleanly(Callback):
         # Only in a spawned worker: in the process that runs pytest it would turn every exit status into 0.
         if multiprocessing.parent_process() is not None:
             atexit.register(os._exit, 0)
+
+
+class MLP(pl.LightningModule):
+    """A plain MLP on the teacher's data (``n_in`` inputs, one output), SGD; ``sizes`` are every layer's width."""
+
+    def __init__(self, sizes: tuple[int, ...] = (16, 64, 64), lr: float = 0.05, momentum: float = 0.0) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for a, b in itertools.pairwise(sizes):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(sizes[-1], 1))
+        self.lr, self.momentum = lr, momentum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, on_step=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+class Cycling(Controller):
+    """A controller that changes the factor every ``every`` steps, through ``factors`` in turn (1 among them: the
+    dense path between compressed ones), as an adaptive controller may."""
+
+    def __init__(self, factors: tuple[float, ...] = (4, 1, 16, 8), every: int = 2) -> None:
+        super().__init__(cf=factors[0])
+        self.factors, self.every, self._seen = factors, every, 0
+
+    def observe(self, stats: StepStats, trainer: pl.Trainer) -> None:
+        self._seen += 1
+        self.cf = self.factors[(self._seen // self.every) % len(self.factors)]
+
+    @property
+    def max_cf(self) -> tuple[str, float]:
+        return "factors", max(self.factors)

@@ -37,11 +37,12 @@ class ErrorFeedback:
             return out.copy_(grad)
         return torch.add(grad, residual.view_as(grad), out=out)
 
-    def compensate_(self, key: str, tensor: Tensor) -> None:
-        """Add the stored residual of ``key`` to ``tensor`` in place (nothing if there is none)."""
+    def compensate_(self, key: str, tensor: Tensor) -> bool:
+        """Add the stored residual of ``key`` to ``tensor`` in place; whether there was one."""
         residual = self._residuals.get(key)
         if residual is not None:
             tensor.add_(residual.view_as(tensor))
+        return residual is not None
 
     @staticmethod
     def residual_of(compressor: Compressor, error_fed: Tensor, payload: Payload) -> Tensor:

@@ -1,8 +1,9 @@
 """The DDP communication hook: error feedback, compression, one collective, decoding.
 
-Data flow for one bucket (see DESIGN.md):
+Data flow for one bucket:
 
-1. every factor is 1, no probe is asked for: plain all-reduce, bit for bit what stock DDP does;
+1. every factor is 1, no probe is asked for: plain all-reduce, bit for bit what stock DDP does (residuals left by
+   earlier compressed steps are added in and dropped once the result is known finite);
 2. otherwise add each parameter's residual to its gradient (error feedback), compress each layer (or the
    whole bucket) to a fixed-size payload, and compute the new residuals;
 3. pick the cheapest collective: an all-reduce of the payloads when ranks share support (Random-K), an
@@ -16,12 +17,19 @@ gain of the step's own gradient (``gain_of="gradient"``), of the gradient before
 its ``||grad||^2``. A non-finite ``||g||^2`` means some rank's gradient was not finite: then the new
 residuals are dropped (the old ones stay, as if the step had not happened) and the bucket is returned as NaN on
 every rank, so that a mixed-precision scaler skips the step as it would with stock DDP.
+
+Two rules keep the collectives from hanging. Every collective is launched from the thread that runs the hook, so
+every rank issues them in the same order (collectives are matched by that order; a collective launched from a
+future's callback, which runs on whichever thread completes the previous one, would not be). And no callback waits
+for anything: callbacks only decode and record. A collective that fails (a rank died, or stalled past the process
+group's timeout) surfaces from ``backward`` as an error naming the compressor and what was waited for.
 """
 
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,9 +84,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     cfs = [state.cf_of(name) for name in names]
     dense = all(cf == 1.0 for cf in cfs)
     if dense and not state.probe_cfs:
-        # (This path has no header to tell a non-finite step, which then loses the pending residual.)
-        _flush_residuals(state, names, grads)
-        return _plain_allreduce(state, buffer)
+        return _plain_allreduce(state, buffer, _carry_residuals(state, names, grads))
 
     start = time.perf_counter()
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
@@ -120,7 +126,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     return _reduce_decoded(work)
 
 
-def _plain_allreduce(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
+def _plain_allreduce(state: CompressionState, buffer: Tensor, carried: list[str]) -> Future[Tensor]:
     # Multiply by 1/N exactly as DDP's reducer does without a hook (``mul_out(bucket, grad, 1.0 / N)``), so the
     # result is bit-identical to stock DDP for every world size, not only powers of two.
     buffer.mul_(1.0 / state.world_size)
@@ -128,10 +134,47 @@ def _plain_allreduce(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
 
     def done(fut: Future[list[Tensor]]) -> Tensor:
+        result = _received(fut, state, "dense all-reduce")[0]
+        # No header on this path: whether some rank's gradient was not finite is read off the result itself, and only
+        # when residuals were added into it (the first dense step after compressed ones), so steady dense steps pay
+        # nothing. A non-finite step keeps them, as the compressed path does; a finite one has delivered them.
+        if carried and bool(torch.isfinite(result).all()):
+            for name in carried:
+                state.memory.discard(name)
         state.record(BucketRecord(bytes_sent=nbytes, bytes_dense=nbytes, collective=REDUCE))
-        return fut.value()[0]
+        return result
 
     return work.get_future().then(done)
+
+
+def _carry_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> list[str]:
+    """Add every pending residual into its gradient, which is then sent in full; the names that had one.
+
+    The residuals stay in the memory until the step is known finite (:func:`_plain_allreduce` drops them then).
+    """
+    if not state.error_feedback:
+        return []
+    carried = []
+    for name, grad in zip(names, grads, strict=True):
+        if state.memory.compensate_(name, grad):
+            carried.append(name)
+    return carried
+
+
+def _received(fut: Future[Any], state: CompressionState, what: str) -> Any:
+    """``fut``'s value, which must be complete (as in its own callback): a failed collective (a peer that died or
+    stalled past the process group's timeout) is re-raised naming the compressor and what was waiting for it."""
+    try:
+        return fut.value()
+    except Exception as error:
+        raise _failure(state, what, error) from error
+
+
+def _failure(state: CompressionState, what: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"GraVACStrategy's comm hook ({state.compressor!r}, step {state.step}): the {what} failed; "
+        f"a rank may have died or stalled past the process group's timeout. {error}"
+    )
 
 
 def _flush_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> None:
@@ -243,6 +286,7 @@ def _gather_payloads(work: _Work, layout: Layout) -> Future[Tensor]:
     handle = dist.all_gather_single(gathered, packed, group=state.process_group, async_op=True)
 
     def decode(fut: Future[object]) -> Tensor:
+        _received(fut, state, "all-gather of the packed payloads")
         received = time.perf_counter()
         headers, stacked = layout.unpack(gathered.view(world, layout.nbytes), work.payloads)
         work.buffer.zero_()
@@ -304,30 +348,30 @@ def _low_rank(
     encode_s = time.perf_counter() - start
     launched = time.perf_counter()
 
-    def second_round(fut: Future[list[Tensor]]) -> Tensor:
-        summed = fut.value()[0]
-        qs, offset = [], 0
-        for s, p, m in zip(low, ps, matrices, strict=True):
-            p.copy_(summed[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-            method.orthonormalize_(p)
-            q = m.T @ p
-            if state.error_feedback:  # what this rank's gradient has outside the shared subspace, in place
-                m.sub_(p @ q.T)
-                if m.data_ptr() != s.tensor.data_ptr():  # not fp32: `m` was a copy
-                    s.tensor.copy_(m.view_as(s.tensor))
-                work.pending[s.key] = s.tensor
-            qs.append(q)
-        for s in full:
-            work.pending[s.key] = None
-        sent = [dense_sq] + [q.double().square().sum() for q in qs]  # ||P Q^T|| = ||Q|| for orthonormal P
-        work.header = _header(basis, sent, probes, fresh)
-        second = torch.cat([q.view(-1) for q in qs]) if qs else summed.new_zeros(0)
-        futures = [dist.all_reduce(work.header, group=group, async_op=True).get_future()]
-        if qs:  # a bucket of biases alone has no second factor
-            futures.append(dist.all_reduce(second, group=group, async_op=True).get_future())
-        # Waiting inside the callback chains the second collective after the first, as torch's PowerSGD hook does.
-        torch.futures.collect_all(futures).wait()
+    # The second all-reduce needs the first one's result. It is launched here, on the thread that runs the hook, after
+    # waiting for the first: never from the first one's callback. A callback runs on the thread that completes the
+    # collective (gloo's worker): waiting there can stall the very collective waited on (the deadlock torch's own
+    # PowerSGD hook risks), and a collective launched there is issued at a moment that differs between ranks, while
+    # collectives are matched by the order each rank issues them. From the hook's thread every rank issues the same
+    # collectives in the same order. The price: the first round does not overlap the rest of the backward pass.
+    first_round = dist.all_reduce(first, group=group, async_op=True).get_future()
+    try:
+        summed = first_round.wait()[0]
+    except Exception as error:
+        raise _failure(state, "first all-reduce (P and the dense parts)", error) from error
+    qs = _right_factors(work, method, low, ps, matrices, summed)
+    for s in full:
+        work.pending[s.key] = None
+    sent = [dense_sq] + [q.double().square().sum() for q in qs]  # ||P Q^T|| = ||Q|| for orthonormal P
+    work.header = _header(basis, sent, probes, fresh)
+    second = torch.cat([q.view(-1) for q in qs]) if qs else summed.new_zeros(0)
+    futures = [dist.all_reduce(work.header, group=group, async_op=True).get_future()]
+    if qs:  # a bucket of biases alone has no second factor
+        futures.append(dist.all_reduce(second, group=group, async_op=True).get_future())
+
+    def finish(both: Future[list[Future[Tensor]]]) -> Tensor:
+        for fut in _received(both, state, "second all-reduce (Q and the header)"):
+            _received(fut, state, "second all-reduce (Q and the header)")
         offset = 0
         for s, p, q in zip(low, ps, qs, strict=True):
             q_sum = second[offset : offset + q.numel()].view_as(q)
@@ -341,7 +385,27 @@ def _low_rank(
         received = time.perf_counter()
         return _settle(work, sent_bytes, REDUCE, work.header, encode_s, received, launched)
 
-    return dist.all_reduce(first, group=group, async_op=True).get_future().then(second_round)
+    return torch.futures.collect_all(futures).then(finish)
+
+
+def _right_factors(
+    work: _Work, method: PowerSGD, low: list[_Segment], ps: list[Tensor], matrices: list[Tensor], summed: Tensor
+) -> list[Tensor]:
+    """``Q = M^T P`` of each low-rank segment from the summed ``P`` (orthonormalized in place); with error feedback,
+    what this rank's gradient has outside the shared subspace becomes its pending residual, in place."""
+    qs, offset = [], 0
+    for s, p, m in zip(low, ps, matrices, strict=True):
+        p.copy_(summed[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+        method.orthonormalize_(p)
+        q = m.T @ p
+        if work.state.error_feedback:
+            m.sub_(p @ q.T)
+            if m.data_ptr() != s.tensor.data_ptr():  # not fp32: `m` was a copy
+                s.tensor.copy_(m.view_as(s.tensor))
+            work.pending[s.key] = s.tensor
+        qs.append(q)
+    return qs
 
 
 def _stack_one(payload: Payload) -> Payload:
@@ -362,6 +426,8 @@ def _launch_reduce(work: _Work, tensor: Tensor, finish: Callable[[], Tensor]) ->
     sent = tensor.numel() * tensor.element_size() + work.header.numel() * 8
 
     def done(fut: Future[list[Future[object]]]) -> Tensor:
+        for each in _received(fut, work.state, "all-reduce of the bucket and its header"):
+            _received(each, work.state, "all-reduce of the bucket and its header")
         received = time.perf_counter()
         finish()
         return _settle(work, sent, REDUCE, work.header, encode_s, received, launched)
