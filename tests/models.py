@@ -163,3 +163,70 @@ class Cycling(Controller):
     @property
     def max_cf(self) -> tuple[str, float]:
         return "factors", max(self.factors)
+
+
+class Tiny(pl.LightningModule):
+    """A ``Linear(32, 2)`` on random data, as small as Lightning's own test model: 66 parameters, the largest
+    gradient 64 entries. Logs its loss in every stage; ``fail_in`` names a stage whose step raises ``Failure``."""
+
+    def __init__(self, fail_in: str = "", optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.layer = nn.Linear(32, 2)
+        self.fail_in, self.optimizer = fail_in, optimizer
+        self.seen: list[tuple[int, int]] = []  # (epoch, dataset index) of every sample this rank trained on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def _loss(self, batch: Any, stage: str) -> torch.Tensor:
+        if self.fail_in == stage:
+            raise Failure(f"{stage} failed on rank {self.global_rank}")
+        index, x = batch
+        if stage == "train":
+            self.seen += [(self.current_epoch, i) for i in index.tolist()]
+        return self(x).square().mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch, "train")
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch, "validate"), sync_dist=True)
+        self.log("val_rank", float(self.global_rank), rank_zero_only=False)  # each rank its own, not reduced
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch, "test"), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.fail_in == "predict":
+            raise Failure(f"predict failed on rank {self.global_rank}")
+        return self(batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Failure(Exception):
+    """What :class:`Tiny` raises in the stage it is told to fail in."""
+
+
+class Indexed(torch.utils.data.Dataset):
+    """``n`` random 32-vectors with their index, so a test can tell which rank saw which sample."""
+
+    def __init__(self, n: int = 64) -> None:
+        self.x = torch.randn(n, 32, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        return i, self.x[i]
+
+
+def tiny_loader(n: int = 64, batch_size: int = 4) -> DataLoader:
+    return DataLoader(Indexed(n), batch_size=batch_size)

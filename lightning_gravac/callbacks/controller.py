@@ -54,17 +54,23 @@ class Controller(Callback):
             )
         # A model that builds its layers in `configure_model` (sized by the data) has none yet: checked at fit start.
         if any(True for _ in pl_module.parameters()):
-            self._check_max_cf(pl_module)
+            self._fit_and_check(pl_module)
         self._state = trainer.strategy.compression_state
         self.apply(self._state)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._check_max_cf(pl_module)
+        self._fit_and_check(pl_module)
+        self.apply(self.state)
 
-    def _check_max_cf(self, pl_module: "pl.LightningModule") -> None:
-        argument, factor = self.max_cf
+    def fit_to_model(self, largest: int) -> None:
+        """Fit the factors the user left at their defaults to the model, whose largest gradient has ``largest``
+        entries. Called at setup (and again at fit start) before the factors are checked; explicit ones stay."""
+
+    def _fit_and_check(self, pl_module: "pl.LightningModule") -> None:
         largest = max((p.numel() for p in pl_module.parameters() if p.requires_grad), default=0)
+        self.fit_to_model(largest)
+        argument, factor = self.max_cf
         if factor > largest:
             raise ValueError(
                 f"`{argument}`={factor:g} exceeds the size of the largest gradient ({largest} entries): no tensor can "

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_info
 from pytorch_lightning.utilities.data import extract_batch_size
 from typing_extensions import override
 
@@ -20,6 +21,8 @@ Search = Literal["sequential", "model"]
 Interval = Literal["step", "epoch"]
 
 DENSE = 1.0
+#: The factors GraVAC searches between by default (each capped at the size of the model's largest gradient).
+DEFAULT_CF_MIN, DEFAULT_CF_MAX = 10.0, 1000.0
 
 
 @dataclass
@@ -108,8 +111,11 @@ class GraVAC(Controller):
     [0.02, 0.5], the paper's choice, so small jobs react within tens of steps).
 
     Args:
-        cf_min: least aggressive factor, where compression starts.
-        cf_max: most aggressive factor ever used.
+        cf_min: least aggressive factor, where compression starts. ``None``: 10, or the size of the model's largest
+            gradient if that is smaller.
+        cf_max: most aggressive factor ever used. ``None``: 1000, or the size of the model's largest gradient if that
+            is smaller (no tensor can be compressed further: at least one entry is always sent). A value passed
+            explicitly is never changed: one the model cannot honour raises at setup.
         epsilon: minimum gain a factor must keep to be sent, in (0, 1].
         omega: relative tolerance for promotion and plateau, in (0, 1].
         window: steps (or epochs) between search decisions.
@@ -134,8 +140,8 @@ class GraVAC(Controller):
 
     def __init__(
         self,
-        cf_min: float = 10,
-        cf_max: float = 1000,
+        cf_min: float | None = None,
+        cf_max: float | None = None,
         epsilon: float = 0.7,
         omega: float = 0.01,
         window: int = 500,
@@ -147,7 +153,10 @@ class GraVAC(Controller):
         first_window: int | None = None,
         gain_of: GainOf = "error_fed",
     ) -> None:
-        cf_min, cf_max = validate_cf(cf_min, "cf_min"), validate_cf(cf_max, "cf_max")
+        # Which bounds are defaults, fitted to the model at setup (`fit_to_model`), and which the user chose.
+        self._fitted = {"cf_min": cf_min is None, "cf_max": cf_max is None}
+        cf_min = DEFAULT_CF_MIN if cf_min is None else validate_cf(cf_min, "cf_min")
+        cf_max = DEFAULT_CF_MAX if cf_max is None else validate_cf(cf_max, "cf_max")
         if cf_min > cf_max:
             raise ValueError(f"`cf_min` ({cf_min:g}) must not exceed `cf_max` ({cf_max:g}).")
         super().__init__(cf=cf_min)
@@ -184,6 +193,26 @@ class GraVAC(Controller):
         self._step_start = 0.0
         self._steps = 0
         self._last_probe = 0  # the step of the last probe
+
+    @override
+    def fit_to_model(self, largest: int) -> None:
+        """Cap the default bounds (those not passed) at ``largest``, the size of the model's largest gradient."""
+        capped = []
+        if self._fitted["cf_max"] and self.cf_max > largest:
+            self.cf_max = float(largest)
+            capped.append("cf_max")
+        if self._fitted["cf_min"] and self.cf_min > self.cf_max:
+            self.cf_min = self.cf_max
+            capped.append("cf_min")
+        if not capped:
+            return
+        self.ladder = self._ladder(self.cf_min, self.cf_max)
+        self.candidate = min(self.candidate, self.cf_max)
+        self.cf = min(self.cf, self.cf_max)
+        rank_zero_info(
+            f"GraVAC: the model's largest gradient has {largest} entries; {' and '.join(capped)} fitted to it "
+            f"(factors {', '.join(f'{f:g}' for f in self.ladder)})."
+        )
 
     def _ladder(self, cf_min: float, cf_max: float) -> tuple[float, ...]:
         factors, scale = [cf_min], 2.0

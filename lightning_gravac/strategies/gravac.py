@@ -44,7 +44,7 @@ class GraVACStrategy(DDPStrategy):
         start_local_sgd_step: the step from which local SGD runs.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
-            ``gradient_as_bucket_view`` defaults to ``True`` here.
+            ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
 
     Raises:
         ValueError: for an unknown compressor or granularity, a ``ddp_comm_hook`` argument, or an ``error_feedback``
@@ -101,10 +101,6 @@ class GraVACStrategy(DDPStrategy):
 
             kwargs["model_averaging_period"] = model_averaging_period
             local_sgd = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start_local_sgd_step)
-        # Gradients as views into DDP's buckets: no copy of each gradient into its bucket and back. A Python comm
-        # hook pays one pass over the bucket for the 1/N that DDP's C++ reducer fuses into that copy; dropping the
-        # copies more than pays for it (BENCHMARKS.md). Pass `gradient_as_bucket_view=False` to turn it off.
-        kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
         self.compression_state = CompressionState(
             compressor=compressor,
@@ -131,6 +127,7 @@ class GraVACStrategy(DDPStrategy):
     def _attach_controller(self, trainer: "pl.Trainer") -> None:
         from lightning_gravac.callbacks.controller import Controller
         from lightning_gravac.callbacks.gravac import GraVAC
+        from lightning_gravac.callbacks.static import Static
 
         # `Trainer.callbacks` is public but assigned by Lightning's callback connector, invisible to type checkers.
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -142,7 +139,8 @@ class GraVACStrategy(DDPStrategy):
                 f"{names}. Keep one."
             )
         if not controllers:
-            default = GraVAC()
+            # A method that sends the gradient unchanged has no factor to choose: a controller at cf 1 only reports.
+            default: Controller = Static(cf=1) if self.compressor.passthrough else GraVAC()
             rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
             callbacks.append(default)
 
@@ -212,6 +210,20 @@ class GraVACStrategy(DDPStrategy):
 
         state.memory.load_state_dict({name: mine(stacked) for name, stacked in residuals.items()})
         self.compressor.load_state_dict({name: mine(stacked) for name, stacked in saved.get("compressor", {}).items()})
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        # Gradients as views into DDP's buckets: no copy of each gradient into its bucket and back. A Python comm
+        # hook pays one pass over the bucket for the 1/N that DDP's C++ reducer fuses into that copy; dropping the
+        # copies more than pays for it (BENCHMARKS.md). Applied here, where the DDP model is built, rather than in
+        # `_ddp_kwargs`, which keeps exactly what the user passed (as DDPStrategy's does); Lightning builds the model
+        # from `_ddp_kwargs`, so it is set for that call alone. `gradient_as_bucket_view=False` turns it off.
+        passed = self._ddp_kwargs
+        self._ddp_kwargs = {"gradient_as_bucket_view": True, **passed}
+        try:
+            return super()._setup_model(model)
+        finally:
+            self._ddp_kwargs = passed
 
     @override
     def _register_ddp_hooks(self) -> None:
