@@ -67,6 +67,7 @@ class Snapshot(Callback):
             "step": state.step,
             "residuals": state.memory.state_dict(),
             "compressor": state.compressor.state_dict(),
+            "momentum": state.momentum.state_dict(),
         }
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

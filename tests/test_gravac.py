@@ -247,6 +247,11 @@ def test_resume_mid_search_continues_bit_for_bit(tmp_path, compressor):
         assert bool(saved["compressor"]) == (compressor == "dgc")
         for name, tensor in saved["compressor"].items():
             assert torch.equal(restored["compressor"][name], tensor), name
+        # Momentum correction's buffers (Top-K with SGD momentum 0.9), every rank's own once a step was compressed.
+        assert bool(saved["momentum"]) == (compressor != "dgc")
+        assert saved["momentum"].keys() == restored["momentum"].keys()
+        for name, tensor in saved["momentum"].items():
+            assert torch.equal(restored["momentum"][name], tensor), name
         # The resumed run decides as the uninterrupted one did, step for step, and ends with the same weights.
         assert rank["resumed"] == rank["whole"][32:]
         assert len(set(rank["whole"])) > 1, "the search should have moved"

@@ -42,6 +42,14 @@ class GraVACStrategy(DDPStrategy):
             ``model_averaging_period`` steps the parameters are averaged across ranks (Lightning's
             ``PeriodicModelAverager``). Before that step, gradients go through the compressor as usual. ``None``: off.
         start_local_sgd_step: the step from which local SGD runs.
+        momentum_correction: when the optimizer is ``torch.optim.SGD`` with momentum and the method uses error
+            feedback, move the momentum (and the weight decay SGD applies before it) into the comm hook: each rank
+            keeps its own ``u <- m u + g`` and compresses it, error feedback accumulating what is not sent, and the
+            optimizer's momentum and weight decay are set to 0 for those parameters (said once on rank 0). Error
+            feedback under heavy-ball momentum applied after communication diverges at high factors; this is Deep
+            Gradient Compression's momentum correction, for every method. Exact at ``cf=1``: the same updates as
+            stock DDP with SGD momentum, bit for bit. ``False`` leaves the optimizer alone. Gradients seen after
+            ``backward`` (e.g. by gradient clipping) are then update directions, momentum included.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
@@ -64,6 +72,7 @@ class GraVACStrategy(DDPStrategy):
         error_feedback: bool | None = None,
         model_averaging_period: int | None = None,
         start_local_sgd_step: int = 0,
+        momentum_correction: bool = True,
         **kwargs: Any,
     ) -> None:
         clashing = [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]
@@ -102,6 +111,7 @@ class GraVACStrategy(DDPStrategy):
             kwargs["model_averaging_period"] = model_averaging_period
             local_sgd = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start_local_sgd_step)
         super().__init__(**kwargs)
+        self.momentum_correction = momentum_correction
         self.compression_state = CompressionState(
             compressor=compressor,
             error_feedback=compressor.error_feedback_default if error_feedback is None else error_feedback,
@@ -150,6 +160,18 @@ class GraVACStrategy(DDPStrategy):
         # Optimizers exist from here on; no gradient has been communicated yet.
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
+        state = self.compression_state
+        # Methods without error feedback (unbiased quantizers, casts, signSGD's vote) and methods with a momentum of
+        # their own (DGC) keep the optimizer's momentum; so does local SGD, whose steps never reach the hook.
+        if self.momentum_correction and state.error_feedback and not self.compressor.owns_feedback:
+            if state.local_sgd_from is None and not self.compressor.passthrough:
+                moved = [name for opt in self.optimizers for name in state.momentum.take_from(opt, state.param_names)]
+                if moved:
+                    rank_zero_info(
+                        f"GraVACStrategy: momentum correction: the optimizer's momentum (and weight decay) for "
+                        f"{len(moved)} parameters is applied in the comm hook before compression and set to 0 in the "
+                        "optimizer. `GraVACStrategy(momentum_correction=False)` leaves the optimizer alone."
+                    )
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -159,6 +181,7 @@ class GraVACStrategy(DDPStrategy):
             "world_size": self.world_size,
             "residuals": self._gather(self.compression_state.memory.state_dict()),
             "compressor": self._gather(self.compressor.state_dict()),
+            "momentum": self._gather(self.compression_state.momentum.state_dict()),
         }
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -210,6 +233,7 @@ class GraVACStrategy(DDPStrategy):
 
         state.memory.load_state_dict({name: mine(stacked) for name, stacked in residuals.items()})
         self.compressor.load_state_dict({name: mine(stacked) for name, stacked in saved.get("compressor", {}).items()})
+        state.momentum.load_state_dict({name: mine(stacked) for name, stacked in saved.get("momentum", {}).items()})
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:

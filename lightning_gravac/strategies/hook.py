@@ -64,6 +64,7 @@ class _Work:
     payloads: list[Payload]
     header: Tensor
     fresh: bool = False  # the header's probes are of the step's own gradient, with its squared norm last
+    names: list[str] = field(default_factory=list)  # the bucket's parameters
     # New residuals by parameter, committed only once the step is known finite on every rank; None drops one.
     pending: dict[str, Tensor | None] = field(default_factory=dict)
     start: float = field(default_factory=time.perf_counter)
@@ -83,10 +84,14 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
 
     cfs = [state.cf_of(name) for name in names]
     dense = all(cf == 1.0 for cf in cfs)
+    momentum = state.momentum
+    params = bucket.parameters() if momentum else []
     if dense and not state.probe_cfs:
-        return _plain_allreduce(state, buffer, _carry_residuals(state, names, grads))
+        return _dense(state, buffer, names, grads, params)
 
     start = time.perf_counter()
+    if momentum:  # this rank's momentum before compression: what is compressed is the update direction
+        momentum.local_(names, grads, params)
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
     fresh = _fresh_probes(state, names, grads, buffer) if state.probe_cfs and state.gain_of == "gradient" else None
     probe_cfs = () if fresh is not None else state.probe_cfs
@@ -104,7 +109,8 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         probe = state.compressor.probe
         probes = [probe(s.tensor, probe_cfs, key=s.key, step=state.step) for s in segments] if probe_cfs else []
         norm = sq_norm(buffer)  # sent dense: what is sent is all there is
-        work = _Work(state, buffer, segments, [], _header(norm, [norm], probes, fresh), fresh is not None, start=start)
+        header = _header(norm, [norm], probes, fresh)
+        work = _Work(state, buffer, segments, [], header, fresh is not None, names, start=start)
         if state.error_feedback:
             work.pending = dict.fromkeys(names)
         buffer.mul_(1.0 / state.world_size)
@@ -114,9 +120,12 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     sent = [s.compressor.sent_sq_norm(p) for s, p in zip(segments, payloads, strict=True)]
     # Gains are relative to what each method selects from: the error-fed gradient, or DGC's accumulation.
     basis = torch.stack([s.compressor.basis_sq_norm(s.tensor, s.key) for s in segments]).sum()
-    work = _Work(state, buffer, segments, payloads, _header(basis, sent, probes, fresh), fresh is not None, start=start)
+    header = _header(basis, sent, probes, fresh)
+    work = _Work(state, buffer, segments, payloads, header, fresh is not None, names, start=start)
     if state.error_feedback:
         work.pending = _new_residuals(work, names, grads)
+        if momentum:
+            momentum.mask_(work.pending)
 
     if all(s.compressor.summable for s in segments):
         return _reduce_payloads(work)
@@ -126,25 +135,64 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     return _reduce_decoded(work)
 
 
-def _plain_allreduce(state: CompressionState, buffer: Tensor, carried: list[str]) -> Future[Tensor]:
+def _dense(
+    state: CompressionState, buffer: Tensor, names: list[str], grads: list[Tensor], params: list[Tensor]
+) -> Future[Tensor]:
+    """Every factor 1, nothing probed: the plain all-reduce, with the momentum moved into the hook if any."""
+    momentum = state.momentum
+    if momentum and momentum.in_sync(names):  # the optimizer's momentum, applied after the all-reduce
+        return _plain_allreduce(state, buffer, [], names, grads, params, exact=True)
+    if momentum:
+        momentum.local_(names, grads, params)
+    return _plain_allreduce(state, buffer, _carry_residuals(state, names, grads), names, grads, params)
+
+
+def _plain_allreduce(
+    state: CompressionState,
+    buffer: Tensor,
+    carried: list[str],
+    names: list[str],
+    grads: list[Tensor],
+    params: list[Tensor],
+    exact: bool = False,
+) -> Future[Tensor]:
     # Multiply by 1/N exactly as DDP's reducer does without a hook (``mul_out(bucket, grad, 1.0 / N)``), so the
     # result is bit-identical to stock DDP for every world size, not only powers of two.
     buffer.mul_(1.0 / state.world_size)
     nbytes = buffer.numel() * buffer.element_size()
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+    momentum = state.momentum
 
     def done(fut: Future[list[Tensor]]) -> Tensor:
         result = _received(fut, state, "dense all-reduce")[0]
         # No header on this path: whether some rank's gradient was not finite is read off the result itself, and only
-        # when residuals were added into it (the first dense step after compressed ones), so steady dense steps pay
-        # nothing. A non-finite step keeps them, as the compressed path does; a finite one has delivered them.
-        if carried and bool(torch.isfinite(result).all()):
+        # when something depends on it: residuals added into it (the first dense step after compressed ones; a
+        # finite step has delivered them, a non-finite one keeps them) or momentum buffers. Plain steps pay nothing.
+        if (carried or momentum) and bool(torch.isfinite(result).all()):
             for name in carried:
                 state.memory.discard(name)
+            if momentum:
+                views = _views_like(result, buffer, grads)
+                if exact:
+                    momentum.after_dense_(names, views, params)
+                elif not carried:
+                    momentum.resync(names, views)
+                momentum.commit(names)
+        elif momentum:
+            momentum.discard(names)
         state.record(BucketRecord(bytes_sent=nbytes, bytes_dense=nbytes, collective=REDUCE))
         return result
 
     return work.get_future().then(done)
+
+
+def _views_like(result: Tensor, buffer: Tensor, grads: list[Tensor]) -> list[Tensor]:
+    """The parts of ``result`` (a tensor shaped as the bucket's ``buffer``) where each gradient view lies."""
+    views = []
+    for grad in grads:
+        offset = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+        views.append(result.view(-1)[offset : offset + grad.numel()].view_as(grad))
+    return views
 
 
 def _carry_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> list[str]:
@@ -342,7 +390,8 @@ def _low_rank(
     basis = torch.stack(list(norms.values())).sum()
     dense_sq = torch.stack([norms[s.key] for s in full]).sum() if full else basis.new_zeros(())
     first = torch.cat([p.view(-1) for p in ps] + [s.tensor.reshape(-1).float() / world for s in full])
-    work = _Work(state, buffer, segments, [], basis.new_zeros(0), fresh is not None, start=start)
+    names = [s.key for s in segments]  # per layer: the parameters' names
+    work = _Work(state, buffer, segments, [], basis.new_zeros(0), fresh is not None, names, start=start)
     second_numel = sum(m.shape[1] * p.shape[1] for m, p in zip(matrices, ps, strict=True))
     sent_bytes = (first.numel() + second_numel) * first.element_size() + (2 + len(state.probe_cfs) + work.fresh) * 8
     encode_s = time.perf_counter() - start
@@ -444,6 +493,7 @@ def _settle(
     keys = [s.key for s in work.segments]
     if math.isfinite(values[0]):
         work.state.compressor.commit(keys)
+        work.state.momentum.commit(work.names)
         for key, residual in work.pending.items():
             if residual is None:
                 work.state.memory.discard(key)
@@ -451,6 +501,7 @@ def _settle(
                 work.state.memory.set(key, residual)
     else:
         work.state.compressor.discard(keys)
+        work.state.momentum.discard(work.names)
         work.buffer.fill_(math.nan)
     compress_s = encode_s + time.perf_counter() - received
     record = BucketRecord(

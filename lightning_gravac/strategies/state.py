@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.compressors.memory import ErrorFeedback
+from lightning_gravac.compressors.momentum import MomentumCorrection
 from lightning_gravac.compressors.none import NoCompression
 
 Granularity = Literal["layer", "bucket"]
@@ -123,6 +124,7 @@ class CompressionState:
 
     # Carried across steps.
     memory: ErrorFeedback = field(default_factory=ErrorFeedback)
+    momentum: MomentumCorrection = field(default_factory=MomentumCorrection)  # the optimizer's, when moved here
     step: int = 0
     epoch: int = -1  # the training epoch the compressor was last told of
 
