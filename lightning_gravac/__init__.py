@@ -2,7 +2,7 @@
 
 from pytorch_lightning.strategies import StrategyRegistry
 
-from lightning_gravac.callbacks import Accordion, Controller, GraVAC, RunSummary, Static
+from lightning_gravac.callbacks import Accordion, Controller, DivergenceGuard, GraVAC, RunSummary, Static
 from lightning_gravac.compressors import Compressor, ErrorFeedback, Payload, get_compressor, list_compressors
 from lightning_gravac.strategies import CompressionState, GraVACStrategy, StepStats
 
@@ -16,6 +16,7 @@ __all__ = [
     "CompressionState",
     "Compressor",
     "Controller",
+    "DivergenceGuard",
     "ErrorFeedback",
     "GraVAC",
     "GraVACStrategy",

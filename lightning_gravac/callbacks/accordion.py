@@ -156,7 +156,7 @@ class Accordion(Controller):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "cf": self.cf,
+            **super().state_dict(),
             "layer_cf": dict(self.layer_cf),
             "compressible": list(self.compressible),
             "previous_norms": dict(self.previous_norms),

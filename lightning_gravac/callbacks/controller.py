@@ -7,6 +7,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning import Callback
 from typing_extensions import override
 
+from lightning_gravac.callbacks.guard import DivergenceGuard
 from lightning_gravac.strategies.state import CompressionState, StepStats
 
 
@@ -20,8 +21,9 @@ class Controller(Callback):
 
     Every step it computes :attr:`last_metrics`: ``gravac/cf`` (factor in force), ``gravac/achieved_cf`` (dense /
     sent bytes), ``gravac/gain`` (``sum ||C(g)||^2 / sum ||g||^2``), ``gravac/bytes_sent``, ``gravac/bytes_dense``,
-    ``gravac/compress_ms``, ``gravac/comm_ms`` (this rank's host time) and ``gravac/collective`` (the fraction of
-    buckets that were reduced rather than gathered: 0 all gathered, 1 all reduced). It logs them through
+    ``gravac/compress_ms``, ``gravac/comm_ms`` (this rank's host time), ``gravac/collective`` (the fraction of
+    buckets that were reduced rather than gathered: 0 all gathered, 1 all reduced) and ``gravac/guarded`` (1 when
+    the divergence guard, :attr:`guard`, holds the next step at factor 1). It logs them through
     ``LightningModule.log``, so that every logger and ``trainer.callback_metrics`` on every rank see them, on the
     steps Lightning writes to its loggers (every ``Trainer(log_every_n_steps=...)``; 1 for every step).
 
@@ -32,6 +34,8 @@ class Controller(Callback):
 
     def __init__(self, cf: float = 1.0) -> None:
         self.cf = cf
+        #: Sends dense for a while when a compressed step's gradient norm explodes; ``None`` turns it off.
+        self.guard: DivergenceGuard | None = DivergenceGuard()
         self.last_metrics: dict[str, float] = {}
         self.nonfinite_steps = 0
         self._state: CompressionState | None = None
@@ -101,13 +105,39 @@ class Controller(Callback):
                 "the step's statistics are ignored and the residuals kept."
             )
             return
-        self.last_metrics = self.metrics(stats)
-        self.observe(stats, trainer)
-        self.apply(self.state)
+        self.last_metrics = self.metrics(stats)  # of the step that produced `stats`, before the next decision
+        guarded = self._guarded(stats, trainer)
+        if guarded == "hold":
+            self.state.cf, self.state.param_cf, self.state.probe_cfs = 1.0, {}, ()
+        else:
+            if guarded == "free":  # a step the guard sent dense is not the controller's to observe
+                self.observe(stats, trainer)
+            self.apply(self.state)
+        self.last_metrics["gravac/guarded"] = float(guarded == "hold")  # whether the next step is held dense
         # `LightningModule.log` costs about 0.4 ms a metric a call (3 ms a step for ours), and on the steps Lightning
         # does not write to its loggers the values are dropped: log on the steps it writes, as it decides right after.
         if getattr(trainer._logger_connector, "should_update_logs", True):
             pl_module.log_dict(self.last_metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def _guarded(self, stats: StepStats, trainer: "pl.Trainer") -> str:
+        """``"hold"``: the divergence guard holds the next step dense; ``"released"``: this step was its last dense
+        one; ``"free"``: the controller decides."""
+        guard = self.guard
+        if guard is None:
+            return "free"
+        was_holding = guard.holding > 0
+        if guard.check(stats):
+            # Identical on every rank (the norms crossed the network); said on rank 0.
+            rank_zero_warn(
+                f"{type(self).__name__}: the gradient norm exploded at step {trainer.global_step} while compressing "
+                f"(more than {guard.ratio:g}x its recent median): sending dense for {guard.holding} steps and dropping "
+                "the residuals. Set `controller.guard = None` to turn the guard off."
+            )
+            self.state.memory.load_state_dict({})
+            return "hold"
+        if guard.holding > 0:
+            return "hold"
+        return "released" if was_holding else "free"
 
     @property
     def max_cf(self) -> tuple[str, float]:
@@ -136,11 +166,13 @@ class Controller(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"cf": self.cf}
+        return {"cf": self.cf, "guard": self.guard.state_dict() if self.guard is not None else None}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.cf = state_dict["cf"]
+        if self.guard is not None and state_dict.get("guard") is not None:
+            self.guard.load_state_dict(state_dict["guard"])
         if self._state is not None:
             self.apply(self._state)
 

@@ -408,7 +408,7 @@ class GraVAC(Controller):
         the only rank-local values here, which at the window's end only feed a MAX over ranks.
         """
         return {
-            "cf": self.cf,
+            **super().state_dict(),
             "cf_min": self.cf_min,
             "candidate": self.candidate,
             "scale": self.scale,

@@ -1,0 +1,59 @@
+"""The divergence guard: a compressed step whose gradient norm explodes makes the controller send dense a while."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_gravac import DivergenceGuard, Static, StepStats, get_compressor
+from lightning_gravac.strategies.state import BucketRecord, CompressionState
+
+
+def _stats(norm: float, compressed: bool = True) -> StepStats:
+    return StepStats(bytes_sent=100 if compressed else 1000, bytes_dense=1000, sq_norm=norm**2, buckets=1)
+
+
+def test_an_explosion_against_the_recent_median_triggers_and_each_trigger_doubles_the_cooldown():
+    guard = DivergenceGuard(ratio=10, history=20, min_history=5, cooldown=3)
+    assert not any(guard.check(_stats(n)) for n in (1.0, 1.2, 0.9, 1.1))  # too little history yet
+    assert not guard.check(_stats(50.0, compressed=False))  # a dense step is never an explosion of compression
+    assert not guard.check(_stats(1.0))
+    assert not guard.check(_stats(9.0))  # under 10x the median
+    assert guard.check(_stats(15.0))
+    assert guard.holding == 3 and guard.triggers == 1
+    assert not any(guard.check(_stats(100.0)) for _ in range(3))  # holding: counted down, not judged
+    assert guard.holding == 0
+    assert guard.check(_stats(100.0))
+    assert guard.holding == 6  # doubled
+    assert not guard.check(_stats(0.0))
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_a_ratio_of_one_or_less_is_refused(ratio):
+    with pytest.raises(ValueError, match=r"`ratio` must be > 1"):
+        DivergenceGuard(ratio=ratio)
+
+
+def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and_resumes_exactly():
+    state = CompressionState(get_compressor("topk"), error_feedback=True)
+    controller = Static(cf=10)
+    controller.guard = DivergenceGuard(ratio=10, min_history=3, cooldown=2)
+    controller._state = state
+    controller.apply(state)
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, _logger_connector=SimpleNamespace(should_update_logs=0))
+
+    def step(norm: float) -> float:
+        state.record(BucketRecord(bytes_sent=100, bytes_dense=1000, collective=0, sq_norm=norm**2))
+        controller.on_train_batch_end(trainer, None, None, None, 0)
+        return state.cf
+
+    assert [step(1.0) for _ in range(4)] == [10, 10, 10, 10]
+    state.memory.set("w", torch.ones(3))
+    assert step(40.0) == 1.0  # exploded: dense, and the residual that exploded is dropped
+    assert len(state.memory) == 0 and controller.last_metrics["gravac/guarded"] == 1.0
+    saved = controller.state_dict()
+    assert [step(1.0), step(1.0)] == [1.0, 10]  # the cooldown, then the controller's own factor again
+    assert controller.last_metrics["gravac/guarded"] == 0.0
+    resumed = Static(cf=10)
+    resumed.load_state_dict(saved)
+    assert resumed.guard.state_dict() == saved["guard"]
