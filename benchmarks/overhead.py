@@ -63,15 +63,26 @@ class StepTimer(Callback):
         return (self.cpu_end - self.cpu_start) / self.steps
 
 
+#: name -> (strategy, controllers) factory, and the SGD momentum of the model's optimizer.
 CONFIGS = {
-    "DDPStrategy": lambda: (DDPStrategy(), []),
-    "DDPStrategy gradient_as_bucket_view": lambda: (DDPStrategy(gradient_as_bucket_view=True), []),
-    "GraVACStrategy topk cf=1 (default: gradient_as_bucket_view)": lambda: (GraVACStrategy("topk"), [Static(cf=1)]),
-    "GraVACStrategy topk cf=1 gradient_as_bucket_view=False": lambda: (
-        GraVACStrategy("topk", gradient_as_bucket_view=False),
-        [Static(cf=1)],
+    "DDPStrategy": (lambda: (DDPStrategy(), []), 0.0),
+    "DDPStrategy gradient_as_bucket_view": (lambda: (DDPStrategy(gradient_as_bucket_view=True), []), 0.0),
+    "GraVACStrategy topk cf=1 (default: gradient_as_bucket_view)": (
+        lambda: (GraVACStrategy("topk"), [Static(cf=1)]),
+        0.0,
     ),
-    "GraVACStrategy topk cf=100": lambda: (GraVACStrategy("topk"), [Static(cf=100)]),
+    "GraVACStrategy topk cf=1 gradient_as_bucket_view=False": (
+        lambda: (GraVACStrategy("topk", gradient_as_bucket_view=False), [Static(cf=1)]),
+        0.0,
+    ),
+    "GraVACStrategy topk cf=100": (lambda: (GraVACStrategy("topk"), [Static(cf=100)]), 0.0),
+    # With SGD momentum the strategy moves the momentum into the hook (momentum correction): at cf 1 the hook then
+    # does the optimizer's momentum arithmetic and one finiteness check of the averaged bucket.
+    "DDPStrategy, SGD momentum 0.9": (lambda: (DDPStrategy(), []), 0.9),
+    "GraVACStrategy topk cf=1, SGD momentum 0.9 (moved into the hook)": (
+        lambda: (GraVACStrategy("topk"), [Static(cf=1)]),
+        0.9,
+    ),
 }
 
 
@@ -88,7 +99,7 @@ def _rank(rank: int, world_size: int, width: int, depth: int, steps: int, rounds
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     data = teacher_dataset(n=32 * world_size * (steps + 1))
     for _ in range(rounds):
-        for name, make in CONFIGS.items():
+        for name, (make, momentum) in CONFIGS.items():
             strategy, callbacks = make()
             timer = StepTimer(warmup=3)
             pl.seed_everything(0, verbose=False)
@@ -97,7 +108,8 @@ def _rank(rank: int, world_size: int, width: int, depth: int, steps: int, rounds
                 max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False,
             )  # fmt: skip
-            trainer.fit(TeacherRegression(width=width, depth=depth), DataLoader(data, batch_size=32))
+            model = TeacherRegression(width=width, depth=depth, momentum=momentum)
+            trainer.fit(model, DataLoader(data, batch_size=32))
             times[name].append(timer.seconds_per_step)
             times.setdefault(f"{name} [CPU]", []).append(timer.cpu_seconds_per_step)
     return times

@@ -1,6 +1,8 @@
-"""``python -m lightning_gravac fit --config recipes/<name>.yaml``."""
+"""``python -m lightning_gravac quickstart | run RECIPE | recipes | fit --config my.yaml``."""
 
-from lightning_gravac.cli import cli_main
+import sys
+
+from lightning_gravac.cli import main
 
 if __name__ == "__main__":
-    cli_main()
+    main(sys.argv[1:])

@@ -3,14 +3,35 @@
 import sys
 import tempfile
 from collections.abc import Sequence
+from importlib import resources
+from importlib.abc import Traversable
 from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
 from pytorch_lightning.cli import LightningCLI
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-QUICKSTART = RECIPES / "quickstart.yaml"
+#: The recipes shipped inside the package (package data), so that an installed wheel runs them from any directory.
+RECIPES: Traversable = resources.files("lightning_gravac") / "recipes"
+QUICKSTART = "quickstart"
+
+
+def list_recipes() -> list[str]:
+    """The names of the packaged recipes."""
+    return sorted(p.name.removesuffix(".yaml") for p in RECIPES.iterdir() if p.name.endswith(".yaml"))
+
+
+def find_recipe(recipe: str | Path) -> Traversable:
+    """A recipe file: an existing path, or the name of a packaged recipe (``quickstart``, ``lstm_ptb.yaml``, or the
+    ``recipes/<name>.yaml`` of older instructions)."""
+    if Path(recipe).is_file():
+        return Path(recipe)
+    name = Path(recipe).name.removesuffix(".yaml")
+    if name not in list_recipes():
+        raise FileNotFoundError(
+            f"No recipe {str(recipe)!r}: not a file, and not a packaged recipe ({', '.join(list_recipes())})."
+        )
+    return RECIPES / f"{name}.yaml"
 
 
 def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:
@@ -26,13 +47,14 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCL
     )
 
 
-def resolve_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict:
-    """Load a recipe yaml with omegaconf, apply ``dotted.key=value`` overrides and resolve interpolations.
+def resolve_recipe(recipe: str | Path, overrides: Sequence[str] = ()) -> dict:
+    """Load a recipe yaml (a path or a packaged recipe's name) with omegaconf, apply ``dotted.key=value`` overrides
+    and resolve interpolations.
 
     A key may index a list (``trainer.callbacks[0].init_args.omega=0.5``); a value is read as yaml (``1e-3``,
     ``[1, 2]``, ``null``, ``{class_path: ..., init_args: {...}}``, which replaces the node whole).
     """
-    config = OmegaConf.load(path)
+    config = OmegaConf.create(find_recipe(recipe).read_text())
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
@@ -47,20 +69,47 @@ def resolve_recipe(path: str | Path, overrides: Sequence[str] = ()) -> dict:
 
 
 def run_recipe(argv: Sequence[str]) -> None:
-    """``recipes/run.py [recipe.yaml] [dotted.key=value ...]``: resolve the recipe, then fit it with the CLI."""
+    """``recipes/run.py [recipe] [dotted.key=value ...]``: resolve the recipe (a yaml path or a packaged recipe's
+    name; the quickstart when none is given), then fit it with the CLI."""
     paths = [a for a in argv if "=" not in a]
     if len(paths) > 1:
-        raise SystemExit(f"usage: run.py [recipe.yaml] [dotted.key=value ...]; got several recipes: {paths}")
-    recipe = Path(paths[0]) if paths else QUICKSTART
+        raise SystemExit(f"usage: run [recipe] [dotted.key=value ...]; got several recipes: {paths}")
+    recipe = paths[0] if paths else QUICKSTART
     config = resolve_recipe(recipe, [a for a in argv if "=" in a])
     # LightningCLI reads files; the resolved recipe goes to one the other ranks can read too (Lightning
     # re-executes this command line for them, which resolves the same file again).
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=f"{recipe.stem}-", delete=False) as f:
+    stem = Path(recipe).name.removesuffix(".yaml")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=f"{stem}-", delete=False) as f:
         f.write(OmegaConf.to_yaml(config))
     try:
         cli_main(["fit", "--config", f.name])
     finally:
         Path(f.name).unlink(missing_ok=True)
+
+
+USAGE = """usage: python -m lightning_gravac COMMAND
+  quickstart [dotted.key=value ...]        the quickstart recipe (2 CPU processes, synthetic data)
+  run RECIPE [dotted.key=value ...]        a packaged recipe by name, or a recipe yaml by path
+  recipes                                  list the packaged recipes
+  fit|validate|test|predict ...            LightningCLI (e.g. fit --config my.yaml)"""
+
+
+def main(argv: Sequence[str]) -> None:
+    """``python -m lightning_gravac``: the recipes, else the LightningCLI."""
+    command, rest = (argv[0], list(argv[1:])) if argv else ("", [])
+    if command == "quickstart":
+        run_recipe([QUICKSTART, *rest])
+    elif command == "run":
+        if not rest or "=" in rest[0]:
+            raise SystemExit(USAGE)
+        run_recipe(rest)
+    elif command == "recipes":
+        for name in list_recipes():
+            print(f"{name:20s} {find_recipe(name).read_text().splitlines()[0].lstrip('# ')}")
+    elif command in ("", "-h", "--help"):
+        print(USAGE)
+    else:
+        cli_main(argv)
 
 
 if __name__ == "__main__":

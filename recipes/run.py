@@ -1,6 +1,8 @@
-"""Run a recipe: ``python recipes/run.py [recipes/<name>.yaml] [dotted.key=value ...]``.
+"""Run a recipe from a checkout: ``python recipes/run.py [name or path.yaml] [dotted.key=value ...]``.
 
-With no argument it runs the quickstart: a small model on synthetic data, 2 CPU processes, no download.
+The recipes themselves ship inside the package (``lightning_gravac/recipes/``; ``python -m lightning_gravac recipes``
+lists them, ``python -m lightning_gravac run NAME`` runs one from an installed wheel). With no argument it runs the
+quickstart: a small model on synthetic data, 2 CPU processes, no download.
 Overrides use omegaconf's dotted syntax, e.g. ``trainer.max_steps=50 model.init_args.lr=0.05``.
 """
 

@@ -8,64 +8,70 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_gravac.cli import QUICKSTART, RECIPES, cli_main, resolve_recipe
+from lightning_gravac.cli import QUICKSTART, cli_main, find_recipe, list_recipes, resolve_recipe
 
 from conftest import LAUNCHER_VARIABLES
 from wandb_offline import history
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL_RECIPES = sorted(RECIPES.rglob("*.yaml"))
+ALL_RECIPES = list_recipes()
 
 
 def test_there_are_recipes():
     assert QUICKSTART in ALL_RECIPES
 
 
-@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
 def test_recipe_parses_with_lightning_cli(recipe, tmp_path):
-    resolved = tmp_path / recipe.name
+    resolved = tmp_path / f"{recipe}.yaml"
     resolved.write_text(yaml.safe_dump(resolve_recipe(recipe, [f"trainer.logger.init_args.save_dir={tmp_path}"])))
     cli = cli_main(["--config", str(resolved)], run=False)
     assert type(cli.trainer.strategy).__name__ == "GraVACStrategy"
     assert type(cli.trainer.logger).__name__ == "WandbLogger"
-    head = recipe.read_text().splitlines()[:4]
+    head = find_recipe(recipe).read_text().splitlines()[:4]
     assert all(line.startswith("#") for line in head), "a recipe begins with a comment giving the command"
-    assert any("python recipes/run.py" in line for line in head) and any("=" in line for line in head[1:])
+    assert any("python -m lightning_gravac" in line for line in head) and any("=" in line for line in head[1:])
 
 
-def test_a_mapping_override_replaces_the_node_whole():
-    csv = "trainer.logger={class_path: pytorch_lightning.loggers.CSVLogger, init_args: {save_dir: runs}}"
-    logger = resolve_recipe(QUICKSTART, [csv])["trainer"]["logger"]
-    assert logger == {"class_path": "pytorch_lightning.loggers.CSVLogger", "init_args": {"save_dir": "runs"}}
+def test_recipes_are_found_by_name_by_path_and_by_the_old_repository_path(tmp_path):
+    assert QUICKSTART in ALL_RECIPES and {"resnet101_cifar10", "vgg16_cifar100", "lstm_ptb"} <= set(ALL_RECIPES)
+    text = find_recipe("quickstart").read_text()
+    assert find_recipe("recipes/quickstart.yaml").read_text() == find_recipe("quickstart.yaml").read_text() == text
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("trainer:\n  max_steps: 3\n")
+    assert resolve_recipe(mine) == {"trainer": {"max_steps": 3}}
+    with pytest.raises(FileNotFoundError, match=r"No recipe 'quickstrat': not a file, and not a packaged recipe"):
+        find_recipe("quickstrat")
 
 
-def test_overrides_are_dotted_and_interpolations_resolve(tmp_path):
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text("steps: 7\ntrainer:\n  max_steps: ${steps}\n  devices: 2\n")
-    assert resolve_recipe(recipe, ["steps=3"])["trainer"] == {"max_steps": 3, "devices": 2}
+def test_the_module_lists_its_recipes_and_explains_its_commands(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+
+    def module(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "lightning_gravac", *args]
+        return subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True)
+
+    listed = module("recipes")
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == ALL_RECIPES
+    usage = module("run")
+    assert usage.returncode != 0 and "quickstart [dotted.key=value ...]" in usage.stderr
 
 
-def test_overrides_reach_into_lists_and_read_yaml_values():
-    resolved = resolve_recipe(QUICKSTART, ["trainer.callbacks[0].init_args.omega=0.5", "trainer.devices=[0, 1]"])
-    assert resolved["trainer"]["callbacks"][0]["init_args"]["omega"] == 0.5
-    assert resolved["trainer"]["devices"] == [0, 1]
-    with pytest.raises(ValueError, match=r"An override is `dotted.key=value`, got 'trainer.max_steps'"):
-        resolve_recipe(QUICKSTART, ["trainer.max_steps"])
-
-
-def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: int, module: bool = False, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     # As a user runs it: a fresh interpreter, no launcher variables, no W&B key (so offline), one thread a rank.
     drop = {*LAUNCHER_VARIABLES, "WANDB_API_KEY", "WANDB_MODE"}
     env = {k: v for k, v in os.environ.items() if k not in drop} | {"OMP_NUM_THREADS": "1", "NETRC": "/nonexistent"}
-    cmd = [sys.executable, "recipes/run.py", *args]
-    return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    entry = ["-m", "lightning_gravac"] if module else [str(ROOT / "recipes" / "run.py")]
+    cmd = [sys.executable, *entry, *args]
+    return subprocess.run(cmd, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.distributed
 def test_quickstart_runs_prints_the_summary_plots_and_logs_to_wandb_offline(tmp_path):
-    done = _run(
-        ["trainer.max_steps=4", "trainer.log_every_n_steps=1", f"trainer.logger.init_args.save_dir={tmp_path}"], 240
-    )
+    # As from an installed package: `python -m lightning_gravac quickstart`, in a directory of the user's.
+    args = ["quickstart", "trainer.max_steps=4", "trainer.log_every_n_steps=1"]
+    done = _run([*args, f"trainer.logger.init_args.save_dir={tmp_path}"], 240, module=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "traffic saved" in done.stdout
     assert "logging offline" in done.stderr and "wandb sync" in done.stderr
@@ -78,21 +84,21 @@ def test_quickstart_runs_prints_the_summary_plots_and_logs_to_wandb_offline(tmp_
     assert {"gravac/gain", "gravac/achieved_cf", "train_loss"} <= set().union(*map(set, history(run_dir)))
 
 
-MODEL_RECIPES = [r for r in ALL_RECIPES if r != QUICKSTART]
+MODEL_RECIPES = [r for r in ALL_RECIPES if r != QUICKSTART]  # run from the checkout, by `recipes/run.py NAME`
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", MODEL_RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", MODEL_RECIPES)
 def test_recipe_trains_two_steps_on_synthetic_data_with_two_cpu_ranks(recipe, tmp_path):
     overrides = [
         "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=2", "trainer.limit_val_batches=1",
         "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1", "data.init_args.synthetic=true",
         f"trainer.logger.init_args.save_dir={tmp_path}",
     ]  # fmt: skip
-    if "cifar" in recipe.stem:
+    if "cifar" in recipe:
         overrides.append("data.init_args.num_workers=0")
-    done = _run([str(recipe), *overrides], 420)
+    done = _run([recipe, *overrides], 420)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "traffic saved" in done.stdout
     (run_dir,) = tmp_path.glob("wandb/offline-run-*")

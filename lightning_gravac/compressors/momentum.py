@@ -43,6 +43,7 @@ class MomentumCorrection:
         self._buffers: dict[str, Tensor] = {}
         self._local: set[str] = set()  # parameters whose buffers differ between ranks
         self._pending: dict[str, Tensor] = {}
+        self._spares: dict[str, Tensor] = {}  # buffers replaced by a commit, reused for the next pending ones
 
     def __bool__(self) -> bool:
         return bool(self.settings)
@@ -79,57 +80,76 @@ class MomentumCorrection:
         """Whether the buffers of ``names`` are identical on every rank (the exact dense path applies)."""
         return not any(name in self._local for name in names)
 
-    def _direction(self, name: str, d: Tensor, buffer: Tensor | None) -> tuple[Tensor, Tensor]:
-        """``(new buffer, update direction)`` from ``d = g + wd p`` with ``torch.optim.SGD``'s operations."""
-        s = self.settings[name]
-        if buffer is None:
-            new = torch.clone(d).detach()
-        else:
-            new = buffer.mul(s.momentum).add_(d, alpha=1 - s.dampening)
-        return new, (d.add(new, alpha=s.momentum) if s.nesterov else new)
-
-    def _decayed(self, name: str, grad: Tensor, param: Tensor) -> Tensor:
+    def _decayed_(self, name: str, d: Tensor, param: Tensor) -> Tensor:
         decay = self.settings[name].weight_decay
-        return grad.add(param.detach().view_as(grad), alpha=decay) if decay else grad
+        return d.add_(param.detach().view_as(d), alpha=decay) if decay else d
 
     def local_(self, names: list[str], grads: list[Tensor], params: list[Tensor]) -> None:
-        """Before compression: each gradient becomes this rank's update direction, in place; buffers go local."""
+        """Before compression: each gradient becomes this rank's update direction, in place; buffers go local.
+
+        The new buffers are written into recycled spares (no allocation once running) and kept pending."""
         for name, grad, param in zip(names, grads, params, strict=True):
-            if name not in self.settings:
+            s = self.settings.get(name)
+            if s is None:
                 continue
-            new, direction = self._direction(name, self._decayed(name, grad, param), self._buffers.get(name))
-            grad.copy_(direction)
+            d = self._decayed_(name, grad, param)  # the gradient is overwritten below anyway
+            old, spare = self._buffers.get(name), self._spares.pop(name, None)
+            if spare is None or spare.shape != d.shape:
+                spare = torch.empty_like(d)
+            if old is None:
+                new = spare.copy_(d)
+            else:
+                new = torch.mul(old, s.momentum, out=spare).add_(d, alpha=1 - s.dampening)
+            if s.nesterov:
+                grad.add_(new, alpha=s.momentum)
+            else:
+                grad.copy_(new)
             self._pending[name] = new
             self._local.add(name)
 
     def after_dense_(self, names: list[str], averaged: list[Tensor], params: list[Tensor]) -> None:
-        """After the all-reduce of plain gradients, with buffers in sync: the averaged gradient becomes the update
-        direction in place, exactly as ``torch.optim.SGD`` computes it."""
+        """After the all-reduce of plain gradients, with buffers in sync and the step known finite: the averaged
+        gradient becomes the update direction in place, with ``torch.optim.SGD``'s own operations in its order
+        (``d = g + wd p``; ``buf = clone(d)`` at first, then ``buf = m buf + (1 - dampening) d``; ``d + m buf`` with
+        Nesterov, else ``buf``), so the result is bit for bit SGD's. The buffers are updated in place."""
         for name, avg, param in zip(names, averaged, params, strict=True):
-            if name not in self.settings:
+            s = self.settings.get(name)
+            if s is None:
                 continue
-            new, direction = self._direction(name, self._decayed(name, avg, param), self._buffers.get(name))
-            self._pending[name] = new
-            if direction is not avg:
-                avg.copy_(direction)
+            d = self._decayed_(name, avg, param)
+            buffer = self._buffers.get(name)
+            if buffer is None:
+                buffer = self._buffers[name] = torch.clone(d).detach()
+            else:
+                buffer.mul_(s.momentum).add_(d, alpha=1 - s.dampening)
+            if s.nesterov:
+                d.add_(buffer, alpha=s.momentum)
+            else:
+                d.copy_(buffer)
 
     def resync(self, names: list[str], averaged: list[Tensor]) -> None:
         """After a dense all-reduce of local directions with no residual in them: the average is the global buffer."""
         for name, avg in zip(names, averaged, strict=True):
-            if name in self.settings and not self.settings[name].nesterov:
-                self._pending[name] = avg.clone()
+            pending = self._pending.get(name)
+            if pending is not None and not self.settings[name].nesterov:
+                pending.copy_(avg)
                 self._local.discard(name)
 
     def commit(self, names: Iterable[str]) -> None:
         """The step was finite on every rank: its buffers become the kept ones."""
         for name in names:
             if name in self._pending:
+                old = self._buffers.get(name)
                 self._buffers[name] = self._pending.pop(name)
+                if old is not None:
+                    self._spares[name] = old
 
     def discard(self, names: Iterable[str]) -> None:
         """The step was not finite: its buffers are dropped, the kept ones stay."""
         for name in names:
-            self._pending.pop(name, None)
+            spare = self._pending.pop(name, None)
+            if spare is not None:
+                self._spares[name] = spare
 
     def state_dict(self) -> dict[str, Tensor]:
         """This rank's buffers (``u/<name>``) and whether each is local to it (``local/<name>``)."""

@@ -168,22 +168,28 @@ def _plain_allreduce(
         # No header on this path: whether some rank's gradient was not finite is read off the result itself, and only
         # when something depends on it: residuals added into it (the first dense step after compressed ones; a
         # finite step has delivered them, a non-finite one keeps them) or momentum buffers. Plain steps pay nothing.
-        if (carried or momentum) and bool(torch.isfinite(result).all()):
+        if (carried or momentum) and _finite(result):
             for name in carried:
                 state.memory.discard(name)
             if momentum:
                 views = _views_like(result, buffer, grads)
                 if exact:
                     momentum.after_dense_(names, views, params)
-                elif not carried:
-                    momentum.resync(names, views)
-                momentum.commit(names)
+                else:
+                    if not carried:
+                        momentum.resync(names, views)
+                    momentum.commit(names)
         elif momentum:
             momentum.discard(names)
         state.record(BucketRecord(bytes_sent=nbytes, bytes_dense=nbytes, collective=REDUCE))
         return result
 
     return work.get_future().then(done)
+
+
+def _finite(tensor: Tensor) -> bool:
+    """Whether every entry is finite, read off the float32 sum (NaN and Inf reach it; one pass, no allocation)."""
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
 
 
 def _views_like(result: Tensor, buffer: Tensor, grads: list[Tensor]) -> list[Tensor]:
