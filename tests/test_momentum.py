@@ -3,6 +3,7 @@
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.plugins import MixedPrecision
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -11,7 +12,7 @@ from lightning_gravac import GraVACStrategy, Static
 from lightning_gravac.compressors.momentum import MomentumCorrection
 from lightning_gravac.launch import run_distributed
 
-from models import Cycling, trainer_kwargs, weights
+from models import Cycling, FaultyRegression, loader, trainer_kwargs, weights
 
 
 class Regression(pl.LightningModule):
@@ -70,6 +71,31 @@ def _cf1_vs_stock(rank, world_size, sgd, granularity):
 def test_at_cf1_the_moved_momentum_equals_stock_ddp_with_sgd_momentum_bit_for_bit(sgd, granularity):
     for stock, ours, moved in run_distributed(_cf1_vs_stock, sgd=sgd, granularity=granularity):
         assert moved == (0.0, 0.0, 6), "the optimizer's momentum and weight decay moved into the hook"
+        for name in stock:
+            assert torch.equal(stock[name], ours[name]), name
+
+
+def _scaled_nan_vs_stock(rank, world_size):
+    out = []
+    for strategy, controllers in [(DDPStrategy(), []), (GraVACStrategy("topk"), [Static(cf=1)])]:
+        pl.seed_everything(0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        model = FaultyRegression(fault="nan", at_step=5, width=64, lr=0.05, momentum=0.9)
+        trainer = pl.Trainer(
+            strategy=strategy, callbacks=controllers, max_steps=10,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], **trainer_kwargs(world_size),
+        )  # fmt: skip
+        trainer.fit(model, loader())
+        out.append((weights(model), scaler.get_scale()))
+    return out
+
+
+@pytest.mark.distributed
+def test_under_a_gradient_scaler_the_optimizer_keeps_its_momentum_and_skipped_steps_match_stock():
+    # A scaler changes the scale the hook's gradients carry (halved here at the NaN step): momentum correction stays
+    # off, and cf 1 is stock DDP + SGD momentum bit for bit, the skipped step included.
+    for (stock, stock_scale), (ours, our_scale) in run_distributed(_scaled_nan_vs_stock):
+        assert stock_scale == our_scale == 2.0**7  # one skipped step in both
         for name in stock:
             assert torch.equal(stock[name], ours[name]), name
 

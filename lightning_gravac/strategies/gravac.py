@@ -49,7 +49,8 @@ class GraVACStrategy(DDPStrategy):
             feedback under heavy-ball momentum applied after communication diverges at high factors; this is Deep
             Gradient Compression's momentum correction, for every method. Exact at ``cf=1``: the same updates as
             stock DDP with SGD momentum, bit for bit. ``False`` leaves the optimizer alone. Gradients seen after
-            ``backward`` (e.g. by gradient clipping) are then update directions, momentum included.
+            ``backward`` (e.g. by gradient clipping) are then update directions, momentum included. Not applied under
+            a gradient scaler (fp16 mixed precision), whose scale changes from step to step.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
@@ -163,8 +164,11 @@ class GraVACStrategy(DDPStrategy):
         state = self.compression_state
         # Methods without error feedback (unbiased quantizers, casts, signSGD's vote) and methods with a momentum of
         # their own (DGC) keep the optimizer's momentum; so does local SGD, whose steps never reach the hook.
+        # Under a gradient scaler (fp16 mixed precision) the hook sees gradients scaled by a factor that changes from
+        # step to step, which a momentum kept in the hook would mix up: the optimizer keeps its momentum then.
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None
         if self.momentum_correction and state.error_feedback and not self.compressor.owns_feedback:
-            if state.local_sgd_from is None and not self.compressor.passthrough:
+            if state.local_sgd_from is None and not self.compressor.passthrough and not scaled:
                 moved = [name for opt in self.optimizers for name in state.momentum.take_from(opt, state.param_names)]
                 if moved:
                     rank_zero_info(

@@ -168,7 +168,10 @@ def _plain_allreduce(
         # No header on this path: whether some rank's gradient was not finite is read off the result itself, and only
         # when something depends on it: residuals added into it (the first dense step after compressed ones; a
         # finite step has delivered them, a non-finite one keeps them) or momentum buffers. Plain steps pay nothing.
-        if (carried or momentum) and _finite(result):
+        # With the momentum in sync, a non-finite step is no concern of the hook's: there is no gradient scaler to skip
+        # it (momentum correction is off under one), and stock SGD's buffer takes a NaN as well.
+        check = carried or (momentum and not exact)
+        if not check or _finite(result):
             for name in carried:
                 state.memory.discard(name)
             if momentum:
