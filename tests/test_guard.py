@@ -40,7 +40,8 @@ def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and
     controller.guard = DivergenceGuard(ratio=10, min_history=3, cooldown=2)
     controller._state = state
     controller.apply(state)
-    trainer = SimpleNamespace(global_step=0, current_epoch=0, _logger_connector=SimpleNamespace(should_update_logs=0))
+    connector = SimpleNamespace(should_update_logs=False)
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, callback_metrics={}, _logger_connector=connector)
 
     def step(norm: float) -> float:
         state.record(BucketRecord(bytes_sent=100, bytes_dense=1000, collective=0, sq_norm=norm**2))
