@@ -231,3 +231,14 @@ class Indexed(torch.utils.data.Dataset):
 
 def tiny_loader(n: int = 64, batch_size: int = 4) -> DataLoader:
     return DataLoader(Indexed(n), batch_size=batch_size)
+
+
+class OneWeight(Tiny):
+    """A model of a single parameter: ``y = w x[:, 0]``, the smallest a strategy may meet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(1, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x[:, :1])

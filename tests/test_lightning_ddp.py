@@ -19,7 +19,7 @@ from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from lightning_gravac import GraVAC, GraVACStrategy, Static
 from lightning_gravac.launch import run_distributed
 
-from models import ExitCleanly, Failure, Tiny, tiny_loader, trainer_kwargs, weights
+from models import ExitCleanly, Failure, OneWeight, Tiny, tiny_loader, trainer_kwargs, weights
 
 pytestmark = pytest.mark.distributed
 
@@ -177,6 +177,23 @@ def test_the_default_trains_a_linear_32_2_and_an_explicit_impossible_cf_max_stil
     refused = run_distributed(_fit_tiny, strategy=GraVACStrategy(), callbacks=[GraVAC(cf_max=1000)])
     for message in refused:
         assert "`cf_max`=1000 exceeds the size of the largest gradient (64 entries)" in message
+
+
+def _fit_one_weight(rank: int, world_size: int) -> tuple[str, float]:
+    pl.seed_everything(0)
+    model = OneWeight()
+    before = float(model.layer.weight)
+    trainer = pl.Trainer(strategy=GraVACStrategy(), **trainer_kwargs(world_size, max_steps=3))
+    trainer.fit(model, tiny_loader())
+    controller = next(c for c in trainer.callbacks if isinstance(c, GraVAC))
+    return repr(controller), float(model.layer.weight) - before
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_default_trains_a_single_parameter_on_one_or_two_ranks(world_size):
+    for controller, moved in run_distributed(_fit_one_weight, world_size=world_size):
+        assert controller == repr(GraVAC(cf_min=1, cf_max=1))  # nothing to compress: every factor fitted to 1
+        assert moved != 0.0
 
 
 def test_a_default_cf_min_fits_too_but_an_explicit_one_is_kept():
