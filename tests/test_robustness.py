@@ -99,6 +99,40 @@ def test_a_nonfinite_step_sent_dense_keeps_the_residuals_it_would_have_delivered
     assert all(torch.equal(a, b) for a, b in zip(*(r["weights"].values() for r in ranks), strict=True))
 
 
+class ResidualsBeforeBackward(pl.Callback):
+    """This rank's residuals as the hook will find them: after the step's start, before its backward."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_backward(self, trainer, *args) -> None:
+        self.steps.append(trainer.strategy.compression_state.memory.state_dict())
+
+
+def _scale_halved(rank, world_size, compressor):
+    pl.seed_everything(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    after, before = Residuals(), ResidualsBeforeBackward()
+    trainer = pl.Trainer(
+        strategy=GraVACStrategy(compressor), callbacks=[Static(cf=20), after, before], max_steps=8,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], **trainer_kwargs(world_size),
+    )  # fmt: skip
+    trainer.fit(FaultyRegression(fault="nan", at_step=5, width=128, lr=0.1), loader())
+    return {"after": after.steps, "before": before.steps, "dgc": trainer.strategy.compressor.state_dict()}
+
+
+def test_when_the_gradient_scale_halves_the_residuals_follow_it():
+    # Step 5 is not finite: the scaler skips it and halves its scale, so from step 6 on the hook sees gradients at
+    # half the scale. What error feedback carries must be halved with them, or the pending update doubles.
+    for r in run_distributed(_scale_halved, compressor="topk"):
+        kept, carried = r["after"][5], r["before"][6]
+        assert kept.keys() == carried.keys() and kept
+        for name in kept:
+            assert torch.equal(carried[name], kept[name] * 0.5), name
+        for step in range(1, 5):  # an unchanged scale leaves them alone
+            assert all(torch.equal(r["before"][step][k], r["after"][step - 1][k]) for k in r["after"][step - 1])
+
+
 def _survivor(rank, world_size, fault, timeout_s):
     pl.seed_everything(0)
     strategy = GraVACStrategy("topk", timeout=timedelta(seconds=timeout_s))

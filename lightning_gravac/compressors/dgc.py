@@ -230,6 +230,11 @@ class DGC(Sparsifier):
         if old is not None:
             spares[key] = old
 
+    def rescale_(self, factor: float) -> None:
+        # u (momentum) and v (the accumulation) are sums of gradients, in the units the gradients carried.
+        for t in (*self._u.values(), *self._v.values()):
+            t.mul_(factor)
+
     def state_dict(self) -> dict[str, object]:
         return {**{f"u/{k}": t.detach().clone() for k, t in self._u.items()},
                 **{f"v/{k}": t.detach().clone() for k, t in self._v.items()}}  # fmt: skip

@@ -56,6 +56,11 @@ class ErrorFeedback:
         self._residuals[key] = self.residual_of(compressor, error_fed, payload)
         return self._residuals[key]
 
+    def scale_(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` (the gradients' scale changed; a power of 2 is exact)."""
+        for residual in self._residuals.values():
+            residual.mul_(factor)
+
     def set(self, key: str, residual: Tensor) -> None:
         """Store ``residual`` as the residual of ``key``."""
         self._recycle(key, self._residuals.get(key), residual)

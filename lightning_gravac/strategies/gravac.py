@@ -178,6 +178,28 @@ class GraVACStrategy(DDPStrategy):
                     )
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._follow_gradient_scale()
+
+    def _follow_gradient_scale(self) -> None:
+        """Keep the residuals (and a method's own accumulations) in the units of the gradients the hook will see.
+
+        Under fp16 mixed precision the hook sees gradients multiplied by the scaler's scale, which halves after a
+        skipped step and grows after a run of good ones. What error feedback carries over was stored in the old
+        units: rescaled here by new / old (powers of 2, exact), so the pending update is neither doubled nor halved.
+        (On CUDA, reading the scale is one small device sync a step; written for CUDA, tested on CPU.)
+        """
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return
+        state, scale = self.compression_state, float(scaler.get_scale())
+        if state.grad_scale is not None and scale != state.grad_scale:
+            state.memory.scale_(scale / state.grad_scale)
+            self.compressor.rescale_(scale / state.grad_scale)
+        state.grad_scale = scale
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Lightning calls this on every rank and rank 0 alone writes: every rank's residuals are gathered to it.
         checkpoint[CHECKPOINT_KEY] = {

@@ -127,6 +127,7 @@ class CompressionState:
     momentum: MomentumCorrection = field(default_factory=MomentumCorrection)  # the optimizer's, when moved here
     step: int = 0
     epoch: int = -1  # the training epoch the compressor was last told of
+    grad_scale: float | None = None  # the mixed-precision gradient scale the residuals are in (None: none or unknown)
 
     _records: list[BucketRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
