@@ -28,13 +28,23 @@ def _full_loss(model: nn.Module) -> float:
 
 
 class Residuals(pl.Callback):
-    """This rank's residuals after every step, as copies."""
+    """This rank's residuals as copies: after every step, or (``before_backward``) as the hook will find them, after
+    the step's start and before its backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_backward: bool = False) -> None:
+        self.before_backward = before_backward
         self.steps: list[dict[str, torch.Tensor]] = []
 
-    def on_train_batch_end(self, trainer, *args) -> None:
+    def _take(self, trainer) -> None:
         self.steps.append(trainer.strategy.compression_state.memory.state_dict())
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if not self.before_backward:
+            self._take(trainer)
+
+    def on_before_backward(self, trainer, *args) -> None:
+        if self.before_backward:
+            self._take(trainer)
 
 
 def _nonfinite_once(rank, world_size, fault):
@@ -99,20 +109,10 @@ def test_a_nonfinite_step_sent_dense_keeps_the_residuals_it_would_have_delivered
     assert all(torch.equal(a, b) for a, b in zip(*(r["weights"].values() for r in ranks), strict=True))
 
 
-class ResidualsBeforeBackward(pl.Callback):
-    """This rank's residuals as the hook will find them: after the step's start, before its backward."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_before_backward(self, trainer, *args) -> None:
-        self.steps.append(trainer.strategy.compression_state.memory.state_dict())
-
-
 def _scale_halved(rank, world_size, compressor):
     pl.seed_everything(0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    after, before = Residuals(), ResidualsBeforeBackward()
+    after, before = Residuals(), Residuals(before_backward=True)
     trainer = pl.Trainer(
         strategy=GraVACStrategy(compressor), callbacks=[Static(cf=20), after, before], max_steps=8,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], **trainer_kwargs(world_size),
