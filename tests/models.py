@@ -242,3 +242,10 @@ class OneWeight(Tiny):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x[:, :1])
+
+
+class CompiledMLP(MLP):
+    """:class:`MLP` whose network is ``torch.compile``-d in ``configure_model``, as Lightning's docs show."""
+
+    def configure_model(self) -> None:
+        self.net = torch.compile(self.net)
