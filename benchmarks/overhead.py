@@ -18,6 +18,7 @@ A second table isolates the hook: plain torch DDP (no Lightning) with no hook, t
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -25,6 +26,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback
+from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -83,6 +85,10 @@ CONFIGS = {
         lambda: (GraVACStrategy("topk"), [Static(cf=1)]),
         0.9,
     ),
+    # With a logger written every step: stock DDP logs the model's one metric (train_loss); GraVACStrategy adds its
+    # gravac/* metrics, into trainer.callback_metrics and to the logger, every step.
+    "DDPStrategy, CSVLogger every step": (lambda: (DDPStrategy(), []), 0.0),
+    "GraVACStrategy topk cf=1, CSVLogger every step": (lambda: (GraVACStrategy("topk"), [Static(cf=1)]), 0.0),
 }
 
 
@@ -103,10 +109,12 @@ def _rank(rank: int, world_size: int, width: int, depth: int, steps: int, rounds
             strategy, callbacks = make()
             timer = StepTimer(warmup=3)
             pl.seed_everything(0, verbose=False)
+            every_step = "every step" in name
+            logger = CSVLogger(tempfile.mkdtemp(), name="overhead") if every_step else False
             trainer = pl.Trainer(
                 accelerator="cpu", devices=world_size, strategy=strategy, callbacks=[*callbacks, timer],
-                max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False,
+                max_steps=steps, logger=logger, log_every_n_steps=1 if every_step else 50, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False,
             )  # fmt: skip
             model = TeacherRegression(width=width, depth=depth, momentum=momentum)
             trainer.fit(model, DataLoader(data, batch_size=32))

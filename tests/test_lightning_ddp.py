@@ -7,6 +7,7 @@ launched as torchrun would (``ddp``), and once through Lightning's own spawn lau
 """
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -107,8 +108,15 @@ def _run_stage(trainer: pl.Trainer, model: Tiny, stage: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, list[dict[str, Any]]]:
-    return {setup: run_distributed(_behaviours, timeout=300, setup=setup) for setup in SETUPS}
+def results(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
+    # Module-scoped, so it runs before the per-test scratch directory exists: its own, for the checkpoints and saved
+    # models the ranks (which start in the parent's directory) write.
+    here, scratch = os.getcwd(), tmp_path_factory.mktemp("lightning_ddp")
+    os.chdir(scratch)
+    try:
+        return {setup: run_distributed(_behaviours, timeout=300, setup=setup) for setup in SETUPS}
+    finally:
+        os.chdir(here)
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
