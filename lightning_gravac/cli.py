@@ -4,11 +4,15 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from importlib import resources
-from importlib.abc import Traversable
 from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
+
+if sys.version_info >= (3, 11):
+    from importlib.resources.abc import Traversable
+else:  # its home before 3.11 (and gone from there in later versions)
+    from importlib.abc import Traversable
 from pytorch_lightning.cli import LightningCLI
 
 #: The recipes shipped inside the package (package data), so that an installed wheel runs them from any directory.

@@ -153,3 +153,27 @@ def test_buffers_are_pending_until_the_step_is_known_finite_and_round_trip():
     restored = MomentumCorrection()
     restored.load_state_dict(saved)
     assert torch.equal(restored.state_dict()["u/w"], saved["u/w"]) and not restored.in_sync(["w"])
+
+
+def test_momentum_set_again_in_the_optimizer_is_taken_back_and_checkpoints_show_the_users_settings():
+    p = nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
+    stock_state = optimizer.state_dict()  # as a stock DDP checkpoint holds it, after one step with a buffer:
+    stock_state["state"] = {0: {"momentum_buffer": torch.full((3,), 2.0)}}
+    correction = MomentumCorrection()
+    assert correction.take_from(optimizer, {id(p): "w"}) == ["w"]
+    assert correction.refresh() == []  # nothing set again
+    # Lightning restores the optimizer's state after the strategy's setup: its groups come back with momentum 0.9.
+    optimizer.load_state_dict(stock_state)
+    assert optimizer.param_groups[0]["momentum"] == 0.9
+    assert correction.refresh() == ["w"]
+    assert optimizer.param_groups[0]["momentum"] == 0 and optimizer.param_groups[0]["weight_decay"] == 0
+    assert torch.equal(correction.state_dict()["u/w"], torch.full((3,), 2.0))  # the stock buffer is kept
+    assert "momentum_buffer" not in optimizer.state[p]
+    # A momentum schedule (OneCycleLR writes group["momentum"] every step) reaches the hook.
+    optimizer.param_groups[0]["momentum"] = 0.85
+    correction.refresh()
+    assert correction.settings["w"].momentum == 0.85 and optimizer.param_groups[0]["momentum"] == 0
+    saved = correction.saved_groups(optimizer, optimizer.state_dict())
+    assert saved["param_groups"][0]["momentum"] == 0.85 and saved["param_groups"][0]["weight_decay"] == 0.01
+    assert optimizer.param_groups[0]["momentum"] == 0  # the live optimizer is untouched

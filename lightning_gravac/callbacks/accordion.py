@@ -82,7 +82,7 @@ class Accordion(Controller):
             self.layer_cf = {n: DENSE if p.ndim <= 1 else self.low_cf for n, p in pl_module.named_parameters()}
             self.compressible = [n for n, p in pl_module.named_parameters() if p.ndim > 1]
         self._sums = {name: s.to(pl_module.device) for name, s in self._sums.items()}  # restored on the CPU
-        self.apply(self.state)
+        self._hand_over(self.state)
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
@@ -92,7 +92,7 @@ class Accordion(Controller):
         if lr is not None and self._last_lr is not None and lr < self._last_lr:
             self.lr_dropped = True
             self.layer_cf.update(dict.fromkeys(self.compressible, self.low_cf))
-            self.apply(self.state)
+            self._hand_over(self.state)
         self._last_lr = lr
 
     @override
@@ -117,7 +117,7 @@ class Accordion(Controller):
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.interval == "epoch":
             self._tick()
-            self.apply(self.state)
+            self._hand_over(self.state)
 
     def _tick(self) -> None:
         self._progress += 1

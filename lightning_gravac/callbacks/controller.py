@@ -62,12 +62,12 @@ class Controller(Callback):
         if any(True for _ in pl_module.parameters()):
             self._fit_and_check(pl_module)
         self._state = trainer.strategy.compression_state
-        self.apply(self._state)
+        self._hand_over(self._state)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._fit_and_check(pl_module)
-        self.apply(self.state)
+        self._hand_over(self.state)
 
     def fit_to_model(self, largest: int) -> None:
         """Fit the factors the user left at their defaults to the model, whose largest gradient has ``largest``
@@ -109,12 +109,9 @@ class Controller(Callback):
             return
         self.last_metrics = self.metrics(stats)  # of the step that produced `stats`, before the next decision
         guarded = self._guarded(stats, trainer)
-        if guarded == "hold":
-            self.state.cf, self.state.param_cf, self.state.probe_cfs = 1.0, {}, ()
-        else:
-            if guarded == "free":  # a step the guard sent dense is not the controller's to observe
-                self.observe(stats, trainer)
-            self.apply(self.state)
+        if guarded == "free":  # a step the guard sent dense is not the controller's to observe
+            self.observe(stats, trainer)
+        self._hand_over(self.state)
         self.last_metrics["gravac/guarded"] = float(guarded == "hold")  # whether the next step is held dense
         self._publish(trainer)
 
@@ -133,6 +130,12 @@ class Controller(Callback):
         if getattr(connector, "should_update_logs", True):
             connector.log_metrics(metrics)
 
+    def _hand_over(self, state: CompressionState) -> None:
+        """:meth:`apply` the decisions, unless the divergence guard holds the factor at 1 (then everything is dense)."""
+        self.apply(state)
+        if self.guard is not None and self.guard.holding > 0:
+            state.cf, state.param_cf, state.probe_cfs = 1.0, {}, ()
+
     def _guarded(self, stats: StepStats, trainer: "pl.Trainer") -> str:
         """``"hold"``: the divergence guard holds the next step dense; ``"released"``: this step was its last dense
         one; ``"free"``: the controller decides."""
@@ -148,6 +151,7 @@ class Controller(Callback):
                 "the residuals. Set `controller.guard = None` to turn the guard off."
             )
             self.state.memory.load_state_dict({})
+            self.state.compressor.reset()
             return "hold"
         if guard.holding > 0:
             return "hold"
@@ -188,7 +192,7 @@ class Controller(Callback):
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
         if self._state is not None:
-            self.apply(self._state)
+            self._hand_over(self._state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cf={self.cf})"

@@ -315,7 +315,7 @@ class GraVAC(Controller):
             if self._progress >= self.window_length:
                 self._end_window(trainer)
                 self.cf = self._choose()
-                self.apply(self.state)
+                self._hand_over(self.state)
 
     @property
     def window_length(self) -> int:

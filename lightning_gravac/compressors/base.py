@@ -154,6 +154,10 @@ class Compressor(ABC):
     def setup(self, world_size: int, rank: int = 0) -> None:
         """Called once the process group exists, with its size and this process's rank."""
 
+    def reset(self) -> None:
+        """Drop the state kept across steps in gradient units (an accumulation that diverged); methods with such
+        state override it."""
+
     def rescale_(self, factor: float) -> None:
         """Multiply the state kept in gradient units by ``factor``: the gradient scaler of mixed precision changed
         the scale the gradients carry (``factor`` = new scale / old). Methods that keep such state override it."""

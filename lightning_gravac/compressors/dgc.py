@@ -230,6 +230,9 @@ class DGC(Sparsifier):
         if old is not None:
             spares[key] = old
 
+    def reset(self) -> None:
+        self._u, self._v = {}, {}
+
     def rescale_(self, factor: float) -> None:
         # u (momentum) and v (the accumulation) are sums of gradients, in the units the gradients carried.
         for t in (*self._u.values(), *self._v.values()):

@@ -44,28 +44,72 @@ class MomentumCorrection:
         self._local: set[str] = set()  # parameters whose buffers differ between ranks
         self._pending: dict[str, Tensor] = {}
         self._spares: dict[str, Tensor] = {}  # buffers replaced by a commit, reused for the next pending ones
+        self._optimizers: list[tuple[torch.optim.Optimizer, dict[int, str]]] = []  # those momentum was taken from
 
     def __bool__(self) -> bool:
         return bool(self.settings)
 
     def take_from(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
         """Move the momentum (and weight decay, which SGD applies before it) of every ``torch.optim.SGD`` group with
-        ``momentum > 0`` into the hook, for the parameters in ``names``; set the group's to 0. Returns their names."""
+        ``momentum > 0`` into the hook, for the parameters in ``names``; set the group's to 0. Returns their names.
+
+        Groups with ``maximize`` or ``fused`` keep their momentum (the hook reproduces neither), and so do groups with
+        parameters the hook never sees."""
         if not isinstance(optimizer, torch.optim.SGD):
             return []
+        self._optimizers.append((optimizer, names))
+        return self._move(optimizer, names)
+
+    def _move(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
         moved = []
         for group in optimizer.param_groups:
-            if not group.get("momentum", 0):
+            if not group.get("momentum", 0) or group.get("maximize") or group.get("fused"):
                 continue
-            params = [p for p in group["params"] if id(p) in names]
-            if len(params) != len(group["params"]):
-                continue  # a group with parameters the hook never sees keeps its own momentum
+            if not all(id(p) in names for p in group["params"]):
+                continue
             setting = SGDMomentum(group["momentum"], group["dampening"], group["nesterov"], group["weight_decay"])
-            for p in params:
-                self.settings[names[id(p)]] = setting
-                moved.append(names[id(p)])
+            previous = self.settings.get(names[id(group["params"][0])]) if group["params"] else None
+            if previous is not None:  # set again: what is 0 in the group is what the hook zeroed, not a new value
+                setting = SGDMomentum(
+                    setting.momentum,
+                    setting.dampening or previous.dampening,
+                    setting.nesterov or previous.nesterov,
+                    setting.weight_decay or previous.weight_decay,
+                )
+            for p in group["params"]:
+                name = names[id(p)]
+                self.settings[name] = setting
+                moved.append(name)
+                # A buffer the optimizer holds (a stock DDP checkpoint resumed here) is the global one: kept, in sync.
+                held = optimizer.state.get(p, {}).pop("momentum_buffer", None)
+                if held is not None and name not in self._buffers:
+                    self._buffers[name] = held.detach().clone()
             group.update(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
         return moved
+
+    def refresh(self) -> list[str]:
+        """Take back momentum set in the optimizer again since the last step, by a restored optimizer state (a
+        checkpoint's param groups) or a momentum schedule (``OneCycleLR``, ``CyclicLR``): its values become the
+        hook's and the group's go back to 0, so momentum never applies twice. Returns the parameters it took."""
+        return [name for optimizer, names in self._optimizers for name in self._move(optimizer, names)]
+
+    def saved_groups(self, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+        """``state`` (``optimizer.state_dict()``) with the moved settings written back into its param groups, so that a
+        checkpoint shows the optimizer the user configured (resumed without the correction, momentum applies again)."""
+        for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+            setting = self.settings.get(self._name_of(optimizer, group))
+            if setting is not None:
+                saved.update(
+                    momentum=setting.momentum,
+                    dampening=setting.dampening,
+                    nesterov=setting.nesterov,
+                    weight_decay=setting.weight_decay,
+                )
+        return state
+
+    def _name_of(self, optimizer: torch.optim.Optimizer, group: dict) -> str:
+        names = next((n for o, n in self._optimizers if o is optimizer), {})
+        return names.get(id(group["params"][0]), "") if group["params"] else ""
 
     def mask_(self, residuals: dict[str, Tensor | None]) -> None:
         """Momentum factor masking (DGC): where an entry was sent exactly (its new residual is 0), this rank's
@@ -154,7 +198,7 @@ class MomentumCorrection:
     def state_dict(self) -> dict[str, Tensor]:
         """This rank's buffers (``u/<name>``) and whether each is local to it (``local/<name>``)."""
         out = {f"u/{name}": t.detach().clone() for name, t in self._buffers.items()}
-        out.update({f"local/{name}": torch.tensor(name in self._local) for name in self._buffers})
+        out.update({f"local/{n}": torch.tensor(n in self._local, device=t.device) for n, t in self._buffers.items()})
         return out
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.types import _PATH
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
+from pytorch_lightning.callbacks import Checkpoint
 from pytorch_lightning.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -153,7 +154,10 @@ class GraVACStrategy(DDPStrategy):
             # A method that sends the gradient unchanged has no factor to choose: a controller at cf 1 only reports.
             default: Controller = Static(cf=1) if self.compressor.passthrough else GraVAC()
             rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
-            callbacks.append(default)
+            # Before the checkpoint callbacks, which Lightning has already moved last: a checkpoint then holds the
+            # step's decisions, and a `ModelCheckpoint(monitor="gravac/...")` sees the step's values.
+            first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
+            callbacks.insert(first_checkpoint, default)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -181,6 +185,19 @@ class GraVACStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._follow_gradient_scale()
+        # Momentum set in the optimizer again (a restored checkpoint's param groups, a momentum schedule) is taken
+        # into the hook before this step's backward, so it never applies twice.
+        self.compression_state.momentum.refresh()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # The checkpoint shows the optimizer as the user configured it (momentum and weight decay written back), so a
+        # run resumed without momentum correction applies them again; resumed with it, they are taken back at once.
+        state = super().optimizer_state(optimizer)
+        raw = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        if state and "param_groups" in state:
+            return self.compression_state.momentum.saved_groups(raw, state)
+        return state
 
     def _follow_gradient_scale(self) -> None:
         """Keep the residuals (and a method's own accumulations) in the units of the gradients the hook will see.
@@ -208,6 +225,7 @@ class GraVACStrategy(DDPStrategy):
             "residuals": self._gather(self.compression_state.memory.state_dict()),
             "compressor": self._gather(self.compressor.state_dict()),
             "momentum": self._gather(self.compression_state.momentum.state_dict()),
+            "grad_scale": self.compression_state.grad_scale,  # the units the residuals are in (fp16 scaling)
         }
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -243,6 +261,7 @@ class GraVACStrategy(DDPStrategy):
     def _restore_compression(self, saved: dict[str, Any]) -> None:
         state = self.compression_state
         state.step = saved["step"]
+        state.grad_scale = saved.get("grad_scale")
         residuals: dict[str, torch.Tensor] = saved["residuals"]
         same_world = saved["world_size"] == self.world_size
         if residuals and not same_world:

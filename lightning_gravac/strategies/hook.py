@@ -140,7 +140,8 @@ def _dense(
 ) -> Future[Tensor]:
     """Every factor 1, nothing probed: the plain all-reduce, with the momentum moved into the hook if any."""
     momentum = state.momentum
-    if momentum and momentum.in_sync(names):  # the optimizer's momentum, applied after the all-reduce
+    pending = state.error_feedback and any(name in state.memory for name in names)
+    if momentum and momentum.in_sync(names) and not pending:  # the optimizer's momentum, after the all-reduce
         return _plain_allreduce(state, buffer, [], names, grads, params, exact=True)
     if momentum:
         momentum.local_(names, grads, params)
