@@ -58,3 +58,24 @@ def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and
     resumed = Static(cf=10)
     resumed.load_state_dict(saved)
     assert resumed.guard.state_dict() == saved["guard"]
+
+
+def test_a_trigger_drops_a_method_own_accumulation_and_the_hold_survives_a_resume():
+    dgc = get_compressor("dgc")
+    state = CompressionState(dgc, error_feedback=False)
+    controller = Static(cf=10)
+    controller.guard = DivergenceGuard(ratio=10, min_history=3, cooldown=4)
+    controller._state = state
+    controller.apply(state)
+    connector = SimpleNamespace(should_update_logs=False)
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, callback_metrics={}, _logger_connector=connector)
+    for norm in (1.0, 1.0, 1.0, 50.0):
+        dgc._v["w"] = torch.ones(3)  # DGC's accumulation, outside the residual memory
+        state.record(BucketRecord(bytes_sent=100, bytes_dense=1000, collective=0, sq_norm=norm**2))
+        controller.on_train_batch_end(trainer, None, None, None, 0)
+    assert dgc.state_dict() == {} and state.cf == 1.0
+    # Resumed mid-hold: the restored controller hands over factor 1, not its own 10.
+    resumed = Static(cf=10)
+    resumed._state = CompressionState(get_compressor("topk"), error_feedback=True)
+    resumed.load_state_dict(controller.state_dict())
+    assert resumed.state.cf == 1.0
