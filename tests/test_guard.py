@@ -34,10 +34,12 @@ def test_a_ratio_of_one_or_less_is_refused(ratio):
         DivergenceGuard(ratio=ratio)
 
 
-def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and_resumes_exactly():
-    state = CompressionState(get_compressor("topk"), error_feedback=True)
+def _guarded_static(compressor: str, cooldown: int):
+    """A ``Static(cf=10)`` with a quick guard on a state of its own, and ``step(norm)``: one compressed step whose
+    summed gradient norm is ``norm``, through the controller's end-of-batch hook; returns the next factor."""
+    state = CompressionState(get_compressor(compressor), error_feedback=compressor != "dgc")
     controller = Static(cf=10)
-    controller.guard = DivergenceGuard(ratio=10, min_history=3, cooldown=2)
+    controller.guard = DivergenceGuard(ratio=10, min_history=3, cooldown=cooldown)
     controller._state = state
     controller.apply(state)
     connector = SimpleNamespace(should_update_logs=False)
@@ -47,6 +49,12 @@ def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and
         state.record(BucketRecord(bytes_sent=100, bytes_dense=1000, collective=0, sq_norm=norm**2))
         controller.on_train_batch_end(trainer, None, None, None, 0)
         return state.cf
+
+    return controller, state, step
+
+
+def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and_resumes_exactly():
+    controller, state, step = _guarded_static("topk", cooldown=2)
 
     assert [step(1.0) for _ in range(4)] == [10, 10, 10, 10]
     state.memory.set("w", torch.ones(3))
@@ -61,19 +69,11 @@ def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and
 
 
 def test_a_trigger_drops_a_method_own_accumulation_and_the_hold_survives_a_resume():
-    dgc = get_compressor("dgc")
-    state = CompressionState(dgc, error_feedback=False)
-    controller = Static(cf=10)
-    controller.guard = DivergenceGuard(ratio=10, min_history=3, cooldown=4)
-    controller._state = state
-    controller.apply(state)
-    connector = SimpleNamespace(should_update_logs=False)
-    trainer = SimpleNamespace(global_step=0, current_epoch=0, callback_metrics={}, _logger_connector=connector)
+    controller, state, step = _guarded_static("dgc", cooldown=4)
     for norm in (1.0, 1.0, 1.0, 50.0):
-        dgc._v["w"] = torch.ones(3)  # DGC's accumulation, outside the residual memory
-        state.record(BucketRecord(bytes_sent=100, bytes_dense=1000, collective=0, sq_norm=norm**2))
-        controller.on_train_batch_end(trainer, None, None, None, 0)
-    assert dgc.state_dict() == {} and state.cf == 1.0
+        state.compressor._v["w"] = torch.ones(3)  # DGC's accumulation, outside the residual memory
+        step(norm)
+    assert state.compressor.state_dict() == {} and state.cf == 1.0
     # Resumed mid-hold: the restored controller hands over factor 1, not its own 10.
     resumed = Static(cf=10)
     resumed._state = CompressionState(get_compressor("topk"), error_feedback=True)
