@@ -237,10 +237,8 @@ def _failure(state: CompressionState, what: str, error: Exception) -> RuntimeErr
 
 def _flush_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> None:
     """Add every pending residual into its gradient and drop it: what is sent now in full carries it."""
-    if state.error_feedback:
-        for name, grad in zip(names, grads, strict=True):
-            state.memory.compensate_(name, grad)
-            state.memory.discard(name)
+    for name in _carry_residuals(state, names, grads):
+        state.memory.discard(name)
 
 
 def _local(state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor) -> Future[Tensor]:
@@ -324,9 +322,7 @@ def _new_residuals(work: _Work, names: list[str], grads: list[Tensor]) -> dict[s
     (segment,), (payload,) = work.segments, work.payloads
     residual = ErrorFeedback.residual_of(segment.compressor, work.buffer, payload)
     # Stored per parameter (views of one tensor): DDP may regroup parameters into other buckets.
-    for name, grad in zip(names, grads, strict=True):
-        offset = (grad.data_ptr() - work.buffer.data_ptr()) // work.buffer.element_size()
-        pending[name] = residual[offset : offset + grad.numel()].view_as(grad)
+    pending.update(zip(names, _views_like(residual, work.buffer, grads), strict=True))
     return pending
 
 
