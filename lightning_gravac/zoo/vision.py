@@ -62,22 +62,29 @@ def _shortcut(cin: int, cout: int, stride: int) -> nn.Module:
     return nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
 
 
-def resnet(architecture: str, num_classes: int) -> nn.Module:
-    """A CIFAR ResNet: 3x3 stem, four stages (64 to 512 wide, strides 1, 2, 2, 2), global pool, linear."""
+def _channels(channels: int, width: float) -> int:
+    return max(1, round(channels * width))
+
+
+def resnet(architecture: str, num_classes: int, width: float = 1.0) -> nn.Module:
+    """A CIFAR ResNet: 3x3 stem, four stages (64 to 512 wide, times ``width``; strides 1, 2, 2, 2), global pool,
+    linear."""
     kind, counts = _RESNET_BLOCKS[architecture]
     block = _Basic if kind == "basic" else _Bottleneck
-    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True)]
-    cin = 64
+    stem = _channels(64, width)
+    layers: list[nn.Module] = [nn.Conv2d(3, stem, 3, 1, 1, bias=False), nn.BatchNorm2d(stem), nn.ReLU(inplace=True)]
+    cin = stem
     for stage, count in enumerate(counts):
-        width = 64 * 2**stage
+        width_here = _channels(64 * 2**stage, width)
         for i in range(count):
-            layers.append(block(cin, width, 2 if stage > 0 and i == 0 else 1))
-            cin = width * block.expansion
+            layers.append(block(cin, width_here, 2 if stage > 0 and i == 0 else 1))
+            cin = width_here * block.expansion
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes))
 
 
-def vgg(architecture: str, num_classes: int) -> nn.Module:
-    """A CIFAR VGG with batch norm: 3x3 convolutions, five max-pools to 1x1, one linear classifier."""
+def vgg(architecture: str, num_classes: int, width: float = 1.0) -> nn.Module:
+    """A CIFAR VGG with batch norm: 3x3 convolutions (channels times ``width``), five max-pools to 1x1, one linear
+    classifier."""
     layers: list[nn.Module] = []
     cin = 3
     for spec in _VGG_LAYERS[architecture]:
@@ -85,9 +92,10 @@ def vgg(architecture: str, num_classes: int) -> nn.Module:
             layers.append(nn.MaxPool2d(2))
         else:
             assert isinstance(spec, int)
-            layers += [nn.Conv2d(cin, spec, 3, padding=1, bias=False), nn.BatchNorm2d(spec), nn.ReLU(inplace=True)]
-            cin = spec
-    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(512, num_classes))
+            out = _channels(spec, width)
+            layers += [nn.Conv2d(cin, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True)]
+            cin = out
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(cin, num_classes))
 
 
 class ImageClassifier(pl.LightningModule):
@@ -95,6 +103,8 @@ class ImageClassifier(pl.LightningModule):
 
     Args:
         architecture: ``resnet18``, ``resnet50``, ``resnet101``, ``vgg11_bn`` or ``vgg16_bn``.
+        width: multiplies every layer's channels (0.5: a narrow net with about a quarter of the parameters and
+            computation, for CPUs).
         num_classes: output classes; ``None`` takes ``num_classes`` from the trainer's data module.
         lr, momentum, weight_decay, milestones, gamma, scale_lr, reference_batch, warmup_epochs: the optimizer's,
             as :func:`~lightning_gravac.zoo.optim.configure_sgd` reads them (momentum 0 with DGC, whose momentum
@@ -105,6 +115,7 @@ class ImageClassifier(pl.LightningModule):
         self,
         architecture: Architecture = "resnet101",
         num_classes: int | None = None,
+        width: float = 1.0,
         lr: float = 0.1,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
@@ -118,6 +129,8 @@ class ImageClassifier(pl.LightningModule):
         if architecture not in (*_RESNET_BLOCKS, *_VGG_LAYERS):
             known = ", ".join((*_RESNET_BLOCKS, *_VGG_LAYERS))
             raise ValueError(f"Unknown architecture {architecture!r}. Known: {known}.")
+        if not width > 0:
+            raise ValueError(f"`width` multiplies the channels and must be positive, got {width}.")
         self.save_hyperparameters()
         self.net: nn.Module | None = None
         if num_classes is not None:
@@ -125,7 +138,7 @@ class ImageClassifier(pl.LightningModule):
 
     def _build(self, num_classes: int) -> None:
         build = resnet if self.hparams["architecture"] in _RESNET_BLOCKS else vgg
-        self.net = build(self.hparams["architecture"], num_classes)
+        self.net = build(self.hparams["architecture"], num_classes, self.hparams.get("width", 1.0))
         self.top1 = MulticlassAccuracy(num_classes, top_k=1)
         self.top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
 
