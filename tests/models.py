@@ -44,11 +44,22 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 class SimulatedLink(GraVAC):
     """GraVAC whose step time is modelled, not measured: 10 ms of compute plus the bytes at 10 Mbit/s.
 
-    Makes the throughput-driven decisions (plateau, model search) deterministic, so runs can be compared.
+    Makes the throughput-driven decisions (plateau, model search) deterministic, so runs can be compared: the link
+    probe, the step and the compression are modelled. The paper's sequential search unless ``search`` is given.
     """
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("search", "sequential")
+        super().__init__(**kwargs)
 
     def step_seconds(self, stats: StepStats) -> float:
         return 0.01 + stats.bytes_sent * 8 / 10e6
+
+    def compress_seconds(self, stats: StepStats) -> float:
+        return 0.0
+
+    def measure_link(self, trainer: pl.Trainer) -> tuple[float, float]:
+        return 0.0, 8 / 10e6
 
 
 class Snapshot(Callback):

@@ -21,9 +21,10 @@ class Scripted(GraVAC):
     By default a step takes 1 s of compute plus 1 s of dense communication divided by the factor.
     """
 
-    def __init__(self, gain_of, seconds_of=lambda cf: 1.0 + 1.0 / cf, comm_of=lambda cf: 0.0, **kwargs):
+    def __init__(self, gain_at, seconds_of=lambda cf: 1.0 + 1.0 / cf, comm_of=lambda cf: 0.0, **kwargs):
+        kwargs.setdefault("search", "sequential")  # the paper's search, unless a test asks for the model search
         super().__init__(**kwargs)
-        self.gain_of, self.seconds_of, self.comm_of = gain_of, seconds_of, comm_of
+        self.gain_at, self.seconds_of, self.comm_of = gain_at, seconds_of, comm_of
         self.sent: list[float] = []
 
     def step_seconds(self, stats: StepStats) -> float:
@@ -36,11 +37,11 @@ class Scripted(GraVAC):
             if state is not None:
                 self.apply(state)
             probes = self.probe_cfs if state is None else tuple(state.probe_cfs)
-            gain = 1.0 if self.cf == 1 else self.gain_of(self.cf)
+            gain = 1.0 if self.cf == 1 else self.gain_at(self.cf)
             dense = 1_000_000
             stats = StepStats(
                 bytes_sent=dense if self.cf == 1 else int(dense / self.cf), bytes_dense=dense, sq_norm=1.0,
-                sq_norm_sent=gain, buckets=1, probe_cfs=probes, probe_sq=[self.gain_of(c) for c in probes],
+                sq_norm_sent=gain, buckets=1, probe_cfs=probes, probe_sq=[self.gain_at(c) for c in probes],
                 probe_basis=1.0, comm_s=self.comm_of(self.cf),
             )  # fmt: skip
             self.observe(stats, None)
@@ -135,6 +136,7 @@ def test_model_search_picks_the_best_predicted_factor_after_one_window():
         ({"policy": "linear"}, r"`policy` must be one of \('exponential', 'geometric'\), got 'linear'"),
         ({"search": "grid"}, r"`search` must be one of \('sequential', 'model'\), got 'grid'"),
         ({"gain_of": "fresh"}, r"`gain_of` must be one of \('error_fed', 'gradient'\), got 'fresh'"),
+        ({"gain_power": -1}, r"`gain_power` must be a finite number >= 0, got -1"),
     ],
 )
 def test_bad_options_are_value_errors(kwargs, message):
@@ -170,7 +172,9 @@ GRAVAC = {"cf_min": 10, "cf_max": 1000, "epsilon": 0.15, "omega": 0.5, "window":
 def _gravac_vs_dense(rank, world_size, search):
     data = teacher_dataset()
     out = {}
-    for name, callbacks in [("dense", [Static(cf=1)]), ("gravac", [GraVAC(**GRAVAC, search=search)])]:
+    # "default": no controller, so the strategy installs the zero-argument GraVAC() (the model search, link probed).
+    gravac = [] if search == "default" else [GraVAC(**GRAVAC, search=search)]
+    for name, callbacks in [("dense", [Static(cf=1)]), ("gravac", gravac)]:
         summary = RunSummary()
         pl.seed_everything(0)
         model = TeacherRegression(width=256, lr=0.1)
@@ -179,17 +183,28 @@ def _gravac_vs_dense(rank, world_size, search):
         trainer.fit(model, loader())
         with torch.no_grad():
             loss = nn.functional.mse_loss(model(data.tensors[0]), data.tensors[1]).item()
-        out[name] = {"loss": loss, "cf": [r["gravac/cf"] for r in summary.history]}
+        controller = next(c for c in trainer.callbacks if isinstance(c, (GraVAC, Static)))
+        out[name] = {"loss": loss, "cf": [r["gravac/cf"] for r in summary.history],
+                     "probed": getattr(controller, "probed", None), "gains": getattr(controller, "gains", None),
+                     "link": repr(getattr(controller, "link", None))}  # fmt: skip
     return out
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("search", ["sequential", "model"])
+@pytest.mark.parametrize("search", ["sequential", "model", "default"])
 def test_ranks_on_different_data_decide_alike_and_gravac_learns_like_dense(search):
     ranks = run_distributed(_gravac_vs_dense, search=search)
-    assert ranks[0]["gravac"]["cf"] == ranks[1]["gravac"]["cf"], "ranks took different decisions"
-    cfs = ranks[0]["gravac"]["cf"]
+    mine, theirs = ranks[0]["gravac"], ranks[1]["gravac"]
+    assert mine["cf"] == theirs["cf"], "ranks took different decisions"
+    # Every input of a decision is the same on every rank: the link probe's costs, the gains, the fitted step model.
+    assert (mine["probed"], mine["gains"], mine["link"]) == (theirs["probed"], theirs["gains"], theirs["link"])
+    if search == "sequential":
+        assert mine["probed"] is None  # the paper's search does not probe the link
+    else:
+        latency, per_byte = mine["probed"]
+        assert latency >= 0 and per_byte > 0, "the setup probe did not measure the link"
+    cfs = mine["cf"]
     assert len(cfs) == 200 and cfs[0] == GRAVAC["cf_min"]
     if search == "sequential":
         assert max(cfs) > GRAVAC["cf_min"], "the search never moved to a higher factor"
@@ -296,9 +311,9 @@ def test_spaced_probes_weigh_as_the_steps_they_stand_for():
 
 
 def test_model_search_decides_after_a_short_first_window():
-    assert GraVAC(search="model", window=500).first_window == 10
-    assert GraVAC(window=500).first_window == 500
-    assert GraVAC(search="model", window=4).first_window == 4
+    assert GraVAC(search="model", window=500).first_window == 3
+    assert GraVAC(search="sequential", window=500).first_window == 500
+    assert GraVAC(search="model", window=2).first_window == 2
     with pytest.raises(ValueError, match=r"`first_window` must be a whole number >= 1, got 0"):
         GraVAC(first_window=0)
     gain = {10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}
@@ -306,7 +321,9 @@ def test_model_search_decides_after_a_short_first_window():
     def comm(cf: float) -> float:
         return 0.05 + 1_000_000 / cf / 100_000  # 50 ms a step, then the bytes at 100 kB/s
 
-    c = Scripted(lambda cf: gain[cf], lambda cf: 1.0 + comm(cf), comm, cf_min=10, window=100, search="model")
+    c = Scripted(
+        lambda cf: gain[cf], lambda cf: 1.0 + comm(cf), comm, cf_min=10, window=100, first_window=10, search="model"
+    )
     c._world_size = 2
     c.run(10)
     # Steps at 10x and 20x moved different byte counts: the fit separates the per-step cost from the per-byte one.
@@ -324,3 +341,81 @@ def test_link_fit_is_proportional_with_one_payload_size_and_none_without_bytes()
     assert link is not None and link.per_step == 0 and link.seconds_per_byte == pytest.approx(1e-4)
     assert link.other_seconds == pytest.approx(1.0)
     assert fit_link({1.0: (3, 3.0, 0.0, 0.0)}) is None
+
+
+def _default_on_a_link(per_byte: float, gain: dict[float, float]) -> Scripted:
+    """The default rule on a scripted link: 0.1 s of compute, 1 MB dense, ``per_byte`` s a moved byte (2 ranks)."""
+
+    def seconds(cf: float) -> float:
+        return 0.1 + 1_000_000 / cf * per_byte  # two ranks: a rank moves the payload, or the dense buffer once
+
+    c = Scripted(lambda cf: gain[cf], seconds, search="model")
+    c._world_size = 2
+    c.probed = (0.0, per_byte)  # what the fit-start probe would have measured
+    return c.run(4)  # the first window (3 steps), then one step at the factor it chose
+
+
+def test_default_sends_the_factor_of_highest_predicted_throughput_on_each_link():
+    gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.03}
+    # Predicted gain^(1/3) / step seconds (dense: gain 1, 1 MB), the highest wins:
+    # - 1 ns a byte: dense 1/0.101 = 9.9 beats cf 10's 0.794/0.1001 = 7.9 (compressing gains no time, costs progress);
+    # - 100 ns a byte: dense 1/0.2 = 5.0, cf 10 0.794/0.11 = 7.2, cf 20 0.705/0.105 = 6.7, cf 160 0.464/0.1006 = 4.6;
+    # - 10 us a byte: dense 0.099, cf 40 0.63/0.35 = 1.8, cf 160 0.464/0.1625 = 2.86, cf 1000 0.311/0.11 = 2.83.
+    for per_byte, expected in [(1e-9, 1.0), (1e-7, 10.0), (1e-5, 160.0)]:
+        c = _default_on_a_link(per_byte, gain)
+        assert c.link is not None and c.link.other_seconds == pytest.approx(0.1)
+        scores = {cf: c.predicted_throughput(cf, 1_000_000) for cf in (1.0, *c.ladder)}
+        assert max(scores, key=scores.__getitem__) == expected
+        assert c.sent[-1] == expected, (per_byte, c.sent)
+
+
+def test_default_keeps_epsilon_as_a_floor_and_the_paper_weighs_progress_by_the_gain():
+    gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.01}  # cf 1000 keeps less than the 0.02 floor
+    c = _default_on_a_link(1e-4, gain)  # so slow that the most aggressive factor would win on time alone
+    assert c.sent[-1] == 160
+    # The same link with the paper's weighing (gain^1): cf 1000 is out, 160's 0.1 / 0.2 s loses to 40's 0.25 / 2.6 s?
+    # No: 0.5 > 0.096, so 160 still; with gains 10x lower at 160 (0.01 < 0.02, ineligible) it falls back to 40.
+    gain[160] = 0.01
+    assert _default_on_a_link(1e-4, gain).sent[-1] == 40
+
+
+def test_default_smooths_gains_with_bias_correction_and_leaves_the_warm_up_step_untimed():
+    level = {"gain": 0.8}
+    c = Scripted(lambda cf: level["gain"], search="model", alpha=0.1)
+    c._warm_up = True  # as at fit start
+    c.run(1)
+    assert c._tally == {} and c._progress == 1, "the first step's time was tallied"
+    assert c.gains[10] == pytest.approx(0.8)
+    level["gain"] = 0.4
+    c.run(1)
+    # Weights 0.9 x 0.1 and 0.1, normalised: the first probe weighs about what the second does, not 0.9 of the mean.
+    assert c.gains[10] == pytest.approx((0.09 * 0.8 + 0.1 * 0.4) / 0.19)
+    paper = Scripted(lambda cf: level["gain"], alpha=0.1)
+    level["gain"] = 0.8
+    paper.run(1)
+    level["gain"] = 0.4
+    paper.run(1)
+    assert paper.gains[10] == pytest.approx(0.9 * 0.8 + 0.1 * 0.4)  # the paper's EWMA starts at the first value
+
+
+def test_the_paper_is_one_argument_away_and_dgc_keeps_the_error_fed_gain_by_default():
+    paper, default = GraVAC(search="sequential"), GraVAC()
+    assert (paper.epsilon, paper.window, paper.probe_every, paper.gain_of, paper.gain_power, paper.link_probe) == (
+        0.7,
+        500,
+        1,
+        "error_fed",
+        1.0,
+        False,
+    )
+    assert (default.search, default.epsilon, default.window, default.probe_every, default.first_window) == (
+        "model",
+        0.02,
+        50,
+        25,
+        3,
+    )
+    assert (default.gain_of, default.gain_power, default.link_probe) == ("gradient", pytest.approx(1 / 3), True)
+    trainer = SimpleNamespace(strategy=GraVACStrategy("dgc"), world_size=1)
+    default.setup(trainer, TeacherRegression(width=256), "fit")  # no error: DGC has no gain of the gradient alone
+    assert default.gain_of == "error_fed"
