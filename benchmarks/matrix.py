@@ -1,0 +1,510 @@
+"""Does compression pay, and does the default find what pays? Four tasks x three links x every row, in one run.
+
+    python benchmarks/matrix.py [--tasks bag mlp cnn lstm] [--links unlimited 1gbit 100mbit] [--rows ...]
+                                [--scale 0.25] [--steps 300] [--cap 240] [--out benchmarks/results]
+
+Needs root (a private network namespace whose loopback ``tc`` shapes, as ``benchmarks/bandwidth.py`` does; every
+rank's bytes cross that one shaped queue). Two ranks, gloo, one thread each.
+
+Tasks (``--scale`` 1 gives about 10M parameters each; the default 0.25 fits a 2-core machine):
+
+- ``bag``: an embedding bag regression (``BagOfWordsRegression``): sparse, heavy-tailed gradients. Plain SGD.
+- ``mlp``: a dense-gradient MLP learning a random teacher (``TeacherRegression``, 4 hidden layers). Plain SGD.
+- ``cnn``: a narrow VGG-11 with batch norm (``ImageClassifier("vgg11_bn", width=...)``) on synthetic CIFAR-shaped
+  images. SGD with momentum 0.9 and weight decay 5e-4 (momentum correction in the hook for the Top-K rows).
+- ``lstm``: a two-layer LSTM language model with tied weights (``LSTMLanguageModel``) on a synthetic token stream
+  of PTB's vocabulary, plain SGD lr 20 and gradient clipping 0.25, as the zoo's recipe.
+
+Rows: dense DDP, fp16 all-reduce, Top-K at cf 10, 100 and 1000, DGC at cf 100, Accordion (cf 10 / 1000 on the
+gradient norm's change), GraVAC as the paper defines it (gain of the error-fed gradient, sequential search,
+``epsilon`` 0.7; its window shortened to 25 steps to fit the run) and the zero-argument ``GraVACStrategy()``.
+
+Every row trains ``--steps`` steps from the same seed on the same data. The target of a task is dense DDP's smoothed
+training loss (an EWMA, factor 0.9, of the ranks' mean loss) at half the steps; a row's *time to target* is the wall
+time until its smoothed loss first reaches it, and its *final metric* is the loss on a fixed held-out set after
+``--steps`` steps (for the cnn also the accuracy).
+
+Rows whose trajectory does not depend on the link (all but the two GraVAC rows, which time their steps) train in
+full once, on the unlimited link; on a shaped link their time is **projected**: a short run of each of them there
+(``--timing-steps``) measures the time to finish the first two steps and the median step after that, and the
+projection adds those up along the full run's trajectory (Accordion's step by step, with the Top-K rows' step
+times at its factor). The GraVAC rows train in full on every link, each run stopped at ``--cap`` seconds
+(a row stopped before its target or its last step *misses*, and the tables say so).
+
+Regret: a cell's time to target over the hindsight-best fixed factor's (dense, fp16, Top-K 10/100/1000, DGC 100)
+on that cell. Writes ``matrix.json``, ``matrix.md`` (tables, regret, the default's check against the bar) and
+``matrix.png`` (the regret heatmap) under ``--out``.
+"""
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning import Callback
+from pytorch_lightning.strategies import DDPStrategy
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, Static
+from lightning_gravac.compressors import DGC
+from lightning_gravac.launch import run_distributed
+from lightning_gravac.zoo import (
+    BagOfWordsRegression,
+    ImageClassifier,
+    LSTMLanguageModel,
+    TeacherRegression,
+    bag_of_words_dataset,
+    teacher_dataset,
+)
+from lightning_gravac.zoo.cifar import SyntheticImages
+from lightning_gravac.zoo.language import PTB_VOCAB, Streams, synthetic_stream
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bandwidth import _shape  # (the same token-bucket shaping as the bandwidth benchmark)
+
+_INSIDE = "GRAVAC_MATRIX_NETNS"
+FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc cf=100"]
+ROWS = [*FIXED, "accordion 10/1000", "gravac (paper)", "default"]
+#: Rows trained on every link (they time their own steps); the others are projected from the unlimited run.
+LINK_DEPENDENT = {"gravac (paper)", "default"}
+
+
+# --- tasks -------------------------------------------------------------------------------------------------------
+
+
+class _Images(Dataset):
+    """Synthetic CIFAR-shaped images as floats in [-1, 1]."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.images = SyntheticImages(size, classes=10, seed=seed)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        image, label = self.images[i]
+        return image.float() / 127.5 - 1, label
+
+
+class _RankStreams(torch.utils.data.IterableDataset):
+    """This rank's contiguous share of a token stream, as parallel BPTT streams (an iterable: no sampler)."""
+
+    def __init__(self, stream: Tensor, rows: int, bptt: int) -> None:
+        self.stream, self.rows, self.bptt = stream, rows, bptt
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        share = self.stream.numel() // world
+        return iter(Streams(self.stream[rank * share : (rank + 1) * share + 1], self.rows, self.bptt))
+
+
+def _lstm_width(scale: float) -> int:
+    # vocab x h (tied) + 16 h^2 (two layers) parameters: the h that gives scale x 10M.
+    v, target = PTB_VOCAB, scale * 10e6
+    return int((-v + math.sqrt(v * v + 64 * target)) / 32)
+
+
+def make_task(name: str, scale: float, momentum_in_optimizer: bool = True) -> dict[str, Any]:
+    """The model, the training loader, a held-out set and the per-task trainer settings."""
+    if name == "bag":
+        vocab = int(20_000 * scale)
+        bags, targets = bag_of_words_dataset(n=8192 + 512, vocab=vocab).tensors  # one teacher; the last 512 held out
+        data, held = TensorDataset(bags[:8192], targets[:8192]), TensorDataset(bags[8192:], targets[8192:])
+        return dict(model=BagOfWordsRegression(vocab=vocab, lr=0.05), train=DataLoader(data, 32, shuffle=True),
+                    held=DataLoader(held, 256), momentum=0.0, clip=None)  # fmt: skip
+    if name == "mlp":
+        width = int(1600 * math.sqrt(scale))
+        data = teacher_dataset(n=8192 + 512)
+        train = TensorDataset(data.tensors[0][:8192], data.tensors[1][:8192])
+        held = TensorDataset(data.tensors[0][8192:], data.tensors[1][8192:])
+        return dict(model=TeacherRegression(width=width, depth=5, lr=0.05), train=DataLoader(train, 32, shuffle=True),
+                    held=DataLoader(held, 256), momentum=0.0, clip=None)  # fmt: skip
+    if name == "cnn":
+        momentum = 0.9 if momentum_in_optimizer else 0.0
+        model = ImageClassifier("vgg11_bn", num_classes=10, width=math.sqrt(scale), lr=0.05, momentum=momentum)
+        return dict(model=model, train=DataLoader(_Images(8192, seed=0), 16, shuffle=True),
+                    held=DataLoader(_Images(512, seed=1), 256), momentum=0.9, clip=None)  # fmt: skip
+    if name == "lstm":
+        h = _lstm_width(scale)
+        model = LSTMLanguageModel(vocab_size=PTB_VOCAB, embedding=h, hidden=h, dropout=0.2, lr=20.0)
+        train = _RankStreams(synthetic_stream(400_000, PTB_VOCAB, seed=0), rows=8, bptt=20)
+        held = Streams(synthetic_stream(20_000, PTB_VOCAB, seed=1), rows=16, bptt=20)
+        return dict(model=model, train=DataLoader(train, batch_size=None), held=DataLoader(held, batch_size=None),
+                    momentum=0.0, clip=0.25)  # fmt: skip
+    raise ValueError(name)
+
+
+def make_row(row: str, momentum: float) -> tuple[Any, list[Callback]]:
+    """Strategy and callbacks of a row. ``momentum``: the task's SGD momentum (DGC applies it itself)."""
+    if row == "dense DDP":
+        return DDPStrategy(), []
+    if row == "fp16":
+        return GraVACStrategy("fp16"), []
+    if row.startswith("topk cf="):
+        return GraVACStrategy("topk"), [Static(cf=float(row.split("=")[1]))]
+    if row == "dgc cf=100":
+        return GraVACStrategy(DGC(momentum=momentum, warmup_epochs=0)), [Static(cf=100)]
+    if row == "accordion 10/1000":
+        return GraVACStrategy("topk"), [Accordion(low_cf=10, high_cf=1000, window=25, interval="step")]
+    if row == "gravac (paper)":
+        return GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, window=25)]
+    if row == "default":
+        return GraVACStrategy(), []
+    raise ValueError(row)
+
+
+# --- one run -----------------------------------------------------------------------------------------------------
+
+
+class Recorder(Callback):
+    """Per step: the ranks' mean loss (smoothed), the factor, the wall time; stops every rank together at the cap."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+        self.start = 0.0
+        self.ewma: float | None = None
+        self.steps: list[tuple[float, float, float]] = []  # wall s at the step's end, smoothed loss, factor sent
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        elapsed = time.perf_counter() - self.start
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        shared = torch.tensor([float(loss), float(elapsed > self.cap)], dtype=torch.float64)
+        dist.all_reduce(shared)
+        mean = shared[0].item() / trainer.world_size
+        self.ewma = mean if self.ewma is None else 0.9 * self.ewma + 0.1 * mean
+        controller = next((c for c in trainer.callbacks if isinstance(c, Controller)), None)  # type: ignore[attr-defined]
+        cf = float(controller.last_metrics.get("gravac/cf", 1.0)) if controller is not None else 1.0
+        self.steps.append((elapsed, self.ewma, cf))
+        if shared[1].item() > 0:
+            trainer.should_stop = True
+
+
+@torch.no_grad()
+def _evaluate(model: pl.LightningModule, held: DataLoader, task: str) -> dict[str, float]:
+    model.eval()
+    total, correct, count = 0.0, 0, 0
+    state = None
+    for inputs, targets in held:
+        if task == "lstm":
+            logits, state = model(inputs, state)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+            n = targets.numel()
+        elif task == "cnn":
+            logits = model(inputs)
+            loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+            correct += int((logits.argmax(1) == targets).sum())
+            n = targets.numel()
+        else:
+            loss = torch.nn.functional.mse_loss(model(inputs), targets, reduction="sum")
+            n = targets.numel()
+        total, count = total + float(loss), count + n
+    out = {"loss": total / count}
+    if task == "cnn":
+        out["accuracy"] = correct / count
+    return out
+
+
+def _train(rank: int, world_size: int, task: str, row: str, scale: float, steps: int, cap: float) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    dgc = row.startswith("dgc")
+    spec = make_task(task, scale, momentum_in_optimizer=not dgc)
+    strategy, callbacks = make_row(row, spec["momentum"] if dgc else 0.0)
+    recorder = Recorder(cap)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, callbacks=[*callbacks, recorder], max_steps=steps,
+        max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, gradient_clip_val=spec["clip"], log_every_n_steps=1_000_000,
+    )  # fmt: skip
+    trainer.fit(spec["model"], spec["train"])
+    finished = len(recorder.steps) >= steps
+    return {
+        "steps": recorder.steps,
+        "finished": finished,
+        "held_out": _evaluate(spec["model"], spec["held"], task) if finished else None,
+        "parameters": sum(p.numel() for p in spec["model"].parameters()),
+    }
+
+
+def _run(task: str, row: str, args: argparse.Namespace, steps: int, cap: float) -> dict[str, Any]:
+    return run_distributed(
+        _train, world_size=2, timeout=cap * 2 + 600, task=task, row=row, scale=args.scale, steps=steps, cap=cap
+    )[0]
+
+
+# --- analysis ----------------------------------------------------------------------------------------------------
+
+
+def time_to(steps: list[tuple[float, float, float]], target: float) -> tuple[float, int] | None:
+    """(wall s, steps) when the smoothed loss first reaches ``target``."""
+    for i, (elapsed, ewma, _) in enumerate(steps):
+        if ewma <= target:
+            return elapsed, i + 1
+    return None
+
+
+def step_profile(steps: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(wall s to the end of step 2, median step s after that) of a timing run."""
+    walls = [s[0] for s in steps]
+    later = [b - a for a, b in itertools.pairwise(walls[1:])]
+    return walls[1], statistics.median(later)
+
+
+def project(
+    trajectory: list[tuple[float, float, float]], k: int, profile: Callable[[float], tuple[float, float]]
+) -> float:
+    """Seconds to run the first ``k`` steps of ``trajectory`` on a link whose step profile at a factor is given."""
+    first, _ = profile(trajectory[0][2])
+    return first + sum(profile(trajectory[i][2])[1] for i in range(2, k))
+
+
+def analyse(results: dict[str, Any], tasks: list[str], links: list[str], rows: list[str]) -> dict[str, Any]:
+    """Per task x link x row: time to target (measured or projected), final metric, regret."""
+    cells: dict[str, Any] = {}
+    for task in tasks:
+        full = results["full"][task]
+        dense = full["dense DDP"]["steps"]
+        target = dense[len(dense) // 2 - 1][1]
+        for link in links:
+            out: dict[str, Any] = {"target": target}
+            for row in rows:
+                run = results["adaptive"][task][link][row] if row in LINK_DEPENDENT else full[row]
+                reached = time_to(run["steps"], target)
+                seconds: float | None = None
+                how = "measured"
+                if reached is not None:
+                    seconds = reached[0]
+                    if row not in LINK_DEPENDENT and link != "unlimited":
+                        how = "projected"
+                        seconds = project(run["steps"], reached[1], _profile_of(results, task, link, row))
+                final = run["held_out"]
+                out[row] = {"seconds": seconds, "steps": reached[1] if reached else None, "how": how,
+                            "final": final, "ran_steps": len(run["steps"])}  # fmt: skip
+            fixed = [out[r]["seconds"] for r in FIXED if r in rows and out[r]["seconds"] is not None]
+            best = min(fixed, default=None)
+            for row in rows:
+                s = out[row]["seconds"]
+                out[row]["regret"] = s / best if s is not None and best else None
+            out["best_fixed"] = min(
+                (r for r in FIXED if r in rows and out[r]["seconds"] is not None),
+                key=lambda r: out[r]["seconds"],
+                default=None,
+            )
+            cells[f"{task}|{link}"] = out
+    return cells
+
+
+def _profile_of(results: dict[str, Any], task: str, link: str, row: str) -> Callable[[float], tuple[float, float]]:
+    timing = results["timing"][task][link]
+    if row == "accordion 10/1000":  # Top-K at the factor it sent that step
+        return lambda cf: timing["topk cf=10" if cf <= 10 else "topk cf=1000"]
+    return lambda cf: timing[row]
+
+
+def tables(cells: dict[str, Any], tasks: list[str], links: list[str], rows: list[str], params: dict) -> list[str]:
+    lines = []
+    for task in tasks:
+        metric = "held-out loss / accuracy" if task == "cnn" else "held-out loss"
+        lines += [f"\n### {task} ({params[task] / 1e6:.2f}M parameters)\n",
+                  "| row | " + " | ".join(f"{link}: time to target s" for link in links) + f" | {metric} |",
+                  "| --- | " + " | ".join("---:" for _ in links) + " | ---: |"]  # fmt: skip
+        for row in rows:
+            cells_here = []
+            for link in links:
+                c = cells[f"{task}|{link}"][row]
+                if c["seconds"] is None:
+                    cells_here.append(f"missed ({c['ran_steps']} steps)")
+                else:
+                    mark = "*" if c["how"] == "projected" else ""
+                    cells_here.append(f"{c['seconds']:.1f}{mark} ({c['regret']:.2f}x)")
+            finals = []
+            for link in links:
+                f = cells[f"{task}|{link}"][row]["final"]
+                if row in LINK_DEPENDENT or link == links[0]:
+                    finals.append(
+                        "-"
+                        if f is None
+                        else (f"{f['loss']:.4f}" + (f" / {f['accuracy']:.3f}" if "accuracy" in f else ""))
+                    )
+            lines.append(f"| {row} | " + " | ".join(cells_here) + " | " + ", ".join(finals) + " |")
+        target = cells[f"{task}|{links[0]}"]["target"]
+        lines.append(f"\nTarget: smoothed training loss {target:.4f}. `*`: projected. (x): regret, time over the "
+                     "hindsight-best fixed factor's on that link.")  # fmt: skip
+    return lines
+
+
+def check_default(cells: dict[str, Any], tasks: list[str], links: list[str], rows: list[str]) -> list[str]:
+    """The bar of issue #16, cell by cell, for the zero-argument default."""
+    lines = ["\n### The zero-argument default against the bar\n",
+             "| task | link | regret <= 1.3 | <= 1.10x dense (unlimited) | >= 5x faster than dense (100 Mbit/s) | "
+             "reached | final within 1% of dense |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for task in tasks:
+        for link in links:
+            cell = cells[f"{task}|{link}"]
+            d, dense = cell["default"], cell["dense DDP"]
+            ok = lambda b: "yes" if b else "**no**"  # noqa: E731
+            regret = f"{d['regret']:.2f} {ok(d['regret'] <= 1.3)}" if d["regret"] else "**missed**"
+            vs_dense = "-"
+            if d["seconds"] and dense["seconds"]:
+                ratio = d["seconds"] / dense["seconds"]
+                if link == "unlimited":
+                    vs_dense = f"{ratio:.2f}x {ok(ratio <= 1.10)}"
+            faster = "-"
+            if link == "100mbit" and d["seconds"] and dense["seconds"]:
+                speed = dense["seconds"] / d["seconds"]
+                faster = f"{speed:.1f}x {ok(speed >= 5)}"
+            final = "-"
+            if d["final"] and dense["final"]:
+                if "accuracy" in d["final"]:
+                    gap = dense["final"]["accuracy"] - d["final"]["accuracy"]
+                    final = f"{-gap * 100:+.1f} points {ok(gap <= 0.01)}"
+                else:
+                    rel = d["final"]["loss"] / dense["final"]["loss"] - 1
+                    final = f"{rel * 100:+.1f}% {ok(rel <= 0.01)}"
+            lines.append(
+                f"| {task} | {link} | {regret} | {vs_dense} | {faster} | {ok(d['seconds'] is not None)} | {final} |"
+            )
+    worst = {}
+    for row in rows:
+        regrets = [cells[f"{t}|{link}"][row]["regret"] for t in tasks for link in links]
+        worst[row] = max((r if r is not None else math.inf) for r in regrets)
+    lines += ["\nWorst cell of each row (regret; inf: missed somewhere):\n", "| row | worst regret |", "| --- | ---: |"]
+    lines += [f"| {row} | {worst[row]:.2f} |" for row in rows]
+    return lines
+
+
+def heatmap(cells: dict[str, Any], tasks: list[str], links: list[str], rows: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    columns = [(t, link) for t in tasks for link in links]
+    values = np.full((len(rows), len(columns)), np.nan)
+    for j, (t, link) in enumerate(columns):
+        for i, row in enumerate(rows):
+            r = cells[f"{t}|{link}"][row]["regret"]
+            values[i, j] = r if r is not None else np.nan
+    fig, ax = plt.subplots(figsize=(1.0 * len(columns) + 3, 0.45 * len(rows) + 1.5))
+    shown = np.log2(np.clip(np.nan_to_num(values, nan=64.0), 1, 64))
+    ax.imshow(shown, cmap="RdYlGn_r", vmin=0, vmax=4, aspect="auto")
+    for i in range(len(rows)):
+        for j in range(len(columns)):
+            v = values[i, j]
+            ax.text(j, i, "miss" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(columns)), [f"{t}\n{link}" for t, link in columns], fontsize=8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.set_title("time to target / hindsight-best fixed factor's (1.00 = best; green good, red bad)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- driver ------------------------------------------------------------------------------------------------------
+
+
+def _inside(args: argparse.Namespace) -> None:
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    subprocess.run(["ip", "link", "set", "lo", "mtu", "1500"], check=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"args": vars(args), "full": {}, "timing": {}, "adaptive": {}, "parameters": {}}
+    fixed_rows = [r for r in args.rows if r not in LINK_DEPENDENT]
+    if "accordion 10/1000" in fixed_rows:  # projected on a link with the Top-K rows' step times at its factors
+        fixed_rows = sorted({*fixed_rows, "topk cf=10", "topk cf=1000"}, key=ROWS.index)
+    started = time.perf_counter()
+
+    def say(text: str) -> None:
+        print(f"[{time.perf_counter() - started:7.0f} s] {text}", flush=True)
+
+    for task in args.tasks:
+        results["full"][task], results["timing"][task], results["adaptive"][task] = {}, {}, {}
+        _shape("unlimited")
+        for row in sorted(set(fixed_rows) | {"dense DDP"}, key=ROWS.index):
+            run = _run(task, row, args, args.steps, cap=3600.0)
+            results["full"][task][row] = run
+            results["parameters"][task] = run["parameters"]
+            say(f"{task} unlimited {row}: {run['steps'][-1][0]:.1f} s, held-out {run['held_out']}")
+        timed = [r for r in results["full"][task] if r != "accordion 10/1000"]
+        for link in args.links:
+            _shape(link)
+            if link == "unlimited":
+                results["timing"][task][link] = {r: step_profile(results["full"][task][r]["steps"]) for r in timed}
+            else:
+                results["timing"][task][link] = {}
+                for row in timed:
+                    run = _run(task, row, args, args.timing_steps, cap=3600.0)
+                    results["timing"][task][link][row] = step_profile(run["steps"])
+                    say(f"{task} {link} {row}: step {results['timing'][task][link][row][1] * 1e3:.0f} ms")
+            results["adaptive"][task][link] = {}
+            for row in [r for r in args.rows if r in LINK_DEPENDENT]:
+                run = _run(task, row, args, args.steps, cap=args.cap)
+                results["adaptive"][task][link][row] = run
+                factors = {f: sum(1 for s in run["steps"] if s[2] == f) for f in sorted({s[2] for s in run["steps"]})}
+                say(f"{task} {link} {row}: {run['steps'][-1][0]:.1f} s, {len(run['steps'])} steps, "
+                    f"steps at each factor {factors}, held-out {run['held_out']}")  # fmt: skip
+        (out / "matrix.json").write_text(json.dumps(results))
+    _shape("unlimited")
+    cells = analyse(results, args.tasks, args.links, args.rows)
+    whole = time.perf_counter() - started
+    lines = [
+        f"Two ranks (gloo, one thread each), {args.steps} steps a run, scale {args.scale}, cap {args.cap:g} s a "
+        f"GraVAC run; links shaped with tc on a private loopback (MTU 1500). Whole run {whole:.0f} s.",
+        *tables(cells, args.tasks, args.links, args.rows, results["parameters"]),
+    ]
+    if "default" in args.rows and all(r in args.rows for r in FIXED):
+        lines += check_default(cells, args.tasks, args.links, args.rows)
+    text = "\n".join(lines)
+    print(text)
+    (out / "matrix.md").write_text(text + "\n")
+    results["cells"] = cells
+    (out / "matrix.json").write_text(json.dumps(results))
+    heatmap(cells, args.tasks, args.links, args.rows, out / "matrix.png")
+    print(f"\nWrote {out / 'matrix.md'}, {out / 'matrix.json'}, {out / 'matrix.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--tasks", nargs="+", default=["bag", "mlp", "cnn", "lstm"], choices=["bag", "mlp", "cnn", "lstm"]
+    )
+    parser.add_argument("--links", nargs="+", default=["unlimited", "1gbit", "100mbit"])
+    parser.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS)
+    parser.add_argument("--scale", type=float, default=0.25, help="parameters a task, in units of 10M")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--timing-steps", type=int, default=10)
+    parser.add_argument("--cap", type=float, default=240.0, help="seconds a GraVAC run may take on a link")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if args.links[0] != "unlimited":
+        args.links = ["unlimited", *[link for link in args.links if link != "unlimited"]]
+    if os.environ.get(_INSIDE) == "1":
+        _inside(args)
+        return
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("tc") is None:
+        sys.exit("benchmarks/matrix.py needs root and the `unshare` and `tc` commands: it shapes a private loopback.")
+    done = subprocess.run(["unshare", "-n", sys.executable, *sys.argv], env={**os.environ, _INSIDE: "1"}, check=False)
+    if done.returncode != 0:
+        sys.exit(f"benchmarks/matrix.py: the run inside the network namespace failed (exit {done.returncode}).")
+
+
+if __name__ == "__main__":
+    main()
