@@ -56,7 +56,7 @@ import torch.distributed as dist
 from pytorch_lightning import Callback
 from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, Static
 from lightning_gravac.compressors import DGC
@@ -86,10 +86,10 @@ LINK_DEPENDENT = {"gravac (paper)", "default"}
 
 
 class _Images(Dataset):
-    """Synthetic CIFAR-shaped images as floats in [-1, 1]."""
+    """Synthetic CIFAR-shaped images (each its class's fixed pattern plus noise) as floats in [-1, 1]."""
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.images = SyntheticImages(size, classes=10, seed=seed)
+    def __init__(self, size: int) -> None:
+        self.images = SyntheticImages(size, classes=10, seed=0)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -135,8 +135,10 @@ def make_task(name: str, scale: float, momentum_in_optimizer: bool = True) -> di
     if name == "cnn":
         momentum = 0.9 if momentum_in_optimizer else 0.0
         model = ImageClassifier("vgg11_bn", num_classes=10, width=math.sqrt(scale), lr=0.05, momentum=momentum)
-        return dict(model=model, train=DataLoader(_Images(8192, seed=0), 16, shuffle=True),
-                    held=DataLoader(_Images(512, seed=1), 256), momentum=0.9, clip=None)  # fmt: skip
+        images = _Images(8192 + 512)  # one set of class patterns; the last 512 images held out
+        train, held = Subset(images, range(8192)), Subset(images, range(8192, 8192 + 512))
+        return dict(model=model, train=DataLoader(train, 16, shuffle=True), held=DataLoader(held, 256),
+                    momentum=0.9, clip=None)  # fmt: skip
     if name == "lstm":
         h = _lstm_width(scale)
         model = LSTMLanguageModel(vocab_size=PTB_VOCAB, embedding=h, hidden=h, dropout=0.2, lr=20.0)
@@ -188,11 +190,22 @@ class Recorder(Callback):
         dist.all_reduce(shared)
         mean = shared[0].item() / trainer.world_size
         self.ewma = mean if self.ewma is None else 0.9 * self.ewma + 0.1 * mean
-        controller = next((c for c in trainer.callbacks if isinstance(c, Controller)), None)  # type: ignore[attr-defined]
-        cf = float(controller.last_metrics.get("gravac/cf", 1.0)) if controller is not None else 1.0
-        self.steps.append((elapsed, self.ewma, cf))
+        self.steps.append((elapsed, self.ewma, math.nan))  # the factor: once the controller has reported it
         if shared[1].item() > 0:
             trainer.should_stop = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._fill(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fill(trainer)
+
+    def _fill(self, trainer: pl.Trainer) -> None:
+        """The last step's factor, from its controller's metrics (the controller may run after this callback)."""
+        if self.steps and math.isnan(self.steps[-1][2]):
+            controller = next((c for c in trainer.callbacks if isinstance(c, Controller)), None)  # type: ignore[attr-defined]
+            cf = float(controller.last_metrics.get("gravac/cf", 1.0)) if controller is not None else 1.0
+            self.steps[-1] = (*self.steps[-1][:2], cf)
 
 
 @torch.no_grad()

@@ -33,8 +33,10 @@ SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "model": {"epsilon": 0.02, "window": 50, "probe_every": 25, "gain_of": "gradient", "gain_power": 1 / 3,
               "link_probe": True},
 }  # fmt: skip
-#: Sizes of the two all-reduces the setup link probe times (bytes): a per-message cost and a per-byte one.
-PROBE_BYTES = (1024, 256 * 1024)
+#: The link probe: the all-reduce that measures a message's cost, and the first that measures a byte's (it grows 4x
+#: until one takes ``PROBE_SECONDS`` or reaches the model's gradient bytes).
+PROBE_BYTES = (1024, 64 * 1024)
+PROBE_SECONDS = 0.02
 
 
 @dataclass
@@ -100,9 +102,10 @@ class GraVAC(Controller):
     highest predicted *compression throughput*, ``samples/s x gain^p``, among dense and the factors of the ladder
     ``cf_min, cf_min x 2, x 4, x 16, ...`` up to ``cf_max`` (10, 20, 40, 160, 1000). What it measures:
 
-    - the **link**, once at fit start: two all-reduces of 1 KB and 256 KB, timed on every rank (the slowest rank's
-      times, so every rank holds the same numbers) give a per-message and a per-byte cost. So the first decision
-      knows what a dense step costs on this network without sending one;
+    - the **link**, once at fit start: all-reduces of 1 KB and of 64 KB, 256 KB, ... (until one takes 20 ms or
+      reaches the model's size), timed on every rank (the slowest rank's times, so every rank holds the same
+      numbers), give a per-message and a per-byte cost. So the first decision knows what a dense step costs on
+      this network without sending one;
     - the **rest of a step** (forward, backward, optimizer) and what compressing costs, from the steps it sends,
       every ``window`` steps (the very first step, which warms up, is left out);
     - the **gains** ``sum_ranks ||C_cf(grad)||^2 / sum_ranks ||grad||^2`` of the step's own gradient at every factor
@@ -332,31 +335,41 @@ class GraVAC(Controller):
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of this process group's all-reduce, the same on every rank.
 
-        Times an all-reduce of each of :data:`PROBE_BYTES` (the best of three, after one to warm up), takes the
-        slowest rank's times (a MAX all-reduce: every rank then computes the same costs) and fits ``t = latency +
-        moved x per_byte`` with ``moved = 2 (N - 1) / N x bytes`` (a ring). Runs on every rank, from the training
-        thread, before the first step: no comm hook is in flight. A subclass may return a model instead (tests).
+        Times an all-reduce of 1 KB (the cost a message), then of 64 KB, 256 KB, 1 MB, ... (4x each time) until one
+        takes :data:`PROBE_SECONDS` or reaches the model's gradient bytes: a fast link is measured at the sizes it
+        will carry, a slow one stops early (100 Mbit/s: at 256 KB, in about 0.1 s). Each size is timed as the best of
+        three after one to warm up; the slowest rank's time decides (a MAX all-reduce), so every rank fits the same
+        ``t = latency + moved x per_byte``, ``moved = 2 (N - 1) / N x bytes`` (a ring). Runs on every rank, from the
+        training thread, before the first step: no comm hook is in flight. A subclass may return a model (tests).
         """
         group = self.state.process_group
-        n = trainer.world_size
-        times = []
-        for nbytes in PROBE_BYTES:
-            tensor = torch.zeros(nbytes // 4)
+        share = 2 * (trainer.world_size - 1) / trainer.world_size
+        model_bytes = sum(
+            p.numel() * p.element_size() for p in trainer.lightning_module.parameters() if p.requires_grad
+        )
+
+        def timed(nbytes: int) -> float:
+            tensor = torch.zeros(max(1, nbytes // 4))
             dist.all_reduce(tensor, group=group)
             best = math.inf
             for _ in range(3):
                 start = time.perf_counter()
                 dist.all_reduce(tensor, group=group)
                 best = min(best, time.perf_counter() - start)
-            times.append(best)
-        slowest = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        (t_small, t_large), share = slowest.tolist(), 2 * (n - 1) / n
-        m_small, m_large = share * PROBE_BYTES[0], share * PROBE_BYTES[1]
-        per_byte = (t_large - t_small) / (m_large - m_small)
+            slowest = torch.tensor([best], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+            return float(slowest.item())
+
+        small = PROBE_BYTES[0]
+        t_small, size = timed(small), PROBE_BYTES[1]
+        t_large = timed(size)
+        while t_large < PROBE_SECONDS and size < model_bytes:
+            size = min(4 * size, max(model_bytes, PROBE_BYTES[1]))
+            t_large = timed(size)
+        per_byte = (t_large - t_small) / (share * (size - small))
         if per_byte <= 0:  # noise on a fast link: all of it per byte
-            return 0.0, t_large / m_large
-        return max(0.0, t_small - per_byte * m_small), per_byte
+            return 0.0, t_large / (share * size)
+        return max(0.0, t_small - per_byte * share * small), per_byte
 
     @override
     def apply(self, state: CompressionState) -> None:
