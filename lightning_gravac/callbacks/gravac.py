@@ -114,8 +114,10 @@ class GraVAC(Controller):
 
     A step at factor ``f`` is predicted to take ``rest + compress(f) + messages x latency + bytes(f) x
     seconds_per_byte`` (bytes as the hook's collective moves them), and to make ``gain(f)^p`` of a dense step's
-    progress; a factor must keep at least ``epsilon`` of the gradient's energy to be eligible. Deterministic on every
-    rank: every input crossed the network or was reduced over ranks.
+    progress; a factor must keep at least ``epsilon`` of the gradient's energy to be eligible. Until the first window
+    ends (3 steps) it sends the most aggressive eligible factor, the cheapest on any link (error feedback keeps what
+    it leaves, and three steps cost no accuracy). Deterministic on every rank: every input crossed the network or
+    was reduced over ranks.
 
     **Where the default departs from the paper, and why** (Tyagi & Swany, IEEE CLOUD 2023: error-fed gain, a
     sequential search that moves the candidate factor once a window, ``epsilon`` 0.7 as the gate, throughput
@@ -324,13 +326,19 @@ class GraVAC(Controller):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
-        self._warm_up = True
-        if self.search == "model" and self.link_probe and trainer.world_size > 1:
+        if self.search != "model":
+            return
+        fresh = self._steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
+        self._warm_up = fresh
+        if self.link_probe and trainer.world_size > 1:
             self.probed = self.measure_link(trainer)
             rank_zero_info(
                 f"GraVAC: link measured at fit start: {self.probed[0] * 1e6:.0f} us a message, "
                 f"{8 / self.probed[1] / 1e6 if self.probed[1] > 0 else math.inf:.0f} Mbit/s."
             )
+            if fresh:
+                self.cf = self._choose()
+                self._hand_over(self.state)
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of this process group's all-reduce, the same on every rank.
@@ -467,6 +475,12 @@ class GraVAC(Controller):
         """The factor to send next step: decided from values every rank holds identically."""
         if self.search == "model" and self.link is not None:
             return self._best_predicted()
+        if self.search == "model" and self.probed is not None:
+            # The first window, on a measured link: the step's cost is not known yet, the gains may not be either. Send
+            # the most aggressive eligible factor, the cheapest on any link: error feedback keeps what it leaves for
+            # later, and a few steps at it cost no accuracy (the first decision follows the window).
+            eligible = [cf for cf in self.ladder if self.gains.get(cf, 1.0) >= self.epsilon]
+            return max(eligible, default=DENSE)
         order = [self.settled] if self.settled is not None else [self.candidate, self.cf_min]
         for cf in order:
             if cf == DENSE or self.gains.get(cf, 0.0) >= self.epsilon:
