@@ -32,6 +32,10 @@ projection adds those up along the full run's trajectory (Accordion's step by st
 times at its factor). The GraVAC rows train in full on every link, each run stopped at ``--cap`` seconds
 (a row stopped before its target or its last step *misses*, and the tables say so).
 
+``--optimizer adamw`` trains every task with AdamW instead (what language-model and embedding users run), and
+``--rows`` also takes more compressor families (QSGD 4-bit, PowerSGD, Random-K, EF-signSGD) at fixed settings: with
+``--links unlimited`` that measures what each family does to AdamW's training, link aside.
+
 Regret: a cell's time to target over the hindsight-best fixed factor's (dense, fp16, Top-K 10/100/1000, DGC 100)
 on that cell. Writes ``matrix.json``, ``matrix.md`` (tables, regret, the default's check against the bar) and
 ``matrix.png`` (the regret heatmap) under ``--out``.
@@ -79,6 +83,11 @@ from bandwidth import _shape  # (the same token-bucket shaping as the bandwidth 
 _INSIDE = "GRAVAC_MATRIX_NETNS"
 FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc cf=100"]
 ROWS = [*FIXED, "accordion 10/1000", "gravac (paper)", "default"]
+#: More compressor families, for the optimizer study (``--optimizer adamw --links unlimited``): fixed settings.
+FAMILIES = ["qsgd 4-bit", "powersgd cf=100", "randomk cf=100", "efsignsgd"]
+ORDER = ROWS + FAMILIES
+#: AdamW's learning rate per task (``--optimizer adamw``).
+ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3}
 #: Rows trained on every link (they time their own steps); the others are projected from the unlimited run.
 LINK_DEPENDENT = {"gravac (paper)", "default"}
 
@@ -155,7 +164,7 @@ def make_row(row: str, momentum: float) -> tuple[Any, list[Callback]]:
     if row == "dense DDP":
         return DDPStrategy(), []
     if row == "fp16":
-        return GraVACStrategy("fp16"), []
+        return GraVACStrategy("fp16"), [Static(cf=2)]
     if row.startswith("topk cf="):
         return GraVACStrategy("topk"), [Static(cf=float(row.split("=")[1]))]
     if row == "dgc cf=100":
@@ -166,7 +175,25 @@ def make_row(row: str, momentum: float) -> tuple[Any, list[Callback]]:
         return GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, window=25)]
     if row == "default":
         return GraVACStrategy(), []
+    if row == "qsgd 4-bit":
+        return GraVACStrategy("qsgd"), [Static(cf=8)]
+    if row == "powersgd cf=100":
+        return GraVACStrategy("powersgd"), [Static(cf=100)]
+    if row == "randomk cf=100":
+        return GraVACStrategy("randomk"), [Static(cf=100)]
+    if row == "efsignsgd":
+        return GraVACStrategy("efsignsgd"), [Static(cf=32)]
     raise ValueError(row)
+
+
+def use_adamw(model: pl.LightningModule, lr: float) -> None:
+    """Train ``model`` with AdamW (weight decay 0.01) instead of its own optimizer (what LSTM and embedding users
+    run)."""
+
+    def configure_optimizers() -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+    model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
 
 
 # --- one run -----------------------------------------------------------------------------------------------------
@@ -235,12 +262,16 @@ def _evaluate(model: pl.LightningModule, held: DataLoader, task: str) -> dict[st
     return out
 
 
-def _train(rank: int, world_size: int, task: str, row: str, scale: float, steps: int, cap: float) -> dict[str, Any]:
+def _train(
+    rank: int, world_size: int, task: str, row: str, scale: float, steps: int, cap: float, optimizer: str
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     dgc = row.startswith("dgc")
     spec = make_task(task, scale, momentum_in_optimizer=not dgc)
-    strategy, callbacks = make_row(row, spec["momentum"] if dgc else 0.0)
+    if optimizer == "adamw":
+        use_adamw(spec["model"], ADAMW_LR[task])
+    strategy, callbacks = make_row(row, spec["momentum"] if dgc and optimizer == "task" else 0.0)
     recorder = Recorder(cap)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, callbacks=[recorder, *callbacks], max_steps=steps,
@@ -259,8 +290,9 @@ def _train(rank: int, world_size: int, task: str, row: str, scale: float, steps:
 
 def _run(task: str, row: str, args: argparse.Namespace, steps: int, cap: float) -> dict[str, Any]:
     return run_distributed(
-        _train, world_size=2, timeout=cap * 2 + 600, task=task, row=row, scale=args.scale, steps=steps, cap=cap
-    )[0]
+        _train, world_size=2, timeout=cap * 2 + 600, task=task, row=row, scale=args.scale, steps=steps, cap=cap,
+        optimizer=args.optimizer,
+    )[0]  # fmt: skip
 
 
 # --- analysis ----------------------------------------------------------------------------------------------------
@@ -444,7 +476,7 @@ def _inside(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"args": vars(args), "full": {}, "timing": {}, "adaptive": {}, "parameters": {}}
     fixed_rows = [r for r in args.rows if r not in LINK_DEPENDENT]
     if "accordion 10/1000" in fixed_rows:  # projected on a link with the Top-K rows' step times at its factors
-        fixed_rows = sorted({*fixed_rows, "topk cf=10", "topk cf=1000"}, key=ROWS.index)
+        fixed_rows = sorted({*fixed_rows, "topk cf=10", "topk cf=1000"}, key=ORDER.index)
     started = time.perf_counter()
 
     def say(text: str) -> None:
@@ -453,7 +485,7 @@ def _inside(args: argparse.Namespace) -> None:
     for task in args.tasks:
         results["full"][task], results["timing"][task], results["adaptive"][task] = {}, {}, {}
         _shape("unlimited")
-        for row in sorted(set(fixed_rows) | {"dense DDP"}, key=ROWS.index):
+        for row in sorted(set(fixed_rows) | {"dense DDP"}, key=ORDER.index):
             run = _run(task, row, args, args.steps, cap=3600.0)
             results["full"][task][row] = run
             results["parameters"][task] = run["parameters"]
@@ -502,7 +534,10 @@ def main() -> None:
         "--tasks", nargs="+", default=["bag", "mlp", "cnn", "lstm"], choices=["bag", "mlp", "cnn", "lstm"]
     )
     parser.add_argument("--links", nargs="+", default=["unlimited", "1gbit", "100mbit"])
-    parser.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS)
+    parser.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS + FAMILIES)
+    parser.add_argument(
+        "--optimizer", default="task", choices=["task", "adamw"], help="each task's own (SGD), or AdamW for all"
+    )
     parser.add_argument("--scale", type=float, default=0.25, help="parameters a task, in units of 10M")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--timing-steps", type=int, default=10)
