@@ -1,5 +1,7 @@
 """GraVACStrategy through Lightning's Trainer: exactness, learning, accounting, registry, errors."""
 
+from types import SimpleNamespace
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -77,15 +79,28 @@ def _by_registry_name(rank, world_size):
     record = RunSummary()
     _, trainer = _fit(world_size, "gravac", [record], steps=3)
     controllers = [c for c in trainer.callbacks if isinstance(c, Controller)]
-    return type(trainer.strategy).__name__, [repr(c) for c in controllers], record.history[0]["gravac/cf"]
+    first = record.history[0]["gravac/cf"]
+    return type(trainer.strategy).__name__, [repr(c) for c in controllers], first, controllers[0].cf_max
 
 
 @pytest.mark.distributed
 def test_registry_name_runs_with_the_default_controller():
-    for strategy, controllers, cf in run_distributed(_by_registry_name):
+    for strategy, controllers, cf, cf_max in run_distributed(_by_registry_name):
         assert strategy == "GraVACStrategy"
         assert controllers == [repr(GraVAC())]
-        assert cf == GraVAC().cf_min  # GraVAC starts at cf_min
+        assert cf == cf_max  # on the probed link, the first window sends the most aggressive factor
+
+
+@pytest.mark.parametrize(("method", "held"), [("none", 1.0), ("fp16", 2.0), ("bf16", 2.0), ("signsgd", 32.0),
+                                               ("onebit", 32.0), ("terngrad", 16.0), ("topk", None)])  # fmt: skip
+def test_without_a_controller_a_method_of_fixed_size_is_held_at_its_factor(method, held):
+    trainer = SimpleNamespace(callbacks=[])
+    GraVACStrategy(method)._attach_controller(trainer)
+    (controller,) = trainer.callbacks
+    if held is None:
+        assert isinstance(controller, GraVAC)  # a factor to choose: the default search
+    else:
+        assert isinstance(controller, Static) and controller.cf == held
 
 
 @pytest.mark.distributed

@@ -68,6 +68,9 @@ class Compressor(ABC):
             off is an error.
         layerwise: whether the method needs each parameter's own shape (PowerSGD's matrices), so that
             ``granularity="bucket"`` is an error.
+        fixed_cf: the one factor the method sends at from fp32 whatever ``cf`` asks (a cast's 2, a sign's 32), or
+            ``None`` when ``cf`` sets it. A strategy left without a controller then holds it (``Static``): there is
+            no factor to search.
         nesting: how a controller's probes of other factors are computed. ``"exact"``: compressing the payload
             further equals compressing the input at the higher factor, so one selection serves every factor
             (Top-K); ``"approximate"``: it is close (threshold methods); ``"none"``: each probe compresses the
@@ -82,6 +85,7 @@ class Compressor(ABC):
     owns_feedback: ClassVar[bool] = False
     requires_feedback: ClassVar[bool] = False
     layerwise: ClassVar[bool] = False
+    fixed_cf: ClassVar[float | None] = None
 
     @property
     def error_feedback_default(self) -> bool:

@@ -16,6 +16,7 @@ class EFSignSGD(Compressor):
     from fp32); a requested ``cf`` is clamped to it.
     """
 
+    fixed_cf = 32.0
     name = "efsignsgd"
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:

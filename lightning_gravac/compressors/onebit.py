@@ -22,6 +22,7 @@ class OneBit(Compressor):
     (warned once, logged as ``gravac/achieved_cf``). Only defined with error feedback, which cannot be turned off.
     """
 
+    fixed_cf = 32.0
     name = "onebit"
     requires_feedback = True
 

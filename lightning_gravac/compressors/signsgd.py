@@ -29,6 +29,7 @@ class SignSGD(Compressor):
     is the variant with it.
     """
 
+    fixed_cf = 32.0
     name = "signsgd"
 
     @property

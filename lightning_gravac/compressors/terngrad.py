@@ -21,6 +21,7 @@ class TernGrad(Compressor):
         clip_std: clipping bound in standard deviations of the tensor; ``None`` turns clipping off.
     """
 
+    fixed_cf = 16.0
     name = "terngrad"
     biased = False
 

@@ -151,8 +151,13 @@ class GraVACStrategy(DDPStrategy):
                 f"{names}. Keep one."
             )
         if not controllers:
-            # A method that sends the gradient unchanged has no factor to choose: a controller at cf 1 only reports.
-            default: Controller = Static(cf=1) if self.compressor.passthrough else GraVAC()
+            # A method that sends the gradient unchanged has no factor to choose: a controller at cf 1 only reports. One
+            # whose size is fixed by its encoding (a cast, signs) is held there: a search would only ask for factors it
+            # clamps.
+            method = self.compressor
+            default: Controller = (
+                Static(cf=1) if method.passthrough else Static(cf=method.fixed_cf) if method.fixed_cf else GraVAC()
+            )
             rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
             # Before the checkpoint callbacks, which Lightning has already moved last: a checkpoint then holds the
             # step's decisions, and a `ModelCheckpoint(monitor="gravac/...")` sees the step's values.
