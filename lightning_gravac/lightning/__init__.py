@@ -1,0 +1,115 @@
+"""lightning-gravac for the unified ``lightning`` package: ``import lightning as L``.
+
+    import lightning as L
+    from lightning_gravac.lightning import GraVACStrategy, GraVAC, Static
+
+    L.Trainer(accelerator="cpu", devices=2, strategy=GraVACStrategy("topk"))
+
+Lightning ships its trainer twice: as ``pytorch_lightning`` and, inside the unified package, as ``lightning.pytorch``
+(with ``lightning_fabric`` as ``lightning.fabric``). Their classes are distinct, so a strategy or a callback built on
+one is refused by the other's ``Trainer``. This package holds the same API built on ``lightning.pytorch``: importing it
+installs an import hook that loads the Lightning-facing modules of ``lightning_gravac`` (the strategy, the controllers,
+``RunSummary``, ``MeProp``, the loggers and the zoo) a second time, as ``lightning_gravac.lightning.*``, from the same
+source files with ``pytorch_lightning`` read as ``lightning.pytorch`` and ``lightning_fabric`` as ``lightning.fabric``.
+This is how Lightning itself makes ``lightning.pytorch`` from the ``pytorch_lightning`` sources, and it keeps one
+source of truth: no class is copied or maintained twice. The parts that do not touch Lightning (the compressors, the
+comm hook and its state, error feedback, momentum correction, the divergence guard, the launcher) are not loaded
+again: both flavours share them, so a compressor instance works with either.
+
+Needs ``pip install lightning``. The command line (``python -m lightning_gravac``) and its recipes stay on
+``pytorch_lightning``, the package's dependency.
+"""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+_ROOT = Path(__file__).resolve().parent.parent  # the lightning_gravac package
+_PREFIX = __name__ + "."
+
+#: Modules of ``lightning_gravac`` (relative names; "" is the package) that import Lightning, loaded again here.
+LIGHTNING_FACING = frozenset(
+    {
+        "",
+        "callbacks",
+        "callbacks.accordion",
+        "callbacks.controller",
+        "callbacks.gravac",
+        "callbacks.static",
+        "callbacks.summary",
+        "strategies",
+        "strategies.gravac",
+        "meprop",
+        "loggers",
+        "zoo",
+        "zoo.cifar",
+        "zoo.language",
+        "zoo.synthetic",
+        "zoo.vision",
+    }
+)
+
+
+def rewrite(source: str) -> str:
+    """``source`` of a Lightning-facing module, as the ``lightning`` flavour runs it."""
+    source = re.sub(r"\bpytorch_lightning\b", "lightning.pytorch", source)
+    source = re.sub(r"\blightning_fabric\b", "lightning.fabric", source)
+
+    def module(match: re.Match[str]) -> str:
+        tail = match.group(1)
+        return f"{__name__}{tail}" if tail.lstrip(".") in LIGHTNING_FACING else match.group(0)
+
+    # Imports of other Lightning-facing modules go to their flavour too; shared modules stay as they are.
+    return re.sub(r"\blightning_gravac((?:\.[A-Za-z_]\w*)*)", module, source)
+
+
+class _Loader(importlib.abc.SourceLoader):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def get_filename(self, fullname: str) -> str:
+        return str(self.path)
+
+    def get_data(self, path: str) -> bytes:
+        return rewrite(Path(path).read_text(encoding="utf-8")).encode("utf-8")
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith(_PREFIX):
+            return None
+        relative = fullname[len(_PREFIX) :]
+        if relative not in LIGHTNING_FACING:
+            return None
+        where = _ROOT.joinpath(*relative.split("."))
+        package = (where / "__init__.py").is_file()
+        origin = where / "__init__.py" if package else where.with_suffix(".py")
+        return importlib.util.spec_from_file_location(
+            fullname, origin, loader=_Loader(origin), submodule_search_locations=[] if package else None
+        )
+
+
+def _install() -> None:
+    try:
+        import lightning.pytorch  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "lightning_gravac.lightning is built on the unified `lightning` package: `pip install lightning`, or "
+            "import from `lightning_gravac` to use `pytorch_lightning`."
+        ) from error
+    if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+_install()
+# This package's own body: the top-level package's, read for `lightning` (its API, and the strategy registered by
+# name in `lightning.pytorch`'s registry).
+_TOP = _ROOT / "__init__.py"
+exec(compile(rewrite(_TOP.read_text(encoding="utf-8")), str(_TOP), "exec"))
