@@ -172,7 +172,7 @@ def make_row(row: str, momentum: float) -> tuple[Any, list[Callback]]:
     if row == "accordion 10/1000":
         return GraVACStrategy("topk"), [Accordion(low_cf=10, high_cf=1000, window=25, interval="step")]
     if row == "gravac (paper)":
-        return GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, window=25)]
+        return GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, search="sequential", window=25)]
     if row == "default":
         return GraVACStrategy(), []
     if row == "qsgd 4-bit":
