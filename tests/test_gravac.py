@@ -205,21 +205,22 @@ def test_ranks_on_different_data_decide_alike_and_gravac_learns_like_dense(searc
         latency, per_byte = mine["probed"]
         assert latency >= 0 and per_byte > 0, "the setup probe did not measure the link"
     cfs = mine["cf"]
-    assert len(cfs) == 200 and cfs[0] == GRAVAC["cf_min"]
+    # The paper starts at cf_min; on a probed link the model search's first window sends the most aggressive factor.
+    assert len(cfs) == 200 and cfs[0] == (GRAVAC["cf_min"] if search == "sequential" else GRAVAC["cf_max"])
     if search == "sequential":
         assert max(cfs) > GRAVAC["cf_min"], "the search never moved to a higher factor"
     # Same steps, loss within 30% of dense training (error-fed Top-K at 10x to 40x on this task).
     assert ranks[0]["gravac"]["loss"] < 1.3 * ranks[0]["dense"]["loss"]
 
 
-def _interrupted_vs_uninterrupted(rank, world_size, ckpt_dir, compressor):
+def _interrupted_vs_uninterrupted(rank, world_size, ckpt_dir, compressor, search):
     def fit(callbacks, ckpt_path=None):
         summary = RunSummary()
         pl.seed_everything(0)
         model = TeacherRegression(width=256, lr=0.05, momentum=0.0 if compressor == "dgc" else 0.9)
         kwargs = trainer_kwargs(world_size, enable_checkpointing=True)
         strategy = GraVACStrategy(compressor)
-        trainer = pl.Trainer(strategy=strategy, callbacks=[SimulatedLink(**GRAVAC), summary, *callbacks],
+        trainer = pl.Trainer(strategy=strategy, callbacks=[SimulatedLink(**GRAVAC, search=search), summary, *callbacks],
                              max_steps=80, **kwargs)  # fmt: skip
         trainer.fit(model, loader(), ckpt_path=ckpt_path)
         return [r["gravac/cf"] for r in summary.history], weights(model)
@@ -240,17 +241,19 @@ def _interrupted_vs_uninterrupted(rank, world_size, ckpt_dir, compressor):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("compressor", ["topk", "dgc"])
-def test_resume_mid_search_continues_bit_for_bit(tmp_path, compressor):
-    ranks = run_distributed(_interrupted_vs_uninterrupted, ckpt_dir=str(tmp_path), compressor=compressor)
+@pytest.mark.parametrize(("compressor", "search"), [("topk", "sequential"), ("dgc", "sequential"), ("topk", "model")])
+def test_resume_mid_search_continues_bit_for_bit(tmp_path, compressor, search):
+    ranks = run_distributed(_interrupted_vs_uninterrupted, ckpt_dir=str(tmp_path), compressor=compressor, search=search)
+    first = GRAVAC["window"] if search == "sequential" else 3  # the first window's length
     for r, rank in enumerate(ranks):
         saved, restored = rank["saved"], rank["restored"]
-        assert saved["controller"]["progress"] == 32 % GRAVAC["window"] and saved["controller"]["tally"]
+        assert saved["controller"]["progress"] == (32 - first) % GRAVAC["window"] and saved["controller"]["tally"]
         if r > 0:
             # Lightning writes rank 0's callback state: other ranks resume with rank 0's partial-window times, the
             # only rank-local values (they feed the window's MAX). Everything else is the same on every rank.
             for tally in (*saved["controller"]["tally"].values(), *restored["controller"]["tally"].values()):
-                tally.pop("comm_seconds")
+                for rank_local in ("comm_seconds", "compress_seconds", "plain_compress_seconds"):
+                    tally.pop(rank_local)
         assert restored["controller"] == saved["controller"]
         assert restored["step"] == saved["step"] == 32
         assert saved["residuals"].keys() == restored["residuals"].keys()
@@ -343,24 +346,24 @@ def test_link_fit_is_proportional_with_one_payload_size_and_none_without_bytes()
     assert fit_link({1.0: (3, 3.0, 0.0, 0.0)}) is None
 
 
-def _default_on_a_link(per_byte: float, gain: dict[float, float]) -> Scripted:
+def _default_on_a_link(per_byte: float, gain: dict[float, float], **kwargs) -> Scripted:
     """The default rule on a scripted link: 0.1 s of compute, 1 MB dense, ``per_byte`` s a moved byte (2 ranks)."""
 
     def seconds(cf: float) -> float:
         return 0.1 + 1_000_000 / cf * per_byte  # two ranks: a rank moves the payload, or the dense buffer once
 
-    c = Scripted(lambda cf: gain[cf], seconds, search="model")
+    c = Scripted(lambda cf: gain[cf], seconds, search="model", **kwargs)
     c._world_size = 2
     c.probed = (0.0, per_byte)  # what the fit-start probe would have measured
     return c.run(4)  # the first window (3 steps), then one step at the factor it chose
 
 
 def test_default_sends_the_factor_of_highest_predicted_throughput_on_each_link():
-    gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.03}
+    gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.025}
     # Predicted gain^(1/3) / step seconds (dense: gain 1, 1 MB), the highest wins:
     # - 1 ns a byte: dense 1/0.101 = 9.9 beats cf 10's 0.794/0.1001 = 7.9 (compressing gains no time, costs progress);
     # - 100 ns a byte: dense 1/0.2 = 5.0, cf 10 0.794/0.11 = 7.2, cf 20 0.705/0.105 = 6.7, cf 160 0.464/0.1006 = 4.6;
-    # - 10 us a byte: dense 0.099, cf 40 0.63/0.35 = 1.8, cf 160 0.464/0.1625 = 2.86, cf 1000 0.311/0.11 = 2.83.
+    # - 10 us a byte: dense 0.099, cf 40 0.63/0.35 = 1.8, cf 160 0.464/0.1625 = 2.86, cf 1000 0.292/0.11 = 2.66.
     for per_byte, expected in [(1e-9, 1.0), (1e-7, 10.0), (1e-5, 160.0)]:
         c = _default_on_a_link(per_byte, gain)
         assert c.link is not None and c.link.other_seconds == pytest.approx(0.1)
@@ -376,11 +379,19 @@ def test_default_keeps_epsilon_as_a_floor_and_the_paper_weighs_progress_by_the_g
     c = _default_on_a_link(1e-4, gain)  # so slow that the most aggressive factor would win on time alone
     assert c.sent[-1] == 160
     assert c.sent[1:3] == [160, 160]  # the first window: the most aggressive factor above the floor
-    assert c.sent[1:3] == [160, 160]  # the first window: the most aggressive factor above the floor
-    # The same link with the paper's weighing (gain^1): cf 1000 is out, 160's 0.1 / 0.2 s loses to 40's 0.25 / 2.6 s?
-    # No: 0.5 > 0.096, so 160 still; with gains 10x lower at 160 (0.01 < 0.02, ineligible) it falls back to 40.
+    # 160 below the floor too: the next most aggressive, 40 (gain^(1/3) / seconds: 0.63 / 2.6 beats 20's 0.70 / 5.1).
     gain[160] = 0.01
     assert _default_on_a_link(1e-4, gain).sent[-1] == 40
+
+
+def test_the_papers_weighing_of_progress_by_the_gain_itself_is_one_argument_away():
+    gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.05}
+    # 1 us a byte: dense 1 / 1.1 = 0.91. gain^(1/3) / seconds: cf 10 0.79 / 0.2 = 4.0, 20 0.70 / 0.15 = 4.7,
+    # 40 0.63 / 0.125 = 5.0, 160 0.46 / 0.106 = 4.4, 1000 0.37 / 0.101 = 3.6: cf 40. Weighed by the gain itself
+    # (gain_power=1): 10 2.5, 20 2.3, 40 2.0, 160 0.94, 1000 0.50: cf 10.
+    assert _default_on_a_link(1e-6, gain).sent[-1] == 40
+    paper_weighing = _default_on_a_link(1e-6, gain, gain_power=1.0)
+    assert paper_weighing.gain_power == 1.0 and paper_weighing.sent[-1] == 10
 
 
 def test_default_smooths_gains_with_bias_correction_and_leaves_the_warm_up_step_untimed():

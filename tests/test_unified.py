@@ -82,3 +82,8 @@ def test_a_lightning_facing_module_is_read_for_lightning_and_a_shared_one_is_not
     assert unified.get_compressor is lightning_gravac.get_compressor
     assert unified.CompressionState is lightning_gravac.CompressionState
     assert unified.GraVACStrategy is not lightning_gravac.GraVACStrategy
+    # A shared module asked for under the unified name is the shared module itself, not a second copy.
+    from lightning_gravac.lightning import compressors
+
+    assert compressors is lightning_gravac.compressors
+    assert rewrite("lightning_gravac.callbacks.gravac.GraVAC") == "lightning_gravac.lightning.callbacks.gravac.GraVAC"

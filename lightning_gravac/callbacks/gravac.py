@@ -102,12 +102,13 @@ class GraVAC(Controller):
     highest predicted *compression throughput*, ``samples/s x gain^p``, among dense and the factors of the ladder
     ``cf_min, cf_min x 2, x 4, x 16, ...`` up to ``cf_max`` (10, 20, 40, 160, 1000). What it measures:
 
-    - the **link**, once at fit start: all-reduces of 1 KB and of 64 KB, 256 KB, ... (until one takes 20 ms or
-      reaches the model's size), timed on every rank (the slowest rank's times, so every rank holds the same
-      numbers), give a per-message and a per-byte cost. So the first decision knows what a dense step costs on
-      this network without sending one;
+    - the **link**, at fit start (again on resume): all-reduces of 1 KB and of 64 KB, 256 KB, ... (until one takes
+      20 ms or reaches the model's size), each the best of three, timed on every rank (the slowest rank's times, so
+      every rank holds the same numbers), give a per-message and a per-byte cost. So the first decision knows what
+      a dense step costs on this network without sending one;
     - the **rest of a step** (forward, backward, optimizer) and what compressing costs, from the steps it sends,
-      every ``window`` steps (the very first step, which warms up, is left out);
+      every ``window`` steps (a fit's first step, which warms up, is left out; so is the time spent measuring the
+      gains);
     - the **gains** ``sum_ranks ||C_cf(grad)||^2 / sum_ranks ||grad||^2`` of the step's own gradient at every factor
       of the ladder, on one step in ``probe_every`` (every step of the first window), smoothed by a bias-corrected
       EWMA (the first probe does not weigh as the whole history).
@@ -169,8 +170,8 @@ class GraVAC(Controller):
         probe_every: after the first window, measure the probe factors' gains on one step in this many (1: every
             step). Steps without probes send at the chosen factor alone. The smoothing still runs per step: a probe
             after ``p`` steps weighs ``1 - (1 - alpha)^p``. ``None``: 25 (model), 1 (sequential).
-        first_window: length of the first window; ``None``: 3 steps (model; its first decision needs only the link's
-            cost and a step's), ``window`` (sequential).
+        first_window: length of the first window (in ``interval`` units); ``None``: 3 (model; its first decision
+            needs only the link's cost and a step's), ``window`` (sequential).
         gain_of: what the gains are measured on, ``"error_fed"`` (gradient plus residual) or ``"gradient"`` (the
             step's own gradient). ``None``: ``"gradient"`` for the model search unless the method keeps an
             accumulation of its own (DGC), else ``"error_fed"``.
@@ -244,7 +245,7 @@ class GraVAC(Controller):
         #: The setup probe's ``(seconds a message, seconds a moved byte)``, identical on every rank; None: not run.
         self.probed: tuple[float, float] | None = None
         self.compress_cost = 0.0  # seconds a step the method's selection and encoding cost, when compressing
-        self.payload_ratio = 1.0  # bytes sent x cf / dense bytes, measured (values and indices: 2 for fp32 Top-K)
+        self.payload_fixed = 0.0  # bytes a compressed step sends beyond dense / cf (headers, minimum entries), measured
         self._gain_sums: dict[float, tuple[float, float]] = {}  # bias-corrected EWMA: (weighted sum, weight)
         self._buckets = 1
         self._warm_up = False  # the next observed step is a fit's first: its time is not tallied
@@ -329,7 +330,7 @@ class GraVAC(Controller):
         if self.search != "model":
             return
         fresh = self._steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
-        self._warm_up = fresh
+        self._warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
         if self.link_probe and trainer.world_size > 1:
             self.probed = self.measure_link(trainer)
             rank_zero_info(
@@ -356,15 +357,22 @@ class GraVAC(Controller):
             p.numel() * p.element_size() for p in trainer.lightning_module.parameters() if p.requires_grad
         )
 
+        device = trainer.strategy.root_device
+        # A CUDA collective returns before it completes: wait for the device around each timing (NCCL; untested
+        # here, no GPU). Gloo's all-reduce on CPU tensors is synchronous.
+        synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
         def timed(nbytes: int) -> float:
-            tensor = torch.zeros(max(1, nbytes // 4))
+            tensor = torch.zeros(max(1, nbytes // 4), device=device)
             dist.all_reduce(tensor, group=group)
             best = math.inf
             for _ in range(3):
+                synchronize()
                 start = time.perf_counter()
                 dist.all_reduce(tensor, group=group)
+                synchronize()
                 best = min(best, time.perf_counter() - start)
-            slowest = torch.tensor([best], dtype=torch.float64)
+            slowest = torch.tensor([best], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
             return float(slowest.item())
 
@@ -428,7 +436,8 @@ class GraVAC(Controller):
                     self.gains[cf] = gain if cf not in self.gains else (1 - weight) * self.gains[cf] + weight * gain
         self._buckets = max(1, stats.buckets)
         if self.cf != DENSE and stats.bytes_sent and stats.bytes_dense:
-            self.payload_ratio = stats.bytes_sent * self.cf / stats.bytes_dense
+            # What a step sends beyond dense/cf: headers, at least one entry a tensor, rounding to whole entries.
+            self.payload_fixed = max(0.0, stats.bytes_sent - stats.bytes_dense / self.cf)
         seconds = self.step_seconds(stats)
         if self._warm_up:  # a fit's first step allocates, builds DDP's buckets, warms caches: not a step's cost
             self._warm_up = False
@@ -498,7 +507,9 @@ class GraVAC(Controller):
             dtype=torch.float64,
         )  # fmt: skip
         # Step times are this rank's own: the slowest rank sets the pace, and every rank must see the same value.
-        slowest = trainer.strategy.reduce(local, reduce_op="max") if trainer is not None else local
+        if trainer is not None:  # on the strategy's device: NCCL reduces device tensors only
+            local = trainer.strategy.reduce(local.to(trainer.strategy.root_device), reduce_op="max").cpu()
+        slowest = local
         measured, compress, plain = {}, [0.0, 0], [0.0, 0]
         for f, (seconds, comm_seconds, compress_s, plain_s) in zip(factors, slowest.tolist(), strict=True):
             tally = self._tally[f]
@@ -560,20 +571,26 @@ class GraVAC(Controller):
             self.settled = None
 
     def predicted_throughput(self, cf: float, dense_bytes: float) -> float:
-        """``Tc`` the link model predicts for ``cf`` (model search; ``nan`` before the first window)."""
+        """``Tc`` the link model predicts for ``cf``: samples a second x weighed gain (``nan`` before a window ends)."""
+        return self._world_size * self._batch_size * self._progress_per_second(cf, dense_bytes)
+
+    def _progress_per_second(self, cf: float, dense_bytes: float) -> float:
+        """``gain(cf) ** gain_power`` over the predicted seconds of a step at ``cf``: the same on every rank."""
         if self.link is None:
             return math.nan
-        payload = dense_bytes if cf == DENSE else dense_bytes / cf * self.payload_ratio
+        payload = dense_bytes if cf == DENSE else dense_bytes / cf + self.payload_fixed
         moved = moved_bytes(payload, dense_bytes, self._world_size)
         seconds = self.link.other_seconds + self.link.per_step + moved * self.link.seconds_per_byte
         if cf != DENSE:
             seconds += self.compress_cost
         gain = 1.0 if cf == DENSE else self.gains.get(cf, 0.0) ** self.gain_power
-        return self._world_size * self._batch_size / seconds * gain if seconds > 0 else math.inf
+        return gain / seconds if seconds > 0 else math.inf
 
     def _best_predicted(self) -> float:
         eligible = [DENSE] + [cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon]
-        return max(eligible, key=lambda cf: (self.predicted_throughput(cf, self._bytes_dense), -cf))
+        # Ranked without the samples a step (N x this rank's batch, which a last batch can make differ between
+        # ranks): every term left is the same on every rank, so is the choice.
+        return max(eligible, key=lambda cf: (self._progress_per_second(cf, self._bytes_dense), -cf))
 
     @override
     def metrics(self, stats: StepStats) -> dict[str, float]:
@@ -608,7 +625,7 @@ class GraVAC(Controller):
             "gain_of": self.gain_of,
             "gain_sums": {f: list(v) for f, v in self._gain_sums.items()},
             "compress_cost": self.compress_cost,
-            "payload_ratio": self.payload_ratio,
+            "payload_fixed": self.payload_fixed,
             "buckets": self._buckets,
         }
 
@@ -628,7 +645,7 @@ class GraVAC(Controller):
         self.gain_of = state_dict.get("gain_of", self.gain_of)
         self._gain_sums = {f: (v[0], v[1]) for f, v in state_dict.get("gain_sums", {}).items()}
         self.compress_cost = state_dict.get("compress_cost", 0.0)
-        self.payload_ratio = state_dict.get("payload_ratio", 1.0)
+        self.payload_fixed = state_dict.get("payload_fixed", 0.0)
         self._buckets = state_dict.get("buckets", 1)
         super().load_state_dict(state_dict)
 

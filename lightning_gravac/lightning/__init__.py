@@ -61,11 +61,22 @@ def rewrite(source: str) -> str:
     source = re.sub(r"\blightning_fabric\b", "lightning.fabric", source)
 
     def module(match: re.Match[str]) -> str:
-        tail = match.group(1)
-        return f"{__name__}{tail}" if tail.lstrip(".") in LIGHTNING_FACING else match.group(0)
+        parts = match.group(1).lstrip(".").split(".") if match.group(1) else []
+        # The longest leading module path that is Lightning-facing (``lightning_gravac.callbacks.gravac.GraVAC``:
+        # the module ``callbacks.gravac``, then an attribute).
+        for n in range(len(parts), 0, -1):
+            if _is_module(parts[:n]):  # the longest module path: Lightning-facing or shared
+                facing = ".".join(parts[:n]) in LIGHTNING_FACING
+                return ".".join([__name__, *parts]) if facing else match.group(0)
+        return ".".join([__name__, *parts])  # the package itself, or one of its attributes
 
     # Imports of other Lightning-facing modules go to their flavour too; shared modules stay as they are.
     return re.sub(r"\blightning_gravac((?:\.[A-Za-z_]\w*)*)", module, source)
+
+
+def _is_module(parts: list[str]) -> bool:
+    where = _ROOT.joinpath(*parts)
+    return (where / "__init__.py").is_file() or where.with_suffix(".py").is_file()
 
 
 class _Loader(importlib.abc.SourceLoader):
@@ -79,6 +90,19 @@ class _Loader(importlib.abc.SourceLoader):
         return rewrite(Path(path).read_text(encoding="utf-8")).encode("utf-8")
 
 
+class _Shared(importlib.abc.Loader):
+    """Loads a module that does not touch Lightning as the one module both flavours use."""
+
+    def __init__(self, shared: str) -> None:
+        self.shared = shared
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(self.shared)
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Already executed, as ``lightning_gravac.<name>``."""
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
@@ -87,7 +111,11 @@ class _Finder(importlib.abc.MetaPathFinder):
             return None
         relative = fullname[len(_PREFIX) :]
         if relative not in LIGHTNING_FACING:
-            return None
+            # `lightning_gravac.lightning.compressors` and the like: the shared module itself, under this name too.
+            shared = f"lightning_gravac.{relative}"
+            if importlib.util.find_spec(shared) is None:
+                return None
+            return importlib.machinery.ModuleSpec(fullname, _Shared(shared))
         where = _ROOT.joinpath(*relative.split("."))
         package = (where / "__init__.py").is_file()
         origin = where / "__init__.py" if package else where.with_suffix(".py")
@@ -112,4 +140,6 @@ _install()
 # This package's own body: the top-level package's, read for `lightning` (its API, and the strategy registered by
 # name in `lightning.pytorch`'s registry).
 _TOP = _ROOT / "__init__.py"
+_DOC = __doc__
 exec(compile(rewrite(_TOP.read_text(encoding="utf-8")), str(_TOP), "exec"))
+__doc__ = _DOC

@@ -28,7 +28,8 @@ class GraVACStrategy(DDPStrategy):
     """Distributed data-parallel training with compressed gradients and an adaptive compression factor.
 
     A DDP communication hook compresses every gradient bucket before it crosses the network; a controller
-    callback sets the factor: :class:`~lightning_gravac.GraVAC` with its defaults when the trainer has none.
+    callback sets the factor: :class:`~lightning_gravac.GraVAC` with its defaults when the trainer has none (a
+    ``Static`` controller at the method's one factor for ``"none"``, casts and sign methods, which have none to choose).
     Works on CPU (gloo) and CUDA (NCCL): unlike stock Lightning, the hook is registered on every device type.
 
     Args:
@@ -155,9 +156,15 @@ class GraVACStrategy(DDPStrategy):
             # whose size is fixed by its encoding (a cast, signs) is held there: a search would only ask for factors it
             # clamps.
             method = self.compressor
-            default: Controller = (
-                Static(cf=1) if method.passthrough else Static(cf=method.fixed_cf) if method.fixed_cf else GraVAC()
-            )
+            default: Controller = GraVAC()
+            if method.passthrough:
+                default = Static(cf=1)
+            elif method.fixed_cf:
+                # Never above the model's largest gradient (a factor the controller checks), which a cast ignores.
+                module = trainer.lightning_module if hasattr(trainer, "lightning_module") else None
+                sizes = [p.numel() for p in module.parameters()] if module is not None else []
+                largest = max(sizes, default=None)  # none yet: built in `configure_model`
+                default = Static(cf=min(method.fixed_cf, largest) if largest else method.fixed_cf)
             rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
             # Before the checkpoint callbacks, which Lightning has already moved last: a checkpoint then holds the
             # step's decisions, and a `ModelCheckpoint(monitor="gravac/...")` sees the step's values.

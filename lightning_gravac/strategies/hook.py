@@ -93,7 +93,8 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if momentum:  # this rank's momentum before compression: what is compressed is the update direction
         momentum.local_(names, grads, params)
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
-    fresh = _fresh_probes(state, names, grads, buffer) if state.probe_cfs and state.gain_of == "gradient" else None
+    fresh, measuring = _fresh_gains(state, names, grads, buffer)
+    start += measuring  # not compression's cost: the controller weighs what sending a factor costs, measuring aside
     probe_cfs = () if fresh is not None else state.probe_cfs
     # Per layer, the error-fed gradient goes into a buffer the memory recycles, which then becomes the new residual
     # in place: no copy of the gradient and no allocation. Dense steps and whole buckets add the residual in place.
@@ -267,6 +268,17 @@ def _segments(
         )
         for name, grad, cf in zip(names, grads, cfs, strict=True)
     ]
+
+
+def _fresh_gains(
+    state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor
+) -> tuple[tuple[Tensor, Tensor] | None, float]:
+    """The probes of the step's own gradient when the controller asks for them, and the seconds they took."""
+    if not (state.probe_cfs and state.gain_of == "gradient"):
+        return None, 0.0
+    started = time.perf_counter()
+    fresh = _fresh_probes(state, names, grads, buffer)
+    return fresh, time.perf_counter() - started
 
 
 def _fresh_probes(

@@ -103,19 +103,18 @@ class ImageClassifier(pl.LightningModule):
 
     Args:
         architecture: ``resnet18``, ``resnet50``, ``resnet101``, ``vgg11_bn`` or ``vgg16_bn``.
-        width: multiplies every layer's channels (0.5: a narrow net with about a quarter of the parameters and
-            computation, for CPUs).
         num_classes: output classes; ``None`` takes ``num_classes`` from the trainer's data module.
         lr, momentum, weight_decay, milestones, gamma, scale_lr, reference_batch, warmup_epochs: the optimizer's,
             as :func:`~lightning_gravac.zoo.optim.configure_sgd` reads them (momentum 0 with DGC, whose momentum
             correction applies it; ``scale_lr`` for Goyal et al.'s large-minibatch rule).
+        width: multiplies every layer's channels (0.5: a narrow net with about a quarter of the parameters and
+            computation, for CPUs).
     """
 
     def __init__(
         self,
         architecture: Architecture = "resnet101",
         num_classes: int | None = None,
-        width: float = 1.0,
         lr: float = 0.1,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
@@ -124,6 +123,7 @@ class ImageClassifier(pl.LightningModule):
         scale_lr: bool = False,
         reference_batch: int = 256,
         warmup_epochs: float = 0.0,
+        width: float = 1.0,
     ) -> None:
         super().__init__()
         if architecture not in (*_RESNET_BLOCKS, *_VGG_LAYERS):
