@@ -11,7 +11,7 @@ Tasks (``--scale`` 1 gives about 10M parameters each; the default 0.25 fits a 2-
 - ``bag``: an embedding bag regression (``BagOfWordsRegression``): sparse, heavy-tailed gradients. Plain SGD.
 - ``mlp``: a dense-gradient MLP learning a random teacher (``TeacherRegression``, 4 hidden layers). Plain SGD.
 - ``cnn``: a narrow VGG-11 with batch norm (``ImageClassifier("vgg11_bn", width=...)``) on synthetic CIFAR-shaped
-  images of 100 classes, 16 a rank. SGD lr 0.02 with momentum 0.9 and weight decay 5e-4 (momentum correction in the
+  images of 100 classes, 16 a rank. SGD lr 0.005 with momentum 0.9 and weight decay 5e-4 (momentum correction in the
   hook for the Top-K rows; DGC applies the momentum itself).
 - ``lstm``: a two-layer LSTM language model with tied weights (``LSTMLanguageModel``) on a synthetic token stream
   of PTB's vocabulary, plain SGD lr 20 and gradient clipping 0.25, as the zoo's recipe.
@@ -144,7 +144,7 @@ def make_task(name: str, scale: float, momentum_in_optimizer: bool = True) -> di
                     held=DataLoader(held, 256), momentum=0.0, clip=None)  # fmt: skip
     if name == "cnn":
         momentum = 0.9 if momentum_in_optimizer else 0.0
-        model = ImageClassifier("vgg11_bn", num_classes=100, width=math.sqrt(scale), lr=0.02, momentum=momentum)
+        model = ImageClassifier("vgg11_bn", num_classes=100, width=math.sqrt(scale), lr=0.005, momentum=momentum)
         images = _Images(8192 + 512)  # one set of class patterns; the last 512 images held out
         train, held = Subset(images, range(8192)), Subset(images, range(8192, 8192 + 512))
         return dict(model=model, train=DataLoader(train, 16, shuffle=True), held=DataLoader(held, 256),
