@@ -71,6 +71,8 @@ class Compressor(ABC):
         fixed_cf: the one factor the method sends at from fp32 whatever ``cf`` asks (a cast's 2, a sign's 32), or
             ``None`` when ``cf`` sets it. A strategy left without a controller then holds it (``Static``): there is
             no factor to search.
+        near_lossless: whether what is sent is the gradient up to rounding (a 16-bit cast, or nothing done), so that
+            an optimizer that scales each coordinate (Adam) trains as with dense gradients.
         nesting: how a controller's probes of other factors are computed. ``"exact"``: compressing the payload
             further equals compressing the input at the higher factor, so one selection serves every factor
             (Top-K); ``"approximate"``: it is close (threshold methods); ``"none"``: each probe compresses the
@@ -86,6 +88,7 @@ class Compressor(ABC):
     requires_feedback: ClassVar[bool] = False
     layerwise: ClassVar[bool] = False
     fixed_cf: ClassVar[float | None] = None
+    near_lossless: ClassVar[bool] = False
 
     @property
     def error_feedback_default(self) -> bool:

@@ -15,6 +15,7 @@ class _Cast(Compressor):
     error feedback is off by default.
     """
 
+    near_lossless = True
     fixed_cf = 2.0
     wire_dtype: torch.dtype
     biased = False

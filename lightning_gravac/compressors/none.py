@@ -12,6 +12,7 @@ class NoCompression(Compressor):
     Also the method the hook uses for layers whose factor is 1 inside an otherwise compressed bucket.
     """
 
+    near_lossless = True
     name = "none"
     biased = False
     summable = True
