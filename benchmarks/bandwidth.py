@@ -52,6 +52,10 @@ from lightning_gravac.zoo import BagOfWordsRegression, bag_of_words_dataset
 
 _INSIDE = "GRAVAC_BANDWIDTH_NETNS"
 
+#: The model search as session 6 measured it (BENCHMARKS.md): before the default's link probe and gain weighing.
+SESSION_6_LINK: dict[str, Any] = {"gain_power": 1.0, "link_probe": False}
+SESSION_6: dict[str, Any] = {**SESSION_6_LINK, "gain_of": "error_fed"}
+
 #: name -> (strategy and callbacks factory, trajectory independent of the link)
 CONFIGS: dict[str, tuple[Any, bool]] = {
     "dense DDP": (lambda: (DDPStrategy(), []), True),
@@ -78,14 +82,25 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
     "gravac sequential": (
         lambda: (
             GraVACStrategy("topk"),
-            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, omega=0.05, window=25, probe_every=25)],
+            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, omega=0.05, window=25, probe_every=25, search="sequential")],
         ),
         False,
     ),
     "gravac model": (
         lambda: (
             GraVACStrategy("topk"),
-            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.7, window=25, search="model", probe_every=25, first_window=3)],
+            [
+                GraVAC(
+                    cf_min=10,
+                    cf_max=1000,
+                    epsilon=0.7,
+                    window=25,
+                    search="model",
+                    probe_every=25,
+                    first_window=3,
+                    **SESSION_6,
+                )
+            ],
         ),
         False,
     ),
@@ -93,7 +108,18 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
     "gravac model, epsilon 0.3": (
         lambda: (
             GraVACStrategy("topk"),
-            [GraVAC(cf_min=10, cf_max=1000, epsilon=0.3, window=25, search="model", probe_every=25, first_window=3)],
+            [
+                GraVAC(
+                    cf_min=10,
+                    cf_max=1000,
+                    epsilon=0.3,
+                    window=25,
+                    search="model",
+                    probe_every=25,
+                    first_window=3,
+                    **SESSION_6,
+                )
+            ],
         ),
         False,
     ),
@@ -102,14 +128,36 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
     "gravac sequential, gain of the gradient": (
         lambda: (
             GraVACStrategy("topk"),
-            [GraVAC(cf_min=10, cf_max=1000, omega=0.05, window=25, probe_every=25, gain_of="gradient")],
+            [
+                GraVAC(
+                    cf_min=10,
+                    cf_max=1000,
+                    omega=0.05,
+                    window=25,
+                    probe_every=25,
+                    gain_of="gradient",
+                    search="sequential",
+                )
+            ],
         ),
         False,
     ),
+    "default": (lambda: (GraVACStrategy(), []), False),
     "gravac model, gain of the gradient": (
         lambda: (
             GraVACStrategy("topk"),
-            [GraVAC(cf_max=1000, window=25, search="model", probe_every=25, first_window=1, gain_of="gradient")],
+            [
+                GraVAC(
+                    cf_max=1000,
+                    window=25,
+                    search="model",
+                    probe_every=25,
+                    first_window=1,
+                    gain_of="gradient",
+                    epsilon=0.7,
+                    **SESSION_6_LINK,
+                )
+            ],
         ),
         False,
     ),
