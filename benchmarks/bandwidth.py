@@ -56,6 +56,14 @@ _INSIDE = "GRAVAC_BANDWIDTH_NETNS"
 SESSION_6_LINK: dict[str, Any] = {"gain_power": 1.0, "link_probe": False}
 SESSION_6: dict[str, Any] = {**SESSION_6_LINK, "gain_of": "error_fed"}
 
+
+def _session_6_model(epsilon: float) -> tuple[GraVACStrategy, list[Callback]]:
+    """The model search with the error-fed gain, as session 6 ran it."""
+    controller = GraVAC(cf_min=10, cf_max=1000, epsilon=epsilon, window=25, search="model", probe_every=25,
+                        first_window=3, **SESSION_6)  # fmt: skip
+    return GraVACStrategy("topk"), [controller]
+
+
 #: name -> (strategy and callbacks factory, trajectory independent of the link)
 CONFIGS: dict[str, tuple[Any, bool]] = {
     "dense DDP": (lambda: (DDPStrategy(), []), True),
@@ -86,43 +94,9 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
         ),
         False,
     ),
-    "gravac model": (
-        lambda: (
-            GraVACStrategy("topk"),
-            [
-                GraVAC(
-                    cf_min=10,
-                    cf_max=1000,
-                    epsilon=0.7,
-                    window=25,
-                    search="model",
-                    probe_every=25,
-                    first_window=3,
-                    **SESSION_6,
-                )
-            ],
-        ),
-        False,
-    ),
+    "gravac model": (lambda: _session_6_model(epsilon=0.7), False),
     # The same with epsilon 0.3: with error feedback this task keeps less than 0.7 of the energy beyond cf 40.
-    "gravac model, epsilon 0.3": (
-        lambda: (
-            GraVACStrategy("topk"),
-            [
-                GraVAC(
-                    cf_min=10,
-                    cf_max=1000,
-                    epsilon=0.3,
-                    window=25,
-                    search="model",
-                    probe_every=25,
-                    first_window=3,
-                    **SESSION_6,
-                )
-            ],
-        ),
-        False,
-    ),
+    "gravac model, epsilon 0.3": (lambda: _session_6_model(epsilon=0.3), False),
     # Gains of the step's own gradient (`gain_of="gradient"`), the paper's epsilon: `benchmarks/gains.py` shows the
     # error-fed gain measuring the residual's backlog on this task. The model search decides after one step.
     "gravac sequential, gain of the gradient": (
@@ -335,11 +309,29 @@ def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -
     plt.close(fig)
 
 
-def _inside(args: argparse.Namespace) -> None:
+def prepare_namespace(out: str) -> Path:
+    """Inside the private namespace: bring its loopback up with an MTU of 1500, and make the output folder."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     subprocess.run(["ip", "link", "set", "lo", "mtu", "1500"], check=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_in_namespace(flag: str, script: str) -> None:
+    """Run this command again under ``unshare -n`` with ``flag=1`` in its environment (needs root and tc)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("tc") is None:
+        sys.exit(
+            f"{script} needs root and the `unshare` and `tc` commands (iproute2): it shapes the loopback of a "
+            f"private network namespace. Run it as root, e.g. `sudo -E python {script}`."
+        )
+    done = subprocess.run(["unshare", "-n", sys.executable, *sys.argv], env={**os.environ, flag: "1"}, check=False)
+    if done.returncode != 0:
+        sys.exit(f"{script}: the run inside the network namespace failed (exit {done.returncode}).")
+
+
+def _inside(args: argparse.Namespace) -> None:
+    out = prepare_namespace(args.out)
     _shape("unlimited")
     costs = run_distributed(_link_costs, world_size=args.world_size, timeout=300)[0]
     results: dict[str, list[dict[str, Any]]] = {}
@@ -390,15 +382,7 @@ def main() -> None:
     if os.environ.get(_INSIDE) == "1":
         _inside(args)
         return
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("tc") is None:
-        sys.exit(
-            "benchmarks/bandwidth.py needs root and the `unshare` and `tc` commands (iproute2): it shapes the "
-            "loopback of a private network namespace. Run it as root, e.g. `sudo -E python benchmarks/bandwidth.py`."
-        )
-    env = {**os.environ, _INSIDE: "1"}
-    done = subprocess.run(["unshare", "-n", sys.executable, *sys.argv], env=env, check=False)
-    if done.returncode != 0:
-        sys.exit(f"benchmarks/bandwidth.py: the run inside the network namespace failed (exit {done.returncode}).")
+    run_in_namespace(_INSIDE, "benchmarks/bandwidth.py")
 
 
 if __name__ == "__main__":

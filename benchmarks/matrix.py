@@ -46,9 +46,7 @@ import itertools
 import json
 import math
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -78,7 +76,11 @@ from lightning_gravac.zoo.cifar import SyntheticImages
 from lightning_gravac.zoo.language import PTB_VOCAB, Streams, synthetic_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bandwidth import _shape  # (the same token-bucket shaping as the bandwidth benchmark)
+from bandwidth import (  # (the same token-bucket shaping as the bandwidth benchmark)
+    _shape,
+    prepare_namespace,
+    run_in_namespace,
+)
 
 _INSIDE = "GRAVAC_MATRIX_NETNS"
 FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc cf=100"]
@@ -469,10 +471,7 @@ def heatmap(cells: dict[str, Any], tasks: list[str], links: list[str], rows: lis
 
 
 def _inside(args: argparse.Namespace) -> None:
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    subprocess.run(["ip", "link", "set", "lo", "mtu", "1500"], check=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_namespace(args.out)
     results: dict[str, Any] = {"args": vars(args), "full": {}, "timing": {}, "adaptive": {}, "parameters": {}}
     fixed_rows = [r for r in args.rows if r not in LINK_DEPENDENT]
     if "accordion 10/1000" in fixed_rows:  # projected on a link with the Top-K rows' step times at its factors
@@ -549,11 +548,7 @@ def main() -> None:
     if os.environ.get(_INSIDE) == "1":
         _inside(args)
         return
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("tc") is None:
-        sys.exit("benchmarks/matrix.py needs root and the `unshare` and `tc` commands: it shapes a private loopback.")
-    done = subprocess.run(["unshare", "-n", sys.executable, *sys.argv], env={**os.environ, _INSIDE: "1"}, check=False)
-    if done.returncode != 0:
-        sys.exit(f"benchmarks/matrix.py: the run inside the network namespace failed (exit {done.returncode}).")
+    run_in_namespace(_INSIDE, "benchmarks/matrix.py")
 
 
 if __name__ == "__main__":
