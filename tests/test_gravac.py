@@ -293,6 +293,65 @@ def test_after_the_first_window_probes_run_one_step_in_probe_every():
         GraVAC(probe_every=0)
 
 
+def _model_search(gain, compress_s=0.0, **kwargs):
+    """A model search on a link where bytes dominate (1 s of compute, 1 MB dense at 100 kB/s), compressing at
+    ``compress_s`` seconds a step."""
+
+    def comm(cf: float) -> float:
+        return 1_000_000 / cf / 100_000
+
+    c = Scripted(lambda cf: gain[cf], lambda cf: 1.0 + comm(cf) + (compress_s if cf != 1 else 0.0), comm,
+                 cf_min=10, cf_max=1000, search="model", **kwargs)  # fmt: skip
+    c._world_size = 2
+    c.compress_seconds = lambda stats: compress_s if c.cf != 1 else 0.0
+    return c
+
+
+def _probed_steps(c, steps, state):
+    """The steps (counted from the run's first, 1-based) on which ``c`` asks the hook for probes."""
+    probed = []
+    for _ in range(steps):
+        c.apply(state)
+        if state.probe_cfs:
+            probed.append(c._steps + 1)
+        c.run(1, state)
+    return probed
+
+
+def test_probes_back_off_while_they_change_nothing_and_come_back_when_the_choice_moves():
+    from lightning_gravac import CompressionState
+
+    gain = {10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}
+    c = _model_search(gain, window=1000, first_window=2, probe_every=2, probe_backoff=4, alpha=1.0)
+    state = CompressionState(get_compressor("topk"), error_feedback=True)
+    # The first window (steps 1-2), then a probe after 2 steps done (step 3): the choice stays, the spacing doubles
+    # to 4 (step 5), then to 8, its cap (steps 9, 17, 25).
+    assert _probed_steps(c, 26, state) == [1, 2, 3, 5, 9, 17, 25]
+    chosen = c.cf
+    gain[chosen] = 0.03  # the chosen factor now keeps almost nothing: the next probe moves the choice
+    probed = _probed_steps(c, 12, state)
+    assert probed[0] == 33 and c.cf != chosen
+    assert probed[1:] == [35, 37], "a change of choice brings the spacing back to probe_every"
+    assert GraVAC(search="sequential").probe_backoff == 1 and GraVAC().probe_backoff == 8
+    with pytest.raises(ValueError, match=r"`probe_backoff` must be a whole number >= 1, got 0"):
+        GraVAC(probe_backoff=0)
+
+
+def test_no_probes_while_no_factor_could_beat_dense_whatever_it_kept():
+    from lightning_gravac import CompressionState
+
+    gain = {10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}
+    # Compressing takes 20 s a step; a dense step's bytes take 10 s: no factor pays, even keeping everything.
+    c = _model_search(gain, compress_s=20.0, window=1000, first_window=2, probe_every=2)
+    state = CompressionState(get_compressor("topk"), error_feedback=True)
+    assert _probed_steps(c, 20, state) == [1, 2]
+    assert c.cf == 1 and not c.gains_can_matter()
+    # At 5 s a step, the factors that save more than 5 s of bytes could pay: the gains are measured again.
+    cheap = _model_search(gain, compress_s=5.0, window=1000, first_window=2, probe_every=2, probe_backoff=1)
+    assert _probed_steps(cheap, 8, state) == [1, 2, 3, 5, 7] and cheap.gains_can_matter()
+    assert GraVAC(search="sequential").gains_can_matter()
+
+
 def test_spaced_probes_weigh_as_the_steps_they_stand_for():
     from lightning_gravac import CompressionState
 

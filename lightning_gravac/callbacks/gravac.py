@@ -29,9 +29,9 @@ DEFAULT_CF_MIN, DEFAULT_CF_MAX = 10.0, 1000.0
 #: default (see the class docstring for each departure and the measurement behind it).
 SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "sequential": {"epsilon": 0.7, "window": 500, "probe_every": 1, "gain_of": "error_fed", "gain_power": 1.0,
-                   "link_probe": False},
+                   "link_probe": False, "probe_backoff": 1},
     "model": {"epsilon": 0.02, "window": 50, "probe_every": 25, "gain_of": "gradient", "gain_power": 1 / 3,
-              "link_probe": True},
+              "link_probe": True, "probe_backoff": 8},
 }  # fmt: skip
 #: The link probe: the all-reduce that measures a message's cost, and the first that measures a byte's (it grows 4x
 #: until one takes ``PROBE_SECONDS`` or reaches the model's gradient bytes).
@@ -141,7 +141,10 @@ class GraVAC(Controller):
       which on a slow link means sending dense for a window (minutes on 100 Mbit/s). Here the first decision
       follows the third step.
     - *Probes on one step in 25* after the first window (the paper: every step), so a run that settles on dense
-      pays stock DDP's price on the other 24.
+      pays stock DDP's price on the other 24; while probes leave the choice as it was, the spacing doubles up to 200
+      steps (a probe costs a selection at every factor: 30-80 ms on a 2.3M-parameter CNN whose dense step takes
+      90 ms). And none at all while no factor could beat dense even if it kept all of the gradient (compressing
+      costs more time than its bytes save, as on a fast link): no gain could change that choice.
 
     **The paper's GraVAC** is ``GraVAC(search="sequential")``: every argument left at ``None`` then takes the
     paper's value (error-fed gain, ``epsilon`` 0.7, window 500, probes every step). Every step it measures the gain at
@@ -185,6 +188,10 @@ class GraVAC(Controller):
             17-20x dense's loss at every factor from 10 to 1000 and Random-K diverged, while fp16 matched dense:
             error-fed sparse updates upset Adam's per-coordinate normalisation. Use ``GraVACStrategy("fp16")`` to
             halve Adam's traffic safely.
+        probe_backoff: after the first window, each probe that leaves the choice as it was doubles the spacing of
+            the probes, up to ``probe_every x probe_backoff`` steps; a change of choice brings it back to
+            ``probe_every`` (1: no back-off). ``None``: 8 (model: probes between 25 and 200 steps apart), 1
+            (sequential).
 
     Raises:
         ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
@@ -209,6 +216,7 @@ class GraVAC(Controller):
         gain_power: float | None = None,
         link_probe: bool | None = None,
         adam: Literal["dense", "compress"] = "dense",
+        probe_backoff: int | None = None,
     ) -> None:
         # Which bounds are defaults, fitted to the model at setup (`fit_to_model`), and which the user chose.
         self._fitted = {"cf_min": cf_min is None, "cf_max": cf_max is None}
@@ -236,6 +244,8 @@ class GraVAC(Controller):
         self.gain_power = power
         self.link_probe = bool(defaults["link_probe"] if link_probe is None else link_probe)
         self.adam = choice(adam, "adam", ("dense", "compress"))
+        self.probe_backoff = whole(defaults["probe_backoff"] if probe_backoff is None else probe_backoff,
+                                   "probe_backoff")  # fmt: skip
         default_first = min(self.window, 3) if self.search == "model" else self.window
         self.first_window = default_first if first_window is None else whole(first_window, "first_window")
         self.cf_max = cf_max
@@ -261,12 +271,10 @@ class GraVAC(Controller):
         # The current window.
         self._tally: dict[float, _Tally] = {}
         self._progress = 0
-        self._world_size = 1
-        self._batch_size = 1
-        self._bytes_dense = 0
-        self._step_start = 0.0
-        self._steps = 0
+        self._world_size, self._batch_size, self._bytes_dense = 1, 1, 0
+        self._step_start, self._steps = 0.0, 0
         self._last_probe = 0  # the step of the last probe
+        self._probe_interval = self.probe_every  # grows while probes leave the choice as it was (`probe_backoff`)
 
     @override
     def fit_to_model(self, largest: int) -> None:
@@ -414,8 +422,9 @@ class GraVAC(Controller):
             state.cf, state.probe_cfs = DENSE, ()
             return
         # Every step of the first window; then one step in `probe_every` (the gains are smoothed anyway), so that a
-        # settled or dense choice stops paying for the measurement on the other steps.
-        probing = self.windows == 0 or self._steps % self.probe_every == 0
+        # settled or dense choice stops paying for the measurement on the other steps; fewer while probes change
+        # nothing, none while no factor could pay whatever it kept.
+        probing = self.windows == 0 or (self._steps % self._probe_interval == 0 and self.gains_can_matter())
         state.probe_cfs = self.probe_cfs if probing else ()
         state.gain_of = self.gain_of
 
@@ -464,7 +473,7 @@ class GraVAC(Controller):
         seconds = self.step_seconds(stats)
         if self._warm_up:  # a fit's first step allocates, builds DDP's buckets, warms caches: not a step's cost
             self._warm_up = False
-            self._after_step(trainer)
+            self._after_step(trainer, probed=bool(gains))
             return
         tally = self._tally.setdefault(self.cf, _Tally())
         tally.steps += 1
@@ -480,14 +489,24 @@ class GraVAC(Controller):
         fresh = self.gain_of == "gradient" and self.cf != DENSE
         tally.gain += self.gains.get(self.cf, stats.gain) if fresh else stats.gain
         tally.moved_bytes += moved_bytes(stats.bytes_sent, stats.bytes_dense, self._world_size)
-        self._after_step(trainer)
+        self._after_step(trainer, probed=bool(gains))
 
-    def _after_step(self, trainer: "pl.Trainer | None") -> None:
+    def _after_step(self, trainer: "pl.Trainer | None", probed: bool = False) -> None:
+        probed = probed and self.windows > 0  # the first window probes every step: no back-off from those
         if self.interval == "step":
             self._progress += 1
             if self._progress >= self.window_length:
                 self._end_window(trainer)
-        self.cf = self._choose()
+        sent, self.cf = self.cf, self._choose()
+        self._back_off(changed=self.cf != sent, probed=probed)
+
+    def _back_off(self, changed: bool, probed: bool) -> None:
+        """Space the probes: a probe after the first window that leaves the choice as it was doubles the spacing (up
+        to ``probe_every x probe_backoff`` steps); any change of choice brings it back to ``probe_every``."""
+        if changed:
+            self._probe_interval = self.probe_every
+        elif probed:
+            self._probe_interval = min(2 * self._probe_interval, self.probe_every * self.probe_backoff)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -601,13 +620,25 @@ class GraVAC(Controller):
         """``gain(cf) ** gain_power`` over the predicted seconds of a step at ``cf``: the same on every rank."""
         if self.link is None:
             return math.nan
-        payload = dense_bytes if cf == DENSE else dense_bytes / cf + self.payload_fixed
-        moved = moved_bytes(payload, dense_bytes, self._world_size)
-        seconds = self.link.other_seconds + self.link.per_step + moved * self.link.seconds_per_byte
-        if cf != DENSE:
-            seconds += self.compress_cost
+        seconds = self._predicted_seconds(self.link, cf, dense_bytes)
         gain = 1.0 if cf == DENSE else self.gains.get(cf, 0.0) ** self.gain_power
         return gain / seconds if seconds > 0 else math.inf
+
+    def _predicted_seconds(self, link: _Link, cf: float, dense_bytes: float) -> float:
+        """A step's seconds at ``cf`` by the fitted model: the rest, compressing, a message a bucket, the bytes."""
+        payload = dense_bytes if cf == DENSE else dense_bytes / cf + self.payload_fixed
+        moved = moved_bytes(payload, dense_bytes, self._world_size)
+        seconds = link.other_seconds + link.per_step + moved * link.seconds_per_byte
+        return seconds if cf == DENSE else seconds + self.compress_cost
+
+    def gains_can_matter(self) -> bool:
+        """Whether some factor could beat dense if it kept all of the gradient (gain 1): if none can (compressing
+        costs more time than its bytes save, as on a fast link), no gain changes the choice and the model search
+        stops measuring them. True for the sequential search and before the step's cost is known."""
+        if self.search != "model" or self.link is None:
+            return True
+        dense = self._predicted_seconds(self.link, DENSE, self._bytes_dense)
+        return any(self._predicted_seconds(self.link, cf, self._bytes_dense) < dense for cf in self.ladder)
 
     def _best_predicted(self) -> float:
         eligible = [DENSE] + [cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon]
@@ -644,6 +675,7 @@ class GraVAC(Controller):
             "progress": self._progress,
             "steps": self._steps,
             "last_probe": self._last_probe,
+            "probe_interval": self._probe_interval,
             "tally": {f: asdict(t) for f, t in self._tally.items()},
             "gain_of": self.gain_of,
             "gain_sums": {f: list(v) for f, v in self._gain_sums.items()},
@@ -665,6 +697,7 @@ class GraVAC(Controller):
         self._tally = {f: _Tally(**t) for f, t in state_dict["tally"].items()}
         self._steps = state_dict.get("steps", 0)
         self._last_probe = state_dict.get("last_probe", self._steps)
+        self._probe_interval = state_dict.get("probe_interval", self.probe_every)
         self.gain_of = state_dict.get("gain_of", self.gain_of)
         self._gain_sums = {f: (v[0], v[1]) for f, v in state_dict.get("gain_sums", {}).items()}
         self.compress_cost = state_dict.get("compress_cost", 0.0)
@@ -677,5 +710,5 @@ class GraVAC(Controller):
             f"GraVAC(cf_min={self.cf_min:g}, cf_max={self.cf_max:g}, epsilon={self.epsilon}, omega={self.omega}, "
             f"window={self.window}, policy={self.policy!r}, search={self.search!r}, probe_every={self.probe_every}, "
             f"first_window={self.first_window}, gain_of={self.gain_of!r}, gain_power={self.gain_power:.3g}, "
-            f"link_probe={self.link_probe}, adam={self.adam!r})"
+            f"link_probe={self.link_probe}, adam={self.adam!r}, probe_backoff={self.probe_backoff})"
         )
