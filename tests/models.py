@@ -61,6 +61,9 @@ class SimulatedLink(GraVAC):
     def measure_link(self, trainer: pl.Trainer) -> tuple[float, float]:
         return 0.0, 8 / 10e6
 
+    def measure_cast(self, trainer: pl.Trainer) -> float:
+        return 0.0
+
 
 class Snapshot(Callback):
     """Records the controller's state, the step counter and this rank's residuals: at the end of epoch ``at_epoch``

@@ -342,14 +342,42 @@ def test_no_probes_while_no_factor_could_beat_dense_whatever_it_kept():
 
     gain = {10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}
     # Compressing takes 20 s a step; a dense step's bytes take 10 s: no factor pays, even keeping everything.
-    c = _model_search(gain, compress_s=20.0, window=1000, first_window=2, probe_every=2)
+    c = _model_search(gain, compress_s=20.0, window=1000, first_window=2, probe_every=2, fp16_rung=False)
     state = CompressionState(get_compressor("topk"), error_feedback=True)
     assert _probed_steps(c, 20, state) == [1, 2]
     assert c.cf == 1 and not c.gains_can_matter()
     # At 5 s a step, the factors that save more than 5 s of bytes could pay: the gains are measured again.
-    cheap = _model_search(gain, compress_s=5.0, window=1000, first_window=2, probe_every=2, probe_backoff=1)
+    cheap = _model_search(gain, compress_s=5.0, window=1000, first_window=2, probe_every=2, probe_backoff=1,
+                          fp16_rung=False)
     assert _probed_steps(cheap, 8, state) == [1, 2, 3, 5, 7] and cheap.gains_can_matter()
     assert GraVAC(search="sequential").gains_can_matter()
+
+
+def test_the_model_search_sends_fp16_where_no_factor_keeps_enough_and_bytes_cost():
+    from lightning_gravac import CompressionState
+
+    state = CompressionState(get_compressor("topk"), error_feedback=True)
+    # Every factor keeps 0.1% of the gradient (below the 0.02 floor): dense, or the whole gradient in fp16.
+    poor = _model_search({**dict.fromkeys((10, 20, 40, 160, 1000), 0.001), 2.0: 1.0}, window=3)
+    poor.cast_cost = 0.5
+    poor.run(6, state)
+    # Dense: 1 s + 10 s of bytes. fp16: 1 s + 5 s + 0.5 s of casts.
+    assert poor.cf == 2.0 and state.half and state.cf == 2.0
+    poor.run(3, state)  # a window at fp16, whose steps take 1 s + 5 s (the casts' time as measured: none)
+    assert poor._predicted_seconds(poor.link, 2.0, 1_000_000) == pytest.approx(6.0, rel=1e-6)
+    # Casting dearer than the bytes it saves: dense.
+    poor.cast_cost = 6.0
+    poor.run(1, state)
+    poor.apply(state)
+    assert poor.cf == 1.0 and not state.half
+    # Factors that keep enough beat both: the rung is one choice among the others.
+    rich = _model_search({10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}, window=3)
+    rich.run(6, state)
+    rich.apply(state)
+    assert rich.cf > 2 and not state.half
+    assert not GraVAC(search="sequential").fp16_rung and GraVAC().fp16_rung
+    with pytest.raises(ValueError, match="`fp16_rung=True` needs `search='model'`"):
+        GraVAC(search="sequential", fp16_rung=True)
 
 
 def test_spaced_probes_weigh_as_the_steps_they_stand_for():
@@ -414,13 +442,15 @@ def _default_on_a_link(per_byte: float, gain: dict[float, float], **kwargs) -> S
     c = Scripted(lambda cf: gain[cf], seconds, search="model", **kwargs)
     c._world_size = 2
     c.probed = (0.0, per_byte)  # what the fit-start probe would have measured
+    c.cast_cost = 0.01  # and the fp16 rung's casts: 10 ms a step
     return c.run(4)  # the first window (3 steps), then one step at the factor it chose
 
 
 def test_default_sends_the_factor_of_highest_predicted_throughput_on_each_link():
     gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.025}
     # Predicted gain^(1/3) / step seconds (dense: gain 1, 1 MB), the highest wins:
-    # - 1 ns a byte: dense 1/0.101 = 9.9 beats cf 10's 0.794/0.1001 = 7.9 (compressing gains no time, costs progress);
+    # - 1 ns a byte: dense 1/0.101 = 9.9 beats cf 10's 0.794/0.1001 = 7.9 (compressing gains no time, costs progress)
+    #   and fp16's 1/0.1105 = 9.0 (its casts cost more than the bytes they save);
     # - 100 ns a byte: dense 1/0.2 = 5.0, cf 10 0.794/0.11 = 7.2, cf 20 0.705/0.105 = 6.7, cf 160 0.464/0.1006 = 4.6;
     # - 10 us a byte: dense 0.099, cf 40 0.63/0.35 = 1.8, cf 160 0.464/0.1625 = 2.86, cf 1000 0.292/0.11 = 2.66.
     for per_byte, expected in [(1e-9, 1.0), (1e-7, 10.0), (1e-5, 160.0)]:

@@ -325,3 +325,50 @@ def test_powersgd_probes_of_the_step_own_gradient_leave_what_is_sent_alone():
 
 def test_signsgd_through_the_hook_is_the_majority_vote():
     assert run_distributed(_vote) == [True, True]
+
+
+def _half_steps(rank, world, granularity):
+    """Top-K at cf 50, then a half step (the whole gradient in fp16), then Top-K again, against every rank's plain
+    gradients: a half step sends the error-fed gradient cast to fp16, averaged in fp16, and keeps the rounding."""
+    dist.init_process_group("gloo")
+    model = _model()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+    state = CompressionState(get_compressor("topk"), error_feedback=True, granularity=granularity, cf=50)
+    state.bind(model)
+    ddp.register_comm_hook(state, gravac_hook)
+    residuals: dict[str, torch.Tensor] = {}
+    out = []
+    for step, half in enumerate((False, True, False, True)):
+        state.half = half
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        for m in (ddp, reference):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        names = [n for n, _ in reference.named_parameters()]
+        grads = [p.grad for _, p in reference.named_parameters()]
+        if half:
+            expected = {}
+            for n, g in zip(names, grads, strict=True):
+                fed = g + residuals.get(n, torch.zeros_like(g))
+                wire = fed.to(torch.float16)
+                residuals[n] = fed - wire.float()
+                summed = sum(_all_ranks(wire.div(world))[1:], _all_ranks(wire.div(world))[0])
+                expected[n] = summed.float()
+        else:
+            expected, _ = _reference_step(state.compressor, names, grads, residuals, 50, granularity, step, {})
+        stats = state.pop_stats()
+        got = dict(model.named_parameters())
+        out.append({
+            "equal": all(torch.equal(got[n].grad, expected[n]) for n in names),
+            "residuals": all(torch.equal(state.memory.get(n), residuals[n]) for n in names),
+            "achieved_cf": stats.achieved_cf,
+        })  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("granularity", ["layer", "bucket"])
+def test_a_half_step_sends_the_error_fed_gradient_in_fp16_and_keeps_the_rounding(granularity):
+    for steps in run_distributed(_half_steps, granularity=granularity):
+        assert all(s["equal"] and s["residuals"] for s in steps), steps
+        assert 1.9 < steps[1]["achieved_cf"] <= 2.0 and steps[0]["achieved_cf"] > 10

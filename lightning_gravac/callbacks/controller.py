@@ -159,7 +159,7 @@ class Controller(Callback):
         """:meth:`apply` the decisions, unless the divergence guard holds the factor at 1 (then everything is dense)."""
         self.apply(state)
         if self.guard is not None and self.guard.holding > 0:
-            state.cf, state.param_cf, state.probe_cfs = 1.0, {}, ()
+            state.cf, state.param_cf, state.probe_cfs, state.half = 1.0, {}, (), False
 
     def _guarded(self, stats: StepStats, trainer: "pl.Trainer") -> str:
         """``"hold"``: the divergence guard holds the next step dense; ``"released"``: this step was its last dense
@@ -192,7 +192,7 @@ class Controller(Callback):
 
     def apply(self, state: CompressionState) -> None:
         """Hand the current decisions to the comm hook: the factor (and, in subclasses, probes or per-layer factors)."""
-        state.cf = self.cf
+        state.cf, state.half = self.cf, False
 
     def metrics(self, stats: StepStats) -> dict[str, float]:
         """The ``gravac/*`` metrics of the step that produced ``stats``."""

@@ -15,6 +15,7 @@ from typing_extensions import override
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
+from lightning_gravac.strategies.hook import HALF
 from lightning_gravac.strategies.state import CompressionState, GainOf, StepStats
 
 Policy = Literal["exponential", "geometric"]
@@ -29,9 +30,9 @@ DEFAULT_CF_MIN, DEFAULT_CF_MAX = 10.0, 1000.0
 #: default (see the class docstring for each departure and the measurement behind it).
 SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "sequential": {"epsilon": 0.7, "window": 500, "probe_every": 1, "gain_of": "error_fed", "gain_power": 1.0,
-                   "link_probe": False, "probe_backoff": 1},
+                   "link_probe": False, "probe_backoff": 1, "fp16_rung": False},
     "model": {"epsilon": 0.02, "window": 50, "probe_every": 25, "gain_of": "gradient", "gain_power": 1 / 3,
-              "link_probe": True, "probe_backoff": 8},
+              "link_probe": True, "probe_backoff": 8, "fp16_rung": True},
 }  # fmt: skip
 #: The link probe: the all-reduce that measures a message's cost, and the first that measures a byte's (it grows 4x
 #: until one takes ``PROBE_SECONDS`` or reaches the model's gradient bytes).
@@ -95,17 +96,26 @@ def moved_bytes(payload_bytes: float, dense_bytes: float, world_size: int) -> fl
     return min((n - 1) * payload_bytes, 2 * (n - 1) / n * dense_bytes)
 
 
+def _gain_power(value: float) -> float:
+    power = float(value)
+    if not (math.isfinite(power) and power >= 0):
+        raise ValueError(f"`gain_power` must be a finite number >= 0, got {value}.")
+    return power
+
+
 class GraVAC(Controller):
     """Adapt the compression factor to what compression loses (gain) and what the link costs (step time).
 
     **The default** (``GraVAC()``, which ``GraVACStrategy()`` installs) sends, at every step, the factor with the
-    highest predicted *compression throughput*, ``samples/s x gain^p``, among dense and the factors of the ladder
-    ``cf_min, cf_min x 2, x 4, x 16, ...`` up to ``cf_max`` (10, 20, 40, 160, 1000). What it measures:
+    highest predicted *compression throughput*, ``samples/s x gain^p``, among dense, the whole gradient in fp16 (the
+    16-bit rung: a factor of 2 that keeps all but the rounding, which error feedback carries) and the factors of the
+    ladder ``cf_min, cf_min x 2, x 4, x 16, ...`` up to ``cf_max`` (10, 20, 40, 160, 1000). What it measures:
 
     - the **link**, at fit start (again on resume): all-reduces of 1 KB and of 64 KB, 256 KB, ... (until one takes
       20 ms or reaches the model's size), each the best of three, timed on every rank (the slowest rank's times, so
       every rank holds the same numbers), give a per-message and a per-byte cost. So the first decision knows what
-      a dense step costs on this network without sending one;
+      a dense step costs on this network without sending one; and the casts of the fp16 rung (the model's gradient
+      to fp16 and back, best of three);
     - the **rest of a step** (forward, backward, optimizer) and what compressing costs, from the steps it sends,
       every ``window`` steps (a fit's first step, which warms up, is left out; so is the time spent measuring the
       gains);
@@ -135,6 +145,9 @@ class GraVAC(Controller):
       1.2x, 1.6x and 2.8x dense's steps: ``g^(-1/3)`` is 1.3x, 2.0x and 2.9x, a slightly pessimistic fit; ``1/g``
       predicts 2x, 8x and 25x. On an embedding bag (gains 0.6-0.9) no factor cost steps. Theory brackets it: error
       feedback's slowdown vanishes where gradient noise dominates and grows like ``1/g`` where it does not.
+    - *fp16 is a rung of the ladder*: where the link costs but no factor keeps enough (on a 2.3M-parameter CNN with
+      SGD momentum at 1 Gbit/s fp16 all-reduce was the best fixed choice, 0.80x Top-K cf 10's time to target),
+      halving the bytes without losing the step's direction is what pays. The paper's search has no rung.
     - *``epsilon`` is a floor (0.02), not the gate*: the gain already weighs each factor; the floor only refuses a
       factor that sends almost nothing of each step.
     - *The link is measured, not searched*: the paper finds the best factor by sending each candidate for a window,
@@ -192,6 +205,9 @@ class GraVAC(Controller):
             the probes, up to ``probe_every x probe_backoff`` steps; a change of choice brings it back to
             ``probe_every`` (1: no back-off). ``None``: 8 (model: probes between 25 and 200 steps apart), 1
             (sequential).
+        fp16_rung: let the model search send a step whole in fp16. ``None``: on for the model search, which then
+            turns it off at setup for 16-bit parameters (nothing to halve), for methods that keep an accumulation of
+            their own (DGC) or have one factor (casts, sign methods), and for ``cf_min`` of 2 or less.
 
     Raises:
         ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
@@ -217,6 +233,7 @@ class GraVAC(Controller):
         link_probe: bool | None = None,
         adam: Literal["dense", "compress"] = "dense",
         probe_backoff: int | None = None,
+        fp16_rung: bool | None = None,
     ) -> None:
         # Which bounds are defaults, fitted to the model at setup (`fit_to_model`), and which the user chose.
         self._fitted = {"cf_min": cf_min is None, "cf_max": cf_max is None}
@@ -238,14 +255,17 @@ class GraVAC(Controller):
         self._gain_of_default = gain_of is None
         self.gain_of: GainOf = choice(defaults["gain_of"] if gain_of is None else gain_of, "gain_of",
                                       ("error_fed", "gradient"))  # fmt: skip
-        power = defaults["gain_power"] if gain_power is None else float(gain_power)
-        if not (math.isfinite(power) and power >= 0):
-            raise ValueError(f"`gain_power` must be a finite number >= 0, got {gain_power}.")
-        self.gain_power = power
+        self.gain_power = _gain_power(defaults["gain_power"] if gain_power is None else gain_power)
         self.link_probe = bool(defaults["link_probe"] if link_probe is None else link_probe)
         self.adam = choice(adam, "adam", ("dense", "compress"))
         self.probe_backoff = whole(defaults["probe_backoff"] if probe_backoff is None else probe_backoff,
                                    "probe_backoff")  # fmt: skip
+        #: Whether the model search may send a step whole in fp16 (decided at setup: fp32 gradients, a method whose
+        #: residual the hook keeps, ``cf_min`` above 2).
+        self.fp16_rung = bool(defaults["fp16_rung"] if fp16_rung is None else fp16_rung)
+        if self.fp16_rung and self.search != "model":
+            raise ValueError("`fp16_rung=True` needs `search='model'`: the sequential search has no cost model for it.")
+        self.fp16_rung = self.fp16_rung and cf_min > HALF  # a ladder from 2 or less has the factor already
         default_first = min(self.window, 3) if self.search == "model" else self.window
         self.first_window = default_first if first_window is None else whole(first_window, "first_window")
         self.cf_max = cf_max
@@ -263,6 +283,7 @@ class GraVAC(Controller):
         #: The setup probe's ``(seconds a message, seconds a moved byte)``, identical on every rank; None: not run.
         self.probed: tuple[float, float] | None = None
         self.compress_cost = 0.0  # seconds a step the method's selection and encoding cost, when compressing
+        self.cast_cost = 0.0  # seconds a step the fp16 rung's casts cost (timed at fit start, then measured)
         self.payload_fixed = 0.0  # bytes a compressed step sends beyond dense / cf (headers, minimum entries), measured
         self._gain_sums: dict[float, tuple[float, float]] = {}  # bias-corrected EWMA: (weighted sum, weight)
         self._buckets = 1
@@ -339,6 +360,14 @@ class GraVAC(Controller):
                 f"`gain_of='gradient'` measures what a factor keeps of the step's own gradient, but {method.name!r} "
                 "selects from an accumulation of its own, not from the gradient. Use `gain_of='error_fed'`."
             )
+        fp32 = all(p.dtype == torch.float32 for p in pl_module.parameters() if p.requires_grad)
+        own_state = method.owns_feedback or method.fixed_cf is not None or method.near_lossless
+        self.fp16_rung = self.fp16_rung and fp32 and not own_state and self.cf_min > HALF
+
+    @property
+    def rungs(self) -> tuple[float, ...]:
+        """The factors the model search weighs besides dense and the ladder: ``HALF`` (fp16) when on."""
+        return (HALF,) if self.fp16_rung else ()
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -353,6 +382,8 @@ class GraVAC(Controller):
                 f"GraVAC: link measured at fit start: {self.probed[0] * 1e6:.0f} us a message, "
                 f"{8 / self.probed[1] / 1e6 if self.probed[1] > 0 else math.inf:.0f} Mbit/s."
             )
+            if self.fp16_rung and fresh:  # a resumed run keeps its cost, measured since on the steps it sent in fp16
+                self.cast_cost = self.measure_cast(trainer)
             if fresh:
                 self.cf = self._choose()
                 self._hand_over(self.state)
@@ -403,6 +434,24 @@ class GraVAC(Controller):
             return 0.0, t_large / (share * size)
         return max(0.0, t_small - per_byte * share * small), per_byte
 
+    def measure_cast(self, trainer: "pl.Trainer") -> float:
+        """Seconds the fp16 rung's casts take a step (fp32 to fp16 and back, the model's gradient bytes), the best
+        of three, the slowest rank's: the same on every rank. A subclass may return a model (tests)."""
+        device = trainer.strategy.root_device
+        numel = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
+        gradient = torch.zeros(max(1, numel), device=device)
+        synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        best = math.inf
+        for _ in range(3):
+            synchronize()
+            start = time.perf_counter()
+            gradient.to(torch.float16).to(torch.float32)
+            synchronize()
+            best = min(best, time.perf_counter() - start)
+        slowest = torch.tensor([best], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.state.process_group)
+        return float(slowest.item())
+
     @override
     def _on_adaptive_optimizer(self) -> None:
         if self.adam == "compress":
@@ -427,6 +476,7 @@ class GraVAC(Controller):
         probing = self.windows == 0 or (self._steps % self._probe_interval == 0 and self.gains_can_matter())
         state.probe_cfs = self.probe_cfs if probing else ()
         state.gain_of = self.gain_of
+        state.half = self.cf == HALF and self.fp16_rung
 
     @override
     def on_train_batch_start(
@@ -467,7 +517,7 @@ class GraVAC(Controller):
                 else:  # the paper's EWMA, started at the first value
                     self.gains[cf] = gain if cf not in self.gains else (1 - weight) * self.gains[cf] + weight * gain
         self._buckets = max(1, stats.buckets)
-        if self.cf != DENSE and stats.bytes_sent and stats.bytes_dense:
+        if self.cf not in (DENSE, *self.rungs) and stats.bytes_sent and stats.bytes_dense:
             # What a step sends beyond dense/cf: headers, at least one entry a tensor, rounding to whole entries.
             self.payload_fixed = max(0.0, stats.bytes_sent - stats.bytes_dense / self.cf)
         seconds = self.step_seconds(stats)
@@ -486,7 +536,7 @@ class GraVAC(Controller):
             tally.plain_compress_seconds += compress_seconds
         # The sent factor's gain, measured on what the gains are of: the error-fed gradient (what was sent of it), or
         # the step's own gradient (the probes' smoothed value).
-        fresh = self.gain_of == "gradient" and self.cf != DENSE
+        fresh = self.gain_of == "gradient" and self.cf not in (DENSE, *self.rungs)
         tally.gain += self.gains.get(self.cf, stats.gain) if fresh else stats.gain
         tally.moved_bytes += moved_bytes(stats.bytes_sent, stats.bytes_dense, self._world_size)
         self._after_step(trainer, probed=bool(gains))
@@ -558,7 +608,9 @@ class GraVAC(Controller):
             samples = self._world_size * self._batch_size * tally.steps
             self.throughput[f] = samples / seconds * (tally.gain / tally.steps)
             measured[f] = (tally.steps, seconds, comm_seconds, tally.moved_bytes)
-            if f != DENSE:
+            if f == HALF and self.fp16_rung:  # the casts' cost, kept apart from the method's
+                self.cast_cost = (plain_s / tally.plain_steps) if tally.plain_steps else compress_s / tally.steps
+            elif f != DENSE:
                 compress = [compress[0] + compress_s, compress[1] + tally.steps]
                 plain = [plain[0] + plain_s, plain[1] + tally.plain_steps]
         if plain[1] or compress[1]:  # what compressing costs a step: from steps without probes when there were any
@@ -621,15 +673,19 @@ class GraVAC(Controller):
         if self.link is None:
             return math.nan
         seconds = self._predicted_seconds(self.link, cf, dense_bytes)
-        gain = 1.0 if cf == DENSE else self.gains.get(cf, 0.0) ** self.gain_power
+        # fp16 keeps all but the rounding, which error feedback carries to the next step.
+        gain = 1.0 if cf in (DENSE, *self.rungs) else self.gains.get(cf, 0.0) ** self.gain_power
         return gain / seconds if seconds > 0 else math.inf
 
     def _predicted_seconds(self, link: _Link, cf: float, dense_bytes: float) -> float:
         """A step's seconds at ``cf`` by the fitted model: the rest, compressing, a message a bucket, the bytes."""
-        payload = dense_bytes if cf == DENSE else dense_bytes / cf + self.payload_fixed
-        moved = moved_bytes(payload, dense_bytes, self._world_size)
-        seconds = link.other_seconds + link.per_step + moved * link.seconds_per_byte
-        return seconds if cf == DENSE else seconds + self.compress_cost
+        if cf in (DENSE, *self.rungs):  # an all-reduce of the whole gradient, in fp32 or in fp16
+            moved = moved_bytes(dense_bytes / cf, dense_bytes, self._world_size)
+            extra = 0.0 if cf == DENSE else self.cast_cost
+        else:
+            moved = moved_bytes(dense_bytes / cf + self.payload_fixed, dense_bytes, self._world_size)
+            extra = self.compress_cost
+        return link.other_seconds + link.per_step + moved * link.seconds_per_byte + extra
 
     def gains_can_matter(self) -> bool:
         """Whether some factor could beat dense if it kept all of the gradient (gain 1): if none can (compressing
@@ -641,7 +697,7 @@ class GraVAC(Controller):
         return any(self._predicted_seconds(self.link, cf, self._bytes_dense) < dense for cf in self.ladder)
 
     def _best_predicted(self) -> float:
-        eligible = [DENSE] + [cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon]
+        eligible = [DENSE, *self.rungs] + [cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon]
         # Ranked without the samples a step (N x this rank's batch, which a last batch can make differ between
         # ranks): every term left is the same on every rank, so is the choice.
         return max(eligible, key=lambda cf: (self._progress_per_second(cf, self._bytes_dense), -cf))
@@ -680,6 +736,7 @@ class GraVAC(Controller):
             "gain_of": self.gain_of,
             "gain_sums": {f: list(v) for f, v in self._gain_sums.items()},
             "compress_cost": self.compress_cost,
+            "cast_cost": self.cast_cost,
             "payload_fixed": self.payload_fixed,
             "buckets": self._buckets,
         }
@@ -701,6 +758,7 @@ class GraVAC(Controller):
         self.gain_of = state_dict.get("gain_of", self.gain_of)
         self._gain_sums = {f: (v[0], v[1]) for f, v in state_dict.get("gain_sums", {}).items()}
         self.compress_cost = state_dict.get("compress_cost", 0.0)
+        self.cast_cost = state_dict.get("cast_cost", 0.0)
         self.payload_fixed = state_dict.get("payload_fixed", 0.0)
         self._buckets = state_dict.get("buckets", 1)
         super().load_state_dict(state_dict)
@@ -710,5 +768,6 @@ class GraVAC(Controller):
             f"GraVAC(cf_min={self.cf_min:g}, cf_max={self.cf_max:g}, epsilon={self.epsilon}, omega={self.omega}, "
             f"window={self.window}, policy={self.policy!r}, search={self.search!r}, probe_every={self.probe_every}, "
             f"first_window={self.first_window}, gain_of={self.gain_of!r}, gain_power={self.gain_power:.3g}, "
-            f"link_probe={self.link_probe}, adam={self.adam!r}, probe_backoff={self.probe_backoff})"
+            f"link_probe={self.link_probe}, adam={self.adam!r}, probe_backoff={self.probe_backoff}, "
+            f"fp16_rung={self.fp16_rung})"
         )

@@ -42,6 +42,9 @@ from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.compressors.powersgd import PowerSGD, as_matrix
 from lightning_gravac.strategies.state import GATHER, REDUCE, BucketRecord, CompressionState
 
+#: The factor of a half step: fp16 on the wire from an fp32 gradient.
+HALF = 2.0
+
 
 @dataclass(frozen=True)
 class _Segment:
@@ -82,7 +85,8 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if state.local_sgd_from is not None and state.step >= state.local_sgd_from:
         return _local(state, names, grads, buffer)
 
-    cfs = [state.cf_of(name) for name in names]
+    # A half step sends every parameter in fp16, a factor of 2 (the controller's 16-bit rung).
+    cfs = [HALF if state.half else state.cf_of(name) for name in names]
     dense = all(cf == 1.0 for cf in cfs)
     momentum = state.momentum
     params = bucket.parameters() if momentum else []
@@ -103,7 +107,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         for name, grad in zip(names, grads, strict=True):
             state.memory.compensate_(name, grad)
     segments = _segments(state, names, grads, cfs, buffer, recycled)
-    if isinstance(state.compressor, PowerSGD) and not dense:
+    if isinstance(state.compressor, PowerSGD) and not (dense or state.half):
         return _low_rank(state, segments, buffer, start, probe_cfs, fresh)
     if dense:
         # Sending dense while the controller still measures what compression would keep: residuals drop.
@@ -257,13 +261,14 @@ def _segments(
 ) -> list[_Segment]:
     if state.granularity == "bucket":
         # Per-layer factors need layer granularity; a whole bucket takes the global factor.
-        return [_Segment(f"bucket:{names[0]}", buffer, state.cf, state.compressor, buffer)]
+        method = state.cast if state.half else state.compressor
+        return [_Segment(f"bucket:{names[0]}", buffer, cfs[0] if state.half else state.cf, method, buffer)]
     return [
         _Segment(
             name,
             state.memory.error_fed(name, grad) if recycled else grad,
             cf,
-            state.identity if cf == 1.0 else state.compressor,
+            state.identity if cf == 1.0 else state.cast if state.half else state.compressor,
             grad,
         )
         for name, grad, cf in zip(names, grads, cfs, strict=True)

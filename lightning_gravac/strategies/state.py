@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gravac.compressors.base import Compressor
+from lightning_gravac.compressors.cast import FP16
 from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.momentum import MomentumCorrection
 from lightning_gravac.compressors.none import NoCompression
@@ -115,6 +116,7 @@ class CompressionState:
     param_cf: dict[str, float] = field(default_factory=dict)
     probe_cfs: tuple[float, ...] = ()  # factors whose gain the hook measures as well (GraVAC's candidates)
     gain_of: GainOf = "error_fed"  # what the probes compress: the error-fed gradient, or the step's own gradient
+    half: bool = False  # send this step whole in fp16 (the model search's 16-bit rung), whatever the factors say
     local_sgd_from: int | None = None  # the step from which gradients stay local (periodic model averaging)
 
     # Bound at hook registration.
@@ -132,6 +134,7 @@ class CompressionState:
     _records: list[BucketRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     identity: Compressor = field(default_factory=NoCompression)
+    cast: Compressor = field(default_factory=FP16)  # what a ``half`` step sends with
 
     def bind(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         """Name the parameters of ``module`` (the unwrapped model) and remember the group."""
