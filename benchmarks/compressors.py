@@ -10,7 +10,8 @@ does to one segment on one rank, in its order:
    (``ErrorFeedback.error_fed``);
 2. compress to the factor;
 3. the new residual, in place in that buffer (``Compressor.residual_``), stored;
-4. decode into the zeroed bucket (``aggregate_`` of this rank's payload, as the hook decodes every rank's).
+4. decode into the bucket (``decode_`` of this rank's payload, as the hook decodes every rank's: written in one
+   pass by the casts, added into the zeroed bucket by the others).
 
 DGC keeps its own accumulation instead of steps 1 and 3 (its state update is committed in the timing); methods the
 strategy runs without error feedback by default (casts, QSGD, TernGrad, signSGD) skip them.
@@ -18,7 +19,9 @@ strategy runs without error feedback by default (casts, QSGD, TernGrad, signSGD)
 Rows are timed interleaved, round by round, against two baselines of the same size measured in the same round:
 ``copy`` (``dst.copy_(src)``, the memory-bandwidth ceiling of touching the gradient once) and the straightforward
 Top-K (``topk(|g|)`` sorted, int64 indices, gather, ``zeros`` + ``scatter_``, ``g - decoded``). Reports the median
-milliseconds, GB/s of gradient (``4 numel / t``), and the ratios to the copy and to the naive Top-K.
+milliseconds, GB/s of gradient (``4 numel / t``), the ratios to the copy and to the naive Top-K, and the bytes a method
+keeps between steps per parameter (residuals and their recycled buffers, DGC's u and v, PowerSGD's Q, scratch) beside
+stock DDP's none (its buckets, which every row has as well, aside).
 """
 
 import argparse
@@ -58,11 +61,59 @@ def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
             payload = compressor.compress(fed, cf, key="g", step=0)
             compressor.residual_(fed, payload)
             memory.set("g", fed)
-        work.zero_()
-        compressor.aggregate_(work, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
+        compressor.decode_(work, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
         run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
 
+    run.kept = lambda: kept_bytes(compressor, memory)  # type: ignore[attr-defined]
     return run
+
+
+def _standalone(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
+    """The method on its own, as the README shows it (no process group, no error feedback of the strategy's):
+    ``decompress(compress(g))``, then ``commit`` (what a stateful method such as DGC needs between steps)."""
+    options = {"warmup_epochs": 0, "clip_norm": None} if name == "dgc" else {}
+    compressor = get_compressor(name, **options)
+    work = grad.clone()
+
+    def run() -> None:
+        work.copy_(grad)
+        start = time.perf_counter()
+        compressor.decompress(compressor.compress(work, cf, key="g", step=0))
+        compressor.commit(["g"])
+        run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
+
+    run.kept = lambda: kept_bytes(compressor)  # type: ignore[attr-defined]
+    return run
+
+
+def kept_bytes(*holders: object) -> int:
+    """Bytes of the tensors ``holders`` keep between steps (residuals, recycled buffers, a method's own state such as
+    DGC's u and v or PowerSGD's Q, scratch), each storage counted once: walks their attributes, dicts and lists."""
+    seen: set[int] = set()
+    total = 0
+
+    def walk(value: object, depth: int) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif depth > 4:
+            return
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item, depth + 1)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item, depth + 1)
+        elif type(value).__module__.startswith("lightning_gravac"):
+            for item in vars(value).values():
+                walk(item, depth + 1)
+
+    for holder in holders:
+        walk(holder, 0)
+    return total
 
 
 def _naive(cf: float, grad: torch.Tensor) -> Callable[[], None]:
@@ -101,6 +152,7 @@ def main() -> None:
     parser.add_argument("--cfs", type=float, nargs="+", default=[100.0, 1000.0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--methods", nargs="+", default=[n for n in list_compressors() if n != "none"])
+    parser.add_argument("--standalone", action="store_true", help="also time each method on its own (README's use)")
     parser.add_argument("--json", help="also write the raw figures here")
     args = parser.parse_args()
     # The quantizers' fixed factors: the table shows what they achieve; one warning each is noise here.
@@ -112,6 +164,8 @@ def main() -> None:
         rows[("naive topk", cf)] = _naive(cf, grad)
         for name in args.methods:
             rows[(name, cf)] = _pipeline(name, cf, grad)
+            if args.standalone:
+                rows[(f"{name} (on its own)", cf)] = _standalone(name, cf, grad)
 
     times: dict[tuple[str, float], list[float]] = {key: [] for key in rows}
     for run in rows.values():  # warm-up: allocations, first-touch page faults
@@ -128,8 +182,8 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; median of {args.rounds} "
         "interleaved rounds\n"
     )
-    print("| method | cf | ms | GB/s | ratio to copy | speed-up over naive Top-K |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| method | cf | ms | GB/s | ratio to copy | speed-up over naive Top-K | bytes kept a parameter |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     results = []
     for (name, cf), samples in times.items():
         seconds = statistics.median(samples)
@@ -141,10 +195,17 @@ def main() -> None:
             "gb_per_s": gigabytes / seconds,
             "ratio_to_copy": copy_s / seconds,
             "speedup_over_naive": naive / seconds,
+            # Stock DDP keeps none beyond its buckets (which every row shares); the naive row keeps its residual.
+            "kept_bytes_per_parameter": rows[(name, cf)].kept() / args.numel
+            if hasattr(rows[(name, cf)], "kept")
+            else (4.0 if name == "naive topk" else 0.0),
         }
         results.append(row)
         speedup = "" if name in ("copy", "naive topk") else f"{row['speedup_over_naive']:.1f}x"
-        print(f"| {name} | {cf:g} | {row['ms']:.1f} | {row['gb_per_s']:.2f} | {row['ratio_to_copy']:.3f} | {speedup} |")
+        print(
+            f"| {name} | {cf:g} | {row['ms']:.1f} | {row['gb_per_s']:.2f} | {row['ratio_to_copy']:.3f} | {speedup} "
+            f"| {row['kept_bytes_per_parameter']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"numel": args.numel, "rounds": args.rounds, "rows": results}, f, indent=2)

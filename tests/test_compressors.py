@@ -478,3 +478,30 @@ def test_kth_largest_is_kthvalue_including_ties_and_nan(k):
     values[11] = float("nan")
     expected = torch.kthvalue(values, values.numel() - k + 1).values
     torch.testing.assert_close(kth_largest(values, k), expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_casts_decode_add_and_keep_the_rounding_exactly_as_their_eager_definition(name):
+    # Longer than one of the casts' chunks (2^18 entries), with a tail: the chunked passes must join up exactly.
+    n = 3 * 2**18 + 12345
+    method = get_compressor(name)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    payload = method.compress(g, 2)
+    wire = payload.wire[0]
+    for scale in (1.0, 0.5, 1 / 3):
+        one_row = payload.with_wire([wire.unsqueeze(0)])
+        out = torch.full((n,), float("nan"))  # decode_ overwrites: nothing of what was there survives
+        method.decode_(out, one_row, scale)
+        assert torch.equal(out, torch.zeros(n).add_(wire.float(), alpha=scale))
+        rows = torch.stack([wire, -wire.flip(0), wire * 3])
+        start = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        added = start.clone()
+        method.aggregate_(added, payload.with_wire([rows]), scale)
+        assert torch.equal(added, start.clone().add_(rows.float().sum(0), alpha=scale))
+        decoded = start.clone()
+        method.decode_(decoded, payload.with_wire([rows]), scale)
+        assert torch.equal(decoded, torch.zeros(n).add_(rows.float().sum(0), alpha=scale))
+    residual = g.clone()
+    method.residual_(residual, payload)
+    assert torch.equal(residual, g - wire.float())
+    assert residual.abs().max() > 0 and residual.abs().max() <= g.abs().max() * 2**-7

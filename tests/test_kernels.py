@@ -182,3 +182,97 @@ def test_accumulate_writes_the_same_bits_aligned_and_unaligned(threads):
     assert torch.equal(u, torch.add(g * 0.5, u_old, alpha=0.9)) and torch.equal(v, v_old + u)
     torch.set_num_threads(1)
     assert kernels.accumulate(g, 0.5, u_old, 0.9, torch.empty(n), v_old, torch.empty(n))[1] == sq
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 1000, 300_001])
+def test_sign_kernels_are_the_eager_packing_decoding_and_vote_bit_for_bit(numel, threads):
+    from lightning_gravac.compressors.packing import pack_bits, unpack_bits
+
+    g = _awkward(max(numel, 17_000))[:numel] if numel > 16_031 else _student(numel, 1)
+    if numel >= 8:
+        g[3] = -0.0  # sets the bit (-0.0 >= 0), as a NaN does not
+        g[5] = float("nan")
+    bits = kernels.pack_signs(g)
+    assert torch.equal(bits, pack_bits(g >= 0, 1))
+    # Adding +-step: what the eager decode (+1/-1 times the step) adds, for a step whose product with +-1 is exact.
+    out = torch.randn(numel)
+    start = out.clone()
+    kernels.add_signs_(out, bits, 0.375, -0.375)
+    assert torch.equal(out, start + (unpack_bits(bits, 1, numel).float() * 2 - 1) * 0.375)
+    # The vote of three ranks' bits (one a copy, so no ties; then two ranks, with ties: sign 0).
+    others = [pack_bits(torch.randn(numel) >= 0, 1) for _ in range(2)]
+    for rows in (torch.stack([bits, *others]), torch.stack([bits, others[0]])):
+        out = start.clone()
+        kernels.vote_(out, rows, 1 / 3)
+        votes = torch.stack([unpack_bits(r, 1, numel).float() * 2 - 1 for r in rows]).sum(0)
+        assert torch.equal(out, start.clone().add_(votes.sign(), alpha=1 / 3))
+
+
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd"])
+def test_sign_methods_give_the_same_bits_with_and_without_the_kernels(name, eager, threads):
+    method = get_compressor(name)
+    g = _awkward(50_001)
+    g[torch.isnan(g)] = 1.0  # a non-finite scale would make every value NaN: compare finite ones
+    g[torch.isinf(g)] = -3.0
+    rows = torch.stack([method.compress(g, 32).wire[0], method.compress(-g.flip(0), 32).wire[0]])
+    payload = method.compress(g, 32)
+    stacked = payload.with_wire([rows, *(torch.stack([w, w * 2]) for w in payload.wire[1:])])
+    got = []
+    for use_kernels in (True, False):
+        if not use_kernels:
+            eager()
+        out = torch.linspace(-1, 1, g.numel())
+        method.aggregate_(out, stacked, 1 / 3)
+        residual = g.clone()
+        method.residual_(residual, method.compress(g, 32))
+        got.append((method.compress(g, 32).wire[0], method.decompress(payload), out, residual))
+    for fast, slow in zip(*got, strict=True):
+        assert torch.equal(fast, slow)
+
+
+def test_counter_based_draws_are_the_eager_hash_and_uniform(threads):
+    from lightning_gravac.compressors.uniform import uniforms
+
+    for stream in (0, 1, 2**62 + 12345, 2**63 - 1):
+        fast, slow = kernels.uniforms(stream, 100_003), uniforms(stream, 100_003)
+        assert torch.equal(fast, slow)
+    draws = uniforms(7, 1_000_000)
+    assert draws.min() >= 0 and draws.max() < 1
+    counts = torch.histc(draws, bins=20, min=0, max=1)
+    assert (counts - 50_000).abs().max() < 1000  # about 4.5 standard deviations of a bin's count
+    assert not torch.equal(uniforms(7, 1000), uniforms(8, 1000)), "streams must differ"
+
+
+def _quantized_both_ways(method, g, cf, other, eager):
+    """``method``'s packed codes, wire and decoded sum of two ranks (``g`` and ``other``), with the compiled kernels
+    and then on eager PyTorch."""
+    got = []
+    for use_kernels in (True, False):
+        if not use_kernels:
+            eager()
+        payload = method.compress(g, cf, key="w", step=3)
+        second = method.compress(other, cf, key="w", step=4)
+        stacked = payload.with_wire([torch.stack([a, b]) for a, b in zip(payload.wire, second.wire, strict=True)])
+        out = torch.linspace(-1, 1, g.numel())
+        method.aggregate_(out, stacked, 1 / 3)
+        got.append((*payload.wire, out))
+    return got
+
+
+@pytest.mark.parametrize("levels", [1, 3, 7, 15, 127])
+def test_qsgd_kernel_packs_and_decodes_the_eager_bits(levels, eager, threads):
+    g = _student(50_003, 2)
+    g[:96] = 0.0  # a zero bucket: its norm is clamped, every level 0
+    g[200] = -0.0
+    method = get_compressor("qsgd", levels=levels, bucket_size=96)
+    for fast, slow in zip(*_quantized_both_ways(method, g, 10, -g.flip(0), eager), strict=True):
+        assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("clip_std", [2.5, None])
+def test_terngrad_kernel_packs_and_decodes_the_eager_bits(clip_std, eager, threads):
+    g = _student(50_003, 3)
+    g[7] = -0.0
+    method = get_compressor("terngrad", clip_std=clip_std)
+    for fast, slow in zip(*_quantized_both_ways(method, g, 16, g * 2, eager), strict=True):
+        assert torch.equal(fast, slow)

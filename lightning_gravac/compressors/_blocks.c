@@ -221,3 +221,162 @@ double lg_accumulate(const float *g, float scale, const float *u_old, float mome
                                   0);
     return total;
 }
+
+/*
+ * Sign bits, for the sign methods (signsgd, efsignsgd, onebit): 8 a byte, most significant first, set for x >= 0
+ * (so -0.0 sets it and NaN does not, as the eager comparison does); the last byte is zero-padded.
+ */
+/* Bytes a thread's share is rounded to: whole cache lines of output, and of input. */
+#define SIGN_BYTES 64
+
+void lg_pack_signs(const float *x, int64_t n, uint8_t *out, int threads)
+{
+    int64_t bytes = (n + 7) / 8, full = n / 8;
+#pragma omp parallel for num_threads(threads) schedule(static) if (bytes > PARALLEL_BLOCKS * 4)
+    for (int64_t j = 0; j < full; j++) {
+        const float *p = x + j * 8;
+        uint8_t b = 0;
+        for (int i = 0; i < 8; i++)
+            b |= (uint8_t)(p[i] >= 0.0f) << (7 - i);
+        out[j] = b;
+    }
+    if (full < bytes) {
+        uint8_t b = 0;
+        for (int64_t i = full * 8; i < n; i++)
+            b |= (uint8_t)(x[i] >= 0.0f) << (7 - (int)(i - full * 8));
+        out[full] = b;
+    }
+}
+
+/* out[i] = out[i] + (bit i set ? pos : neg): the decoded signs of one payload, added in one pass. */
+void lg_add_signs(const uint8_t *bits, int64_t n, float pos, float neg, float *out, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t i = 0; i < n; i++)
+        out[i] = out[i] + ((bits[i >> 3] >> (7 - (i & 7))) & 1 ? pos : neg);
+}
+
+/* Majority vote of `ranks` rows of sign bits, `stride` bytes apart: out[i] = out[i] + alpha * sign(2 set - ranks),
+ * where `set` counts the ranks whose bit i is set (0 on a tie). */
+void lg_vote(const uint8_t *bits, int64_t stride, int ranks, int64_t n, float alpha, float *out, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t i = 0; i < n; i++) {
+        int set = 0;
+        for (int r = 0; r < ranks; r++)
+            set += (bits[r * stride + (i >> 3)] >> (7 - (i & 7))) & 1;
+        int votes = 2 * set - ranks;
+        float sign = votes > 0 ? 1.0f : votes < 0 ? -1.0f : 0.0f;
+        out[i] = out[i] + alpha * sign;
+    }
+}
+
+/*
+ * Stochastic quantization (qsgd, terngrad) in one pass: uniform draws from a counter-based generator instead of a
+ * gradient-sized tensor of random numbers, and the codes packed as they are made.
+ *
+ * Draw i of a stream is the top 24 bits of SplitMix64's output function applied to stream + (i + 1) * golden, over
+ * 2^24: a float in [0, 1) that depends on (stream, i) only, so any thread computes any entry's draw, and the eager
+ * path (compressors/uniform.py) computes the same bits with int64 tensors.
+ */
+#define GOLDEN 0x9E3779B97F4A7C15ull
+
+static inline float uniform_at(uint64_t stream, int64_t i)
+{
+    uint64_t z = stream + (uint64_t)(i + 1) * GOLDEN;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+void lg_uniforms(uint64_t stream, int64_t n, float *out, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t i = 0; i < n; i++)
+        out[i] = uniform_at(stream, i);
+}
+
+/* Writes 8 codes of `bits` bits (at most 64 bits) as `bits` bytes, most significant first. */
+static inline void put_codes(uint8_t *out, const uint8_t *codes, int bits)
+{
+    uint64_t word = 0;
+    for (int k = 0; k < 8; k++)
+        word = (word << bits) | codes[k];
+    for (int b = bits - 1; b >= 0; b--) {
+        out[b] = (uint8_t)word;
+        word >>= 8;
+    }
+}
+
+/* Packs codes made by `code_of(i)` for entries [0, n): groups of 8 entries fill `bits` whole bytes; the last group is
+ * zero-padded (its bytes past the packed size are not written). */
+#define PACK_CODES(code_of)                                                                                           \
+    do {                                                                                                              \
+        int64_t groups = (n + 7) / 8, nbytes = (n * bits + 7) / 8;                                                    \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)")              \
+        for (int64_t grp = 0; grp < groups; grp++) {                                                                  \
+            uint8_t codes[8] = {0}, bytes[8];                                                                         \
+            int64_t first = grp * 8;                                                                                  \
+            int count = n - first < 8 ? (int)(n - first) : 8;                                                         \
+            for (int k = 0; k < count; k++) {                                                                         \
+                int64_t i = first + k;                                                                                \
+                codes[k] = (code_of);                                                                                 \
+            }                                                                                                         \
+            if (count == 8) {                                                                                         \
+                put_codes(out + grp * bits, codes, bits);                                                             \
+            } else {                                                                                                  \
+                put_codes(bytes, codes, bits);                                                                        \
+                for (int64_t b = grp * bits; b < nbytes; b++)                                                         \
+                    out[b] = bytes[b - grp * bits];                                                                   \
+            }                                                                                                         \
+        }                                                                                                             \
+    } while (0)
+
+/* QSGD's level of one entry: min(floor(|x| * scale + u), s) with the sign of x, offset by s (a code in [0, 2s]). */
+static inline uint8_t qsgd_code(float x, float scale, float u, int s)
+{
+    float level = floorf(fabsf(x) * scale + u);
+    if (level > (float)s)
+        level = (float)s;
+    return (uint8_t)(int)(copysignf(level, x) + (float)s);
+}
+
+/* QSGD: `scales[b]` is s / max(norm of bucket b, FLT_MIN) as float32 (computed by the caller, as the eager path). */
+void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits, uint64_t stream,
+                    uint8_t *out, int threads)
+{
+    PACK_CODES(qsgd_code(x[i], scales[i / bucket], uniform_at(stream, i), s));
+}
+
+/* TernGrad's code of one entry: 1 + sign(c) if u * scale < |c| else 1, c = x clipped to [-bound, bound]. */
+static inline uint8_t terngrad_code(float x, float bound, float scale, float u)
+{
+    float c = x < -bound ? -bound : x > bound ? bound : x;
+    if (!(u * scale < fabsf(c)))
+        return 1;
+    return c > 0 ? 2 : 0;
+}
+
+void lg_terngrad_encode(const float *x, int64_t n, float bound, float scale, uint64_t stream, uint8_t *out, int threads)
+{
+    const int bits = 2;
+    PACK_CODES(terngrad_code(x[i], bound, scale, uniform_at(stream, i)));
+}
+
+/* out[i] = out[i] + ((code_i - offset) * steps[i / group]) * alpha, code_i read from the packed `bits`-bit codes. */
+void lg_codes_add(const uint8_t *packed, int64_t n, int bits, int offset, const float *steps, int64_t group, float alpha,
+                  float *out, int threads)
+{
+    int64_t nbytes = (n * bits + 7) / 8;
+    unsigned mask = (1u << bits) - 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t i = 0; i < n; i++) {
+        int64_t at = i * bits, k = at >> 3;
+        unsigned window = (unsigned)packed[k] << 8 | (k + 1 < nbytes ? packed[k + 1] : 0);
+        int code = (int)((window >> (16 - (int)(at & 7) - bits)) & mask);
+        float value = (float)(code - offset) * steps[i / group];
+        value = value * alpha;
+        out[i] = out[i] + value;
+    }
+}

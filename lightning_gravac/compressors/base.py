@@ -136,6 +136,12 @@ class Compressor(ABC):
         for rank in range(stacked.wire[0].shape[0]):
             out.add_(self.decompress(stacked.with_wire([w[rank] for w in stacked.wire])).view(-1), alpha=scale)
 
+    def decode_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        """Write ``scale`` times the sum of several decoded payloads into the flat tensor ``out``, whatever it held:
+        :meth:`aggregate_` into ``out`` zeroed. A method that can write in one pass overrides it (the casts)."""
+        out.zero_()
+        self.aggregate_(out, stacked, scale)
+
     def residual_(self, tensor: Tensor, payload: Payload) -> None:
         """Turn the error-fed ``tensor`` in place into the residual ``tensor - decompress(payload)``."""
         tensor.sub_(self.decompress(payload))

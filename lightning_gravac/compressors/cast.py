@@ -1,5 +1,7 @@
 """Casting to a 16-bit float before the all-reduce: fp16 and bf16."""
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -31,10 +33,40 @@ class _Cast(Compressor):
         return payload.wire[0].to(payload.dtype).view(payload.shape)
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
-        out.add_(stacked.wire[0].to(out.dtype).sum(0), alpha=scale)
+        rows = stacked.wire[0]
+        for part, chunk in _chunks(out.view(-1), rows.shape[1]):
+            # The rows' sum in ``out``'s type, then scaled: one chunk's temporaries at a time (stays in cache).
+            part.add_(rows[:, chunk].to(out.dtype).sum(0), alpha=scale)
+
+    def decode_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        rows = stacked.wire[0]
+        if rows.shape[0] != 1:
+            super().decode_(out, stacked, scale)
+            return
+        flat = out.view(-1)
+        flat.copy_(rows[0])  # the cast back, in the copy's one pass: what ``0 + row x scale`` gives, bit for bit
+        if scale != 1.0:
+            flat.mul_(scale)
+
+    def residual_(self, tensor: Tensor, payload: Payload) -> None:
+        wire = payload.wire[0]
+        for part, chunk in _chunks(tensor.view(-1), wire.numel()):
+            part.sub_(wire[chunk].to(tensor.dtype))  # the rounding the cast left
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
         return sq_norm(payload.wire[0])
+
+
+#: Entries a chunk: 1 MB of fp32. On CPU torch converts an operand of another type into a temporary of the whole
+#: operand's size (an allocation and a pass through memory); a chunk's temporary stays in cache.
+_CHUNK = 1 << 18
+
+
+def _chunks(flat: Tensor, numel: int) -> Iterator[tuple[Tensor, slice]]:
+    """``(flat[chunk], chunk)`` for consecutive chunks of ``numel`` entries."""
+    for start in range(0, numel, _CHUNK):
+        chunk = slice(start, min(start + _CHUNK, numel))
+        yield flat[chunk], chunk
 
 
 @register_compressor

@@ -4,7 +4,7 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
-from lightning_gravac.compressors.signsgd import signs, unsigned
+from lightning_gravac.compressors.signsgd import add_signs_, signs, unsigned
 
 
 @register_compressor
@@ -28,3 +28,15 @@ class EFSignSGD(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         bits, scale = payload.wire
         return unsigned(bits, payload.shape.numel(), torch.float32).mul_(scale).to(payload.dtype).view(payload.shape)
+
+    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        # Each rank's +-(its scale x `scale`), that product rounded to float32 once, added in rank order.
+        for bits, own in zip(*stacked.wire, strict=True):
+            add_signs_(out, bits, float((own.float() * scale).to(out.dtype)))
+
+    def residual_(self, tensor: Tensor, payload: Payload) -> None:
+        bits, scale = payload.wire
+        if tensor.dtype == torch.float32 and tensor.is_contiguous():
+            add_signs_(tensor.view(-1), bits, -float(scale))  # g - (+-s): the bits of subtracting the decoded payload
+        else:
+            super().residual_(tensor, payload)

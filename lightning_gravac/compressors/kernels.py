@@ -32,7 +32,9 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("_blocks.c")
-_FLAGS = ("-O3", "-march=native", "-fno-strict-aliasing", "-std=c11", "-shared", "-fPIC")
+# No contraction of a * b + c into a fused multiply-add (explicit fmaf only): the kernels give the eager path's bits,
+# whichever compiler `cc` is.
+_FLAGS = ("-O3", "-march=native", "-fno-strict-aliasing", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 #: Entries a block; the C file's BLOCK.
 BLOCK = 32
 
@@ -90,6 +92,67 @@ def accumulate(
     return peaks, sq
 
 
+def pack_signs(values: Tensor) -> Tensor:
+    """The sign bits of the flat ``values`` (see :func:`usable`), 8 a byte, most significant first, set for
+    ``>= 0``: what ``packing.pack_bits(values >= 0, 1)`` returns, in one read."""
+    n = values.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    _loaded().lg_pack_signs(values.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def add_signs_(out: Tensor, bits: Tensor, positive: float, negative: float) -> None:
+    """``out[i] += positive`` where bit ``i`` of the packed ``bits`` is set, else ``negative``; ``out`` is a flat fp32
+    contiguous CPU tensor (see :func:`usable`), ``bits`` contiguous ``uint8`` holding ``out.numel()`` bits."""
+    _loaded().lg_add_signs(bits.data_ptr(), out.numel(), positive, negative, out.data_ptr(), torch.get_num_threads())
+
+
+def vote_(out: Tensor, rows: Tensor, alpha: float) -> None:
+    """``out[i] += alpha * sign(votes)``: the majority vote of the packed sign bits of each row of ``rows``
+    (``[ranks, bytes]`` ``uint8``, rows contiguous), ``votes`` the ranks with bit ``i`` set minus those without."""
+    lib = _loaded()
+    lib.lg_vote(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], out.numel(), alpha, out.data_ptr(), torch.get_num_threads()
+    )
+
+
+def uniforms(stream: int, numel: int) -> Tensor:
+    """``numel`` draws of the counter-based generator's ``stream`` (see ``compressors/uniform.py``), fp32 in [0, 1)."""
+    out = torch.empty(numel, dtype=torch.float32)
+    _loaded().lg_uniforms(stream, numel, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def qsgd_encode(values: Tensor, scales: Tensor, bucket: int, levels: int, bits: int, stream: int) -> Tensor:
+    """QSGD's packed codes of the flat fp32 ``values`` in one pass: entry ``i`` of bucket ``b`` gets
+    ``min(floor(|x| scales[b] + u_i), levels)`` with ``x``'s sign, plus ``levels``, in ``bits`` bits, ``u_i`` the
+    stream's draw ``i``; ``scales`` (fp32) is ``levels / max(norm_b, tiny)`` per bucket."""
+    n = values.numel()
+    out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
+    _loaded().lg_qsgd_encode(
+        values.data_ptr(), n, scales.data_ptr(), bucket, levels, bits, stream, out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
+def terngrad_encode(values: Tensor, bound: float, scale: float, stream: int) -> Tensor:
+    """TernGrad's packed 2-bit codes of the flat fp32 ``values`` in one pass: ``c`` the entry clipped to
+    ``[-bound, bound]``, the code is ``1 + sign(c)`` where ``u_i scale < |c|``, else 1."""
+    n = values.numel()
+    out = torch.empty((n * 2 + 7) // 8, dtype=torch.uint8)
+    _loaded().lg_terngrad_encode(values.data_ptr(), n, bound, scale, stream, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def codes_add_(out: Tensor, packed: Tensor, bits: int, offset: int, steps: Tensor, group: int, alpha: float) -> None:
+    """``out[i] += ((code_i - offset) * steps[i // group]) * alpha``, each product rounded to fp32 in that order, for
+    the ``bits``-bit codes packed in ``packed`` (contiguous ``uint8``); ``steps`` is a contiguous fp32 tensor."""
+    _loaded().lg_codes_add(
+        packed.data_ptr(), out.numel(), bits, offset, steps.data_ptr(), group, alpha, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+
+
 def _loaded() -> ctypes.CDLL:
     lib = _library()
     assert lib is not None, "a kernel called without the kernels: check usable() first"
@@ -120,6 +183,31 @@ def _library() -> ctypes.CDLL | None:
         floats, ctypes.c_float, floats, ctypes.c_float, floats, floats, floats, ctypes.c_int64, floats, ctypes.c_int,
     ]  # fmt: skip
     lib.lg_accumulate.restype = ctypes.c_double
+    lib.lg_pack_signs.argtypes = [floats, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.lg_pack_signs.restype = None
+    lib.lg_add_signs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, floats, ctypes.c_int]
+    lib.lg_add_signs.restype = None
+    lib.lg_vote.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_float, floats, ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_vote.restype = None
+    bytes_ = ctypes.c_void_p
+    lib.lg_uniforms.argtypes = [ctypes.c_uint64, ctypes.c_int64, floats, ctypes.c_int]
+    lib.lg_uniforms.restype = None
+    lib.lg_qsgd_encode.argtypes = [
+        floats, ctypes.c_int64, floats, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, bytes_,
+        ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_qsgd_encode.restype = None
+    lib.lg_terngrad_encode.argtypes = [
+        floats, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_uint64, bytes_, ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_terngrad_encode.restype = None
+    lib.lg_codes_add.argtypes = [
+        bytes_, ctypes.c_int64, ctypes.c_int, ctypes.c_int, floats, ctypes.c_int64, ctypes.c_float, floats,
+        ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_codes_add.restype = None
     return lib
 
 

@@ -6,9 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
 from lightning_gravac.compressors.packing import pack_bits, unpack_bits
-from lightning_gravac.compressors.select import seeded_generator
+from lightning_gravac.compressors.select import stream_key
+from lightning_gravac.compressors.uniform import uniforms
 
 #: Bits of a bucket's norm on the wire (fp32).
 _NORM_BITS = 32
@@ -23,8 +25,9 @@ class QSGD(Compressor):
     fp32 norm per bucket. ``levels`` fixes ``s``; by default it follows ``cf``: the code width ``b`` (2 to 8) whose
     cost, ``b + 32 / bucket_size`` bits an entry, gives the factor nearest ``cf``, with ``s = 2**(b-1) - 1``
     (``cf=10`` from fp32: 3 bits, ``s=3``). Outside 3.97x to 15.5x from fp32 a requested ``cf`` is clamped.
-    Unbiased, so error feedback is off by default. The draws are seeded by ``(seed, step, tensor, rank)``:
-    reproducible, independent across ranks.
+    Unbiased, so error feedback is off by default. The draws come from a counter-based generator whose stream is
+    ``(seed, step, tensor, rank)``: reproducible, independent across ranks, and computed where they are used (with the
+    compiled kernel, norms aside, the gradient is read once and the packed codes written once).
 
     Args:
         levels: ``s``, the number of non-zero levels (1 to 127); ``None`` derives it from ``cf``.
@@ -61,13 +64,17 @@ class QSGD(Compressor):
         flat = tensor.reshape(-1).float()
         buckets = F.pad(flat, (0, -flat.numel() % self.bucket_size)).view(-1, self.bucket_size)
         norms = torch.linalg.vector_norm(buckets, dim=1)
-        scaled = buckets.abs().mul_((s / norms.clamp(min=torch.finfo(torch.float32).tiny)).unsqueeze(1))
-        noise = torch.rand(scaled.shape, generator=seeded_generator(self.seed, step, key, self.rank))
-        level = scaled.add_(noise.to(scaled.device)).floor_().clamp_(max=s)
-        codes = level.copysign_(buckets).add_(s).view(-1)[: flat.numel()]
+        scales = s / norms.clamp(min=torch.finfo(torch.float32).tiny)
+        stream = stream_key(self.seed, step, key, self.rank)
+        if kernels.usable(flat):  # draws, levels and bits in one pass
+            packed = kernels.qsgd_encode(flat, scales, self.bucket_size, s, _bits(s), stream)
+        else:
+            noise = uniforms(stream, buckets.numel(), flat.device).view_as(buckets)
+            level = buckets.abs().mul_(scales.unsqueeze(1)).add_(noise).floor_().clamp_(max=s)
+            packed = pack_bits(level.copysign_(buckets).add_(s).view(-1)[: flat.numel()], _bits(s))
         # `s` is derived from `cf` identically on every rank: it decodes locally and never crosses the network.
         levels = torch.tensor(s)
-        payload = Payload((pack_bits(codes, _bits(s)), norms), tensor.shape, tensor.dtype, local=(levels,))
+        payload = Payload((packed, norms), tensor.shape, tensor.dtype, local=(levels,))
         note_clamped(self.name, cf, self.achieved_cf(payload))
         return payload
 
@@ -79,6 +86,17 @@ class QSGD(Compressor):
         values = F.pad(codes, (0, -numel % self.bucket_size)).view(-1, self.bucket_size)
         values.mul_((norms / s).unsqueeze(1))
         return values.view(-1)[:numel].to(payload.dtype).view(payload.shape)
+
+    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        # Each rank's decoded values times `scale` (rounded), added in rank order; one pass a rank with the kernel.
+        s = int(stacked.local[0])
+        for packed, norms in zip(*stacked.wire, strict=True):
+            steps = (norms / s).float().contiguous()
+            if kernels.usable(out) and packed.is_contiguous():
+                kernels.codes_add_(out, packed, _bits(s), s, steps, self.bucket_size, scale)
+            else:
+                row = Payload((packed, norms), stacked.shape, stacked.dtype, local=stacked.local)
+                out.add_(self.decompress(row).view(-1).mul_(scale))
 
     def __repr__(self) -> str:
         return f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"

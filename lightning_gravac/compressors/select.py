@@ -23,8 +23,12 @@ def seeded_generator(seed: int, step: int, key: str, rank: int = 0) -> torch.Gen
     Methods whose draws must agree across ranks (Random-K's indices) pass ``rank=0`` everywhere; methods whose draws
     should be independent per rank (stochastic rounding) pass their rank.
     """
-    mixed = (((seed * 1_000_003 + step) * 4_294_967_311 + zlib.crc32(key.encode())) * 65_537 + rank) % (1 << 63)
-    return torch.Generator(device="cpu").manual_seed(mixed)
+    return torch.Generator(device="cpu").manual_seed(stream_key(seed, step, key, rank))
+
+
+def stream_key(seed: int, step: int, key: str, rank: int = 0) -> int:
+    """A 63-bit number mixed from ``(seed, step, key, rank)``: a generator's seed, or a counter-based stream."""
+    return (((seed * 1_000_003 + step) * 4_294_967_311 + zlib.crc32(key.encode())) * 65_537 + rank) % (1 << 63)
 
 
 #: Entries a run in :func:`sample`.

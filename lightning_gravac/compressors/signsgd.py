@@ -3,18 +3,33 @@
 import torch
 from torch import Tensor
 
+from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
 from lightning_gravac.compressors.packing import pack_bits, unpack_bits
 
 
 def signs(tensor: Tensor) -> Tensor:
-    """The sign bits of the flat ``tensor``, 8 a byte: set for ``>= 0``."""
-    return pack_bits(tensor.reshape(-1) >= 0, 1)
+    """The sign bits of the flat ``tensor``, 8 a byte: set for ``>= 0`` (one read with the compiled kernel)."""
+    flat = tensor.reshape(-1)
+    return kernels.pack_signs(flat) if kernels.usable(flat) else pack_bits(flat >= 0, 1)
 
 
 def unsigned(bits: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
     """``+1`` where a bit is set, ``-1`` elsewhere, as a flat tensor of ``dtype``."""
+    out = torch.zeros(numel, dtype=dtype, device=bits.device)
+    if kernels.usable(out) and bits.is_contiguous():
+        kernels.add_signs_(out, bits, 1.0, -1.0)
+        return out
     return unpack_bits(bits, 1, numel).to(dtype).mul_(2).sub_(1)
+
+
+def add_signs_(out: Tensor, bits: Tensor, step: float) -> None:
+    """``out += step`` where a bit is set and ``out -= step`` elsewhere (``step`` a float32 value): in one pass with
+    the compiled kernel, else as ``out + unsigned(bits) * step`` (the same bits: the product is exact)."""
+    if kernels.usable(out) and bits.is_contiguous():
+        kernels.add_signs_(out, bits, step, -step)
+    else:
+        out.add_(unsigned(bits, out.numel(), out.dtype).mul_(step))
 
 
 @register_compressor
@@ -46,6 +61,10 @@ class SignSGD(Compressor):
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         # Majority vote: the sign of the summed signs, weighted so that the hook's 1/N averaging leaves it at +-1.
-        ranks, numel = stacked.wire[0].shape[0], stacked.shape.numel()
-        votes = torch.stack([unsigned(bits, numel, torch.float32) for bits in stacked.wire[0]]).sum(0)
+        rows = stacked.wire[0]
+        ranks, numel = rows.shape[0], stacked.shape.numel()
+        if kernels.usable(out) and rows.stride(1) == 1:  # one pass: count, vote, add
+            kernels.vote_(out, rows, scale * ranks)
+            return
+        votes = torch.stack([unsigned(bits, numel, torch.float32) for bits in rows]).sum(0)
         out.add_(votes.sign_().to(out.dtype), alpha=scale * ranks)
