@@ -40,7 +40,7 @@ def find_recipe(recipe: str | Path) -> Traversable:
 
 def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:
     """``python -m lightning_gravac fit --config recipe.yaml``: the LightningCLI, models and data by class path."""
-    import lightning_gravac  # noqa: F401 - registers the "gravac" strategy names
+    import lightning_gravac  # noqa: F401, PLC0415 - registers the "gravac" strategy names (run as `-m`, late)
 
     return LightningCLI(
         subclass_mode_model=True,

@@ -3,6 +3,7 @@
 import math
 import threading
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Literal
 
 import torch.distributed as dist
@@ -17,8 +18,18 @@ from lightning_gravac.compressors.none import NoCompression
 Granularity = Literal["layer", "bucket"]
 GainOf = Literal["error_fed", "gradient"]
 
-#: Value of the ``collective`` statistic: payloads all-gathered, or a dense (or summable) all-reduce.
-GATHER, REDUCE = 0, 1
+
+class Collective(IntEnum):
+    """How a bucket crossed the network: its packed payloads all-gathered, or an all-reduce (of the dense bucket, of
+    summable payloads, or of the locally decoded gradient)."""
+
+    GATHER = 0
+    REDUCE = 1
+
+
+GATHER, REDUCE = Collective.GATHER, Collective.REDUCE
+#: The factor of a ``half`` step: fp16 on the wire from an fp32 gradient.
+HALF = 2.0
 
 
 @dataclass
@@ -27,7 +38,7 @@ class BucketRecord:
 
     bytes_sent: int
     bytes_dense: int
-    collective: int
+    collective: Collective
     sq_norm: float = 0.0
     sq_norm_sent: float = 0.0
     compress_s: float = 0.0
@@ -106,32 +117,34 @@ class CompressionState:
     group when the hook is registered.
     """
 
-    # What to do: fixed for the run.
+    # What to do: fixed for the run (the strategy's arguments).
     compressor: Compressor
     error_feedback: bool
     granularity: Granularity = "layer"
 
-    # What the controller decides; must be identical on every rank.
+    # What the controller decides (written by the controller only); must be identical on every rank.
     cf: float = 1.0
     param_cf: dict[str, float] = field(default_factory=dict)
     probe_cfs: tuple[float, ...] = ()  # factors whose gain the hook measures as well (GraVAC's candidates)
     gain_of: GainOf = "error_fed"  # what the probes compress: the error-fed gradient, or the step's own gradient
     half: bool = False  # send this step whole in fp16 (the model search's 16-bit rung), whatever the factors say
+    # Fixed by the strategy at setup.
     local_sgd_from: int | None = None  # the step from which gradients stay local (periodic model averaging)
 
-    # Bound at hook registration.
+    # Bound at hook registration (by the strategy).
     process_group: dist.ProcessGroup | None = None
     world_size: int = 1
     param_names: dict[int, str] = field(default_factory=dict)
 
-    # Carried across steps.
+    # Carried across steps: written by the hook (memory, momentum) and the strategy (the step's bookkeeping).
     memory: ErrorFeedback = field(default_factory=ErrorFeedback)
     momentum: MomentumCorrection = field(default_factory=MomentumCorrection)  # the optimizer's, when moved here
-    step: int = 0
-    epoch: int = -1  # the training epoch the compressor was last told of
+    step: int = 0  # steps that communicated: advanced by `end_step` only (it seeds every method's draws)
+    epoch: int = -1  # the training epoch the compressor was last told of (`begin_step`)
     grad_scale: float | None = None  # the mixed-precision gradient scale the residuals are in (None: none or unknown)
 
-    _records: list[BucketRecord] = field(default_factory=list)
+    _records: list[BucketRecord] = field(default_factory=list)  # this step's buckets, from the hook's callbacks
+    _done: list[BucketRecord] = field(default_factory=list)  # ended steps' buckets, not yet read by the controller
     _lock: threading.Lock = field(default_factory=threading.Lock)
     identity: Compressor = field(default_factory=NoCompression)
     cast: Compressor = field(default_factory=FP16)  # what a ``half`` step sends with
@@ -154,15 +167,32 @@ class CompressionState:
         with self._lock:
             self._records.append(record)
 
-    def pop_stats(self) -> StepStats | None:
-        """The statistics of the buckets communicated since the last call, or ``None`` if there were none
-        (a gradient-accumulation step). Advances :attr:`step` when there were."""
+    def begin_step(self, epoch: int) -> None:
+        """Called by the strategy before each batch: tells the compressor when the training epoch changed (epoch-driven
+        schedules such as DGC's warm-up)."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.compressor.on_epoch_start(epoch)
+
+    def end_step(self) -> None:
+        """Called by the strategy after each backward pass: a pass that communicated (not a gradient-accumulation one)
+        is a step; :attr:`step` advances and its buckets wait for :meth:`take_stats`."""
         with self._lock:
             records, self._records = self._records, []
-        if not records:
-            return None
-        self.step += 1
-        return StepStats.of(records, self.probe_cfs)
+        if records:
+            self.step += 1
+            self._done += records
+
+    def take_stats(self) -> StepStats | None:
+        """The statistics of the steps ended since the last call (one, but for several backward passes in a batch
+        under manual optimization), or ``None`` if none communicated. Reading them changes nothing else."""
+        records, self._done = self._done, []
+        return StepStats.of(records, self.probe_cfs) if records else None
+
+    def pop_stats(self) -> StepStats | None:
+        """:meth:`end_step` and :meth:`take_stats` at once, for the hook used without the strategy (torch DDP)."""
+        self.end_step()
+        return self.take_stats()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

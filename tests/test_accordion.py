@@ -8,7 +8,7 @@ from pytorch_lightning import Callback
 
 from lightning_gravac import Accordion, GraVACStrategy, RunSummary, get_compressor
 from lightning_gravac.launch import run_distributed
-from lightning_gravac.strategies.state import CompressionState
+from lightning_gravac.state import CompressionState
 from lightning_gravac.zoo import TeacherRegression
 
 from models import loader, trainer_kwargs

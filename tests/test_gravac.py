@@ -347,8 +347,9 @@ def test_no_probes_while_no_factor_could_beat_dense_whatever_it_kept():
     assert _probed_steps(c, 20, state) == [1, 2]
     assert c.cf == 1 and not c.gains_can_matter()
     # At 5 s a step, the factors that save more than 5 s of bytes could pay: the gains are measured again.
-    cheap = _model_search(gain, compress_s=5.0, window=1000, first_window=2, probe_every=2, probe_backoff=1,
-                          fp16_rung=False)
+    cheap = _model_search(
+        gain, compress_s=5.0, window=1000, first_window=2, probe_every=2, probe_backoff=1, fp16_rung=False
+    )
     assert _probed_steps(cheap, 8, state) == [1, 2, 3, 5, 7] and cheap.gains_can_matter()
     assert GraVAC(search="sequential").gains_can_matter()
 
@@ -359,7 +360,7 @@ def test_the_model_search_sends_fp16_where_no_factor_keeps_enough_and_bytes_cost
     state = CompressionState(get_compressor("topk"), error_feedback=True)
     # Every factor keeps 0.1% of the gradient (below the 0.02 floor): dense, or the whole gradient in fp16.
     poor = _model_search({**dict.fromkeys((10, 20, 40, 160, 1000), 0.001), 2.0: 1.0}, window=3)
-    poor.cast_cost = 0.5
+    poor.cast_cost, poor.half_per_byte = 0.5, 1e-5  # as the fit-start probe would have measured them
     poor.run(6, state)
     # Dense: 1 s + 10 s of bytes. fp16: 1 s + 5 s + 0.5 s of casts.
     assert poor.cf == 2.0 and state.half and state.cf == 2.0
@@ -372,6 +373,7 @@ def test_the_model_search_sends_fp16_where_no_factor_keeps_enough_and_bytes_cost
     assert poor.cf == 1.0 and not state.half
     # Factors that keep enough beat both: the rung is one choice among the others.
     rich = _model_search({10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}, window=3)
+    rich.half_per_byte = 1e-5
     rich.run(6, state)
     rich.apply(state)
     assert rich.cf > 2 and not state.half
@@ -442,7 +444,7 @@ def _default_on_a_link(per_byte: float, gain: dict[float, float], **kwargs) -> S
     c = Scripted(lambda cf: gain[cf], seconds, search="model", **kwargs)
     c._world_size = 2
     c.probed = (0.0, per_byte)  # what the fit-start probe would have measured
-    c.cast_cost = 0.01  # and the fp16 rung's casts: 10 ms a step
+    c.cast_cost, c.half_per_byte = 0.01, per_byte  # and the fp16 rung: casts 10 ms a step, its bytes as fp32's
     return c.run(4)  # the first window (3 steps), then one step at the factor it chose
 
 

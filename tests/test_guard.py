@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_gravac import DivergenceGuard, Static, StepStats, get_compressor
-from lightning_gravac.strategies.state import BucketRecord, CompressionState
+from lightning_gravac.state import GATHER, BucketRecord, CompressionState
 
 
 def _stats(norm: float, compressed: bool = True) -> StepStats:
@@ -46,7 +46,8 @@ def _guarded_static(compressor: str, cooldown: int):
     trainer = SimpleNamespace(global_step=0, current_epoch=0, callback_metrics={}, _logger_connector=connector)
 
     def step(norm: float) -> float:
-        state.record(BucketRecord(bytes_sent=100, bytes_dense=1000, collective=0, sq_norm=norm**2))
+        state.record(BucketRecord(bytes_sent=100, bytes_dense=1000, collective=GATHER, sq_norm=norm**2))
+        state.end_step()  # what the strategy does after backward
         controller.on_train_batch_end(trainer, None, None, None, 0)
         return state.cf
 

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gravac.compressors import get_compressor, sparse_k
 from lightning_gravac.launch import run_distributed
+from lightning_gravac.state import GATHER, REDUCE, CompressionState
 from lightning_gravac.strategies.hook import gravac_hook
-from lightning_gravac.strategies.state import GATHER, REDUCE, CompressionState
 
 pytestmark = pytest.mark.distributed
 
@@ -159,6 +159,16 @@ def test_bucket_bytes_follow_the_stated_accounting():
     assert steps[-1]["bytes_sent"] == -(-payload // 8) * 8
 
 
+def _backward_both(ddp, reference, step, rank):
+    """One backward pass of the DDP model (through the hook) and of its plain copy on this rank's batch of ``step``;
+    the copy's parameter names and gradients."""
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+    for m in (ddp, reference):
+        m.zero_grad()
+        m(x).square().mean().backward()
+    return [n for n, _ in reference.named_parameters()], [p.grad for _, p in reference.named_parameters()]
+
+
 def _probed(rank, world, granularity, cf):
     """GraVAC's probe gains from the hook, both ways, against norms of every rank's plain gradients."""
     dist.init_process_group("gloo")
@@ -176,12 +186,7 @@ def _probed(rank, world, granularity, cf):
         residuals: dict[str, torch.Tensor] = {}
         got, expected = [], []
         for step in range(3):
-            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
-            for m in (ddp, reference):
-                m.zero_grad()
-                m(x).square().mean().backward()
-            names = [n for n, _ in reference.named_parameters()]
-            grads = [p.grad for _, p in reference.named_parameters()]
+            names, grads = _backward_both(ddp, reference, step, rank)
             probed = (
                 grads if gain_of == "gradient" else [g + residuals.get(n, 0) for n, g in zip(names, grads, strict=True)]
             )
@@ -341,12 +346,7 @@ def _half_steps(rank, world, granularity):
     out = []
     for step, half in enumerate((False, True, False, True)):
         state.half = half
-        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
-        for m in (ddp, reference):
-            m.zero_grad()
-            m(x).square().mean().backward()
-        names = [n for n, _ in reference.named_parameters()]
-        grads = [p.grad for _, p in reference.named_parameters()]
+        names, grads = _backward_both(ddp, reference, step, rank)
         if half:
             expected = {}
             for n, g in zip(names, grads, strict=True):

@@ -9,6 +9,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
 from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, RunSummary, Static, list_compressors
+from lightning_gravac.compressors import DGC
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
@@ -240,3 +241,19 @@ def test_periodic_model_averaging_makes_ranks_identical_after_each_average_and_o
 def test_model_averaging_arguments_are_checked():
     with pytest.raises(ValueError, match=r"`model_averaging_period` must be a whole number >= 1, got 0"):
         GraVACStrategy(model_averaging_period=0)
+
+
+def test_the_strategy_owns_the_step_and_the_epoch_whatever_the_controller_does():
+    from lightning_gravac.state import GATHER, BucketRecord
+
+    strategy = GraVACStrategy(DGC(warmup_epochs=4))
+    state = strategy.compression_state
+    state.record(BucketRecord(bytes_sent=100, bytes_dense=1000, collective=GATHER, sq_norm=1.0))
+    strategy.post_backward(torch.tensor(0.0))  # DDP's backward is over: the step ends
+    assert state.step == 1, "the step advances with no controller reading the statistics"
+    strategy.post_backward(torch.tensor(0.0))  # a backward that communicated nothing (gradient accumulation)
+    assert state.step == 1
+    stats = state.take_stats()
+    assert stats is not None and stats.bytes_sent == 100 and state.take_stats() is None
+    state.begin_step(2)
+    assert state.epoch == 2 and state.compressor.epoch == 2

@@ -68,12 +68,12 @@ def test_a_lightning_facing_module_is_read_for_lightning_and_a_shared_one_is_not
     source = (
         "import pytorch_lightning as pl\nfrom lightning_fabric.utilities import rank_zero_only\n"
         "from lightning_gravac.callbacks.controller import Controller\n"
-        "from lightning_gravac.strategies.state import StepStats\nfrom lightning_gravac import GraVAC\n"
+        "from lightning_gravac.state import StepStats\nfrom lightning_gravac import GraVAC\n"
     )
     assert rewrite(source) == (
         "import lightning.pytorch as pl\nfrom lightning.fabric.utilities import rank_zero_only\n"
         "from lightning_gravac.lightning.callbacks.controller import Controller\n"
-        "from lightning_gravac.strategies.state import StepStats\nfrom lightning_gravac.lightning import GraVAC\n"
+        "from lightning_gravac.state import StepStats\nfrom lightning_gravac.lightning import GraVAC\n"
     )
     import lightning_gravac
     import lightning_gravac.lightning as unified

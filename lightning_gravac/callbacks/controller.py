@@ -9,7 +9,7 @@ from pytorch_lightning import Callback
 from typing_extensions import override
 
 from lightning_gravac.callbacks.guard import DivergenceGuard
-from lightning_gravac.strategies.state import CompressionState, StepStats
+from lightning_gravac.state import CompressionState, StepStats
 
 
 def _scales_per_coordinate(trainer: "pl.Trainer") -> bool:
@@ -51,6 +51,8 @@ class Controller(Callback):
         #: Sends dense for a while when a compressed step's gradient norm explodes; ``None`` turns it off.
         self.guard: DivergenceGuard | None = DivergenceGuard()
         self.last_metrics: dict[str, float] = {}
+        #: The step (``state.step``) :attr:`last_metrics` are of; 0 before the first.
+        self.metrics_step = 0
         self.nonfinite_steps = 0
         self._state: CompressionState | None = None
 
@@ -63,9 +65,9 @@ class Controller(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        from lightning_gravac.strategies.gravac import GraVACStrategy
-
-        if not isinstance(trainer.strategy, GraVACStrategy):
+        # By the state the strategy carries, not by its class: the strategy module imports the controllers.
+        state = getattr(trainer.strategy, "compression_state", None)
+        if not isinstance(state, CompressionState):
             raise ValueError(
                 f"{type(self).__name__} controls GraVACStrategy's compression, but the trainer's strategy is "
                 f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=GraVACStrategy(...))` or drop the callback."
@@ -73,8 +75,8 @@ class Controller(Callback):
         # A model that builds its layers in `configure_model` (sized by the data) has none yet: checked at fit start.
         if any(True for _ in pl_module.parameters()):
             self._fit_and_check(pl_module)
-        self._state = trainer.strategy.compression_state
-        self._hand_over(self._state)
+        self._state = state
+        self._hand_over(state)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -109,18 +111,10 @@ class Controller(Callback):
             )
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
-        # Told at every batch, not in `on_train_epoch_start`: Lightning skips that hook for the epoch a resumed run
-        # continues into, and epoch-driven schedules (DGC's warm-up) would then stay an epoch behind.
-        if trainer.current_epoch != self.state.epoch:
-            self.state.epoch = trainer.current_epoch
-            self.state.compressor.on_epoch_start(trainer.current_epoch)
-
-    @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        stats = self.state.pop_stats()
+        stats = self.state.take_stats()  # the strategy ended the step (and advanced its count) after backward
         if stats is None:  # no communication this batch (gradient accumulation)
             return
         if not stats.finite:
@@ -133,6 +127,7 @@ class Controller(Callback):
             )
             return
         self.last_metrics = self.metrics(stats)  # of the step that produced `stats`, before the next decision
+        self.metrics_step = self.state.step
         guarded = self._guarded(stats, trainer)
         if guarded == "free":  # a step the guard sent dense is not the controller's to observe
             self.observe(stats, trainer)

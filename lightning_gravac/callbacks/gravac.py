@@ -2,6 +2,7 @@
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -10,13 +11,13 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.utilities.data import extract_batch_size
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.strategies.hook import HALF
-from lightning_gravac.strategies.state import CompressionState, GainOf, StepStats
+from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats
 
 Policy = Literal["exponential", "geometric"]
 Search = Literal["sequential", "model"]
@@ -282,8 +283,11 @@ class GraVAC(Controller):
         self.windows = 0
         #: The setup probe's ``(seconds a message, seconds a moved byte)``, identical on every rank; None: not run.
         self.probed: tuple[float, float] | None = None
-        self.compress_cost = 0.0  # seconds a step the method's selection and encoding cost, when compressing
-        self.cast_cost = 0.0  # seconds a step the fp16 rung's casts cost (timed at fit start, then measured)
+        # Seconds a step the method's selection and encoding cost when compressing, and the fp16 rung's casts (timed
+        # at fit start, then measured on the steps sent).
+        self.compress_cost, self.cast_cost = 0.0, 0.0
+        #: Seconds a moved byte of an fp16 all-reduce (probed at fit start with the link); None: the rung is unknown.
+        self.half_per_byte: float | None = None
         self.payload_fixed = 0.0  # bytes a compressed step sends beyond dense / cf (headers, minimum entries), measured
         self._gain_sums: dict[float, tuple[float, float]] = {}  # bias-corrected EWMA: (weighted sum, weight)
         self._buckets = 1
@@ -367,7 +371,7 @@ class GraVAC(Controller):
     @property
     def rungs(self) -> tuple[float, ...]:
         """The factors the model search weighs besides dense and the ladder: ``HALF`` (fp16) when on."""
-        return (HALF,) if self.fp16_rung else ()
+        return (HALF,) if self.fp16_rung and self.half_per_byte is not None else ()
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -382,8 +386,10 @@ class GraVAC(Controller):
                 f"GraVAC: link measured at fit start: {self.probed[0] * 1e6:.0f} us a message, "
                 f"{8 / self.probed[1] / 1e6 if self.probed[1] > 0 else math.inf:.0f} Mbit/s."
             )
-            if self.fp16_rung and fresh:  # a resumed run keeps its cost, measured since on the steps it sent in fp16
-                self.cast_cost = self.measure_cast(trainer)
+            if self.fp16_rung:
+                self.half_per_byte, cast_cost = self.measure_half(trainer)
+                if fresh:  # a resumed run keeps its cost, measured since on the steps it sent in fp16
+                    self.cast_cost = cast_cost
             if fresh:
                 self.cf = self._choose()
                 self._hand_over(self.state)
@@ -398,57 +404,75 @@ class GraVAC(Controller):
         ``t = latency + moved x per_byte``, ``moved = 2 (N - 1) / N x bytes`` (a ring). Runs on every rank, from the
         training thread, before the first step: no comm hook is in flight. A subclass may return a model (tests).
         """
-        group = self.state.process_group
         share = 2 * (trainer.world_size - 1) / trainer.world_size
-        model_bytes = sum(
-            p.numel() * p.element_size() for p in trainer.lightning_module.parameters() if p.requires_grad
-        )
-
-        device = trainer.strategy.root_device
-        # A CUDA collective returns before it completes: wait for the device around each timing (NCCL; untested
-        # here, no GPU). Gloo's all-reduce on CPU tensors is synchronous.
-        synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-        def timed(nbytes: int) -> float:
-            tensor = torch.zeros(max(1, nbytes // 4), device=device)
-            dist.all_reduce(tensor, group=group)
-            best = math.inf
-            for _ in range(3):
-                synchronize()
-                start = time.perf_counter()
-                dist.all_reduce(tensor, group=group)
-                synchronize()
-                best = min(best, time.perf_counter() - start)
-            slowest = torch.tensor([best], dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            return float(slowest.item())
-
         small = PROBE_BYTES[0]
-        t_small, size = timed(small), PROBE_BYTES[1]
-        t_large = timed(size)
-        while t_large < PROBE_SECONDS and size < model_bytes:
-            size = min(4 * size, max(model_bytes, PROBE_BYTES[1]))
-            t_large = timed(size)
+        t_small = self._timed_all_reduce(trainer, small, torch.float32)
+        size, t_large = self._grown_all_reduce(trainer, torch.float32)
         per_byte = (t_large - t_small) / (share * (size - small))
         if per_byte <= 0:  # noise on a fast link: all of it per byte
             return 0.0, t_large / (share * size)
         return max(0.0, t_small - per_byte * share * small), per_byte
 
-    def measure_cast(self, trainer: "pl.Trainer") -> float:
-        """Seconds the fp16 rung's casts take a step (fp32 to fp16 and back, the model's gradient bytes), the best
-        of three, the slowest rank's: the same on every rank. A subclass may return a model (tests)."""
-        device = trainer.strategy.root_device
+    def measure_half(self, trainer: "pl.Trainer") -> tuple[float, float]:
+        """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``, the same on every
+        rank: what the fp16 rung costs, measured rather than assumed (an fp16 sum is not always half an fp32 one's
+        time: gloo reduces fp16 on the CPU element by element). The all-reduce grows as :meth:`measure_link`'s; the
+        casts are the fp16 method's compress, rounding residual and decode on the model's gradient size, best of
+        three. The slowest rank's times decide. A subclass may return a model (tests)."""
+        share = 2 * (trainer.world_size - 1) / trainer.world_size
+        latency = self.probed[0] if self.probed is not None else 0.0
+        size, seconds = self._grown_all_reduce(trainer, torch.float16)
+        per_byte = max(0.0, seconds - latency) / (share * size)
         numel = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
+        device = trainer.strategy.root_device
         gradient = torch.zeros(max(1, numel), device=device)
+        method = self.state.cast
+
+        def casts() -> None:
+            payload = method.compress(gradient, HALF)
+            method.residual_(gradient, payload)
+            method.decode_(gradient, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
+
+        return per_byte, self._slowest(trainer, self._best_of_three(trainer, casts))
+
+    def _grown_all_reduce(self, trainer: "pl.Trainer", dtype: torch.dtype) -> tuple[int, float]:
+        """``(bytes, seconds)`` of the all-reduce from 64 KB up, 4x a time, until one takes ``PROBE_SECONDS`` or
+        carries the model's gradient (in ``dtype``)."""
+        width = torch.empty((), dtype=dtype).element_size()
+        model_bytes = sum(p.numel() * width for p in trainer.lightning_module.parameters() if p.requires_grad)
+        size = PROBE_BYTES[1]
+        seconds = self._timed_all_reduce(trainer, size, dtype)
+        while seconds < PROBE_SECONDS and size < model_bytes:
+            size = min(4 * size, max(model_bytes, PROBE_BYTES[1]))
+            seconds = self._timed_all_reduce(trainer, size, dtype)
+        return size, seconds
+
+    def _timed_all_reduce(self, trainer: "pl.Trainer", nbytes: int, dtype: torch.dtype) -> float:
+        """The slowest rank's best of three all-reduces of ``nbytes`` of ``dtype`` (after one to warm up)."""
+        group = self.state.process_group
+        width = torch.empty((), dtype=dtype).element_size()
+        tensor = torch.zeros(max(1, nbytes // width), dtype=dtype, device=trainer.strategy.root_device)
+        dist.all_reduce(tensor, group=group)
+        return self._slowest(trainer, self._best_of_three(trainer, lambda: dist.all_reduce(tensor, group=group)))
+
+    @staticmethod
+    def _best_of_three(trainer: "pl.Trainer", work: Callable[[], object]) -> float:
+        # A CUDA collective or kernel returns before it completes: wait for the device around each timing (untested
+        # here, no GPU). Gloo's all-reduce and CPU ops are synchronous.
+        device = trainer.strategy.root_device
         synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         best = math.inf
         for _ in range(3):
             synchronize()
             start = time.perf_counter()
-            gradient.to(torch.float16).to(torch.float32)
+            work()
             synchronize()
             best = min(best, time.perf_counter() - start)
-        slowest = torch.tensor([best], dtype=torch.float64, device=device)
+        return best
+
+    def _slowest(self, trainer: "pl.Trainer", seconds: float) -> float:
+        """The largest of every rank's ``seconds`` (a MAX all-reduce): the same number on every rank."""
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=trainer.strategy.root_device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.state.process_group)
         return float(slowest.item())
 
@@ -486,7 +510,12 @@ class GraVAC(Controller):
         self._step_start = time.perf_counter()
         try:
             self._batch_size = extract_batch_size(batch)
-        except Exception:
+        except (MisconfigurationException, RecursionError):
+            # No tensor to count (or too deep a structure): the batch counts as one sample. Throughputs are then per
+            # batch; the model search ranks progress per second without it, the sequential search compares factors
+            # measured with the same count.
+            if self._batch_size != 1 or self._steps == 0:
+                rank_zero_warn("GraVAC: no batch size found in the batch; throughputs are reported per batch.")
             self._batch_size = 1
 
     def step_seconds(self, stats: StepStats) -> float:
@@ -679,13 +708,16 @@ class GraVAC(Controller):
 
     def _predicted_seconds(self, link: _Link, cf: float, dense_bytes: float) -> float:
         """A step's seconds at ``cf`` by the fitted model: the rest, compressing, a message a bucket, the bytes."""
-        if cf in (DENSE, *self.rungs):  # an all-reduce of the whole gradient, in fp32 or in fp16
-            moved = moved_bytes(dense_bytes / cf, dense_bytes, self._world_size)
-            extra = 0.0 if cf == DENSE else self.cast_cost
+        per_byte = link.seconds_per_byte
+        if cf == DENSE:
+            moved, extra = moved_bytes(dense_bytes, dense_bytes, self._world_size), 0.0
+        elif cf in self.rungs:  # the whole gradient in fp16: its own all-reduce's cost a byte, and the casts
+            moved, extra = moved_bytes(dense_bytes / cf, dense_bytes, self._world_size), self.cast_cost
+            per_byte = self.half_per_byte if self.half_per_byte is not None else per_byte
         else:
             moved = moved_bytes(dense_bytes / cf + self.payload_fixed, dense_bytes, self._world_size)
             extra = self.compress_cost
-        return link.other_seconds + link.per_step + moved * link.seconds_per_byte + extra
+        return link.other_seconds + link.per_step + moved * per_byte + extra
 
     def gains_can_matter(self) -> bool:
         """Whether some factor could beat dense if it kept all of the gradient (gain 1): if none can (compressing

@@ -5,7 +5,7 @@ from collections import deque
 from typing import Any
 
 from lightning_gravac._validation import whole
-from lightning_gravac.strategies.state import StepStats
+from lightning_gravac.state import StepStats
 
 
 class DivergenceGuard:

@@ -41,15 +41,15 @@ class RunSummary(Callback):
         # Callbacks: public, but assigned by Lightning's callback connector, so invisible to type checkers.
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         self._controller = next((c for c in callbacks if isinstance(c, Controller)), None)
-        self._seen = self._controller.state.step if self._controller is not None else 0
+        self._seen = self._controller.metrics_step if self._controller is not None else 0
 
     def _collect(self, trainer: "pl.Trainer") -> None:
         # Called before and after every batch, so that a controller placed after this callback is read too.
         controller = self._controller
-        if controller is None or controller.state.step == self._seen:
+        if controller is None or controller.metrics_step == self._seen:
             return
-        self._seen = controller.state.step
-        row = {"step": float(controller.state.step), **controller.last_metrics}
+        self._seen = controller.metrics_step
+        row = {"step": float(controller.metrics_step), **controller.last_metrics}
         if self.monitor in trainer.callback_metrics:
             row[self.monitor] = float(trainer.callback_metrics[self.monitor])
         self.history.append(row)
@@ -98,10 +98,11 @@ class RunSummary(Callback):
 
     def save_plot(self, path: Path) -> Path:
         """Plot the factor in force, the gain, the compression throughput and the monitored metric to ``path`` (PNG)."""
-        import matplotlib
+        # Imported here: matplotlib is optional (the `plot` extra), and its backend must be chosen before pyplot loads.
+        import matplotlib  # noqa: PLC0415
 
         matplotlib.use("Agg")  # files only: no display on a training node
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415
 
         steps = [r["step"] for r in self.history]
         series = [("gravac/cf", "compression factor", True), ("gravac/gain", "gain ||C(g)||²/||g||²", False)]

@@ -126,7 +126,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def _install() -> None:
     try:
-        import lightning.pytorch  # noqa: F401
+        import lightning.pytorch  # noqa: F401, PLC0415 - optional: its absence becomes the error below
     except ImportError as error:
         raise ImportError(
             "lightning_gravac.lightning is built on the unified `lightning` package: `pip install lightning`, or "

@@ -1,7 +1,7 @@
 """The strategy, its comm hook and the state they share."""
 
+from lightning_gravac.state import CompressionState, StepStats
 from lightning_gravac.strategies.gravac import GraVACStrategy
 from lightning_gravac.strategies.hook import gravac_hook
-from lightning_gravac.strategies.state import CompressionState, StepStats
 
 __all__ = ["CompressionState", "GraVACStrategy", "StepStats", "gravac_hook"]

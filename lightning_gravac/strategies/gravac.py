@@ -10,13 +10,17 @@ from lightning_fabric.utilities.types import _PATH
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.callbacks import Checkpoint
 from pytorch_lightning.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, whole
+from lightning_gravac.callbacks.controller import Controller
+from lightning_gravac.callbacks.gravac import GraVAC
+from lightning_gravac.callbacks.static import Static
 from lightning_gravac.compressors.base import Compressor, get_compressor
+from lightning_gravac.state import CompressionState, Granularity
 from lightning_gravac.strategies.hook import gravac_hook
-from lightning_gravac.strategies.state import CompressionState, Granularity
 
 _GRANULARITIES = ("layer", "bucket")
 #: Where the strategy keeps the step counter and every rank's residuals in a Lightning checkpoint.
@@ -109,8 +113,6 @@ class GraVACStrategy(DDPStrategy):
             # Lightning's post-local-SGD machinery: with this state, DDPStrategy.setup builds a PeriodicModelAverager
             # and optimizer_step averages the parameters every period. Lightning registers the matching gradient hook on
             # CUDA only; here our own hook stops communicating gradients once local SGD starts, on every device.
-            from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
-
             kwargs["model_averaging_period"] = model_averaging_period
             local_sgd = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start_local_sgd_step)
         super().__init__(**kwargs)
@@ -138,10 +140,6 @@ class GraVACStrategy(DDPStrategy):
         super().setup_environment()
 
     def _attach_controller(self, trainer: "pl.Trainer") -> None:
-        from lightning_gravac.callbacks.controller import Controller
-        from lightning_gravac.callbacks.gravac import GraVAC
-        from lightning_gravac.callbacks.static import Static
-
         # `Trainer.callbacks` is public but assigned by Lightning's callback connector, invisible to type checkers.
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         controllers = [c for c in callbacks if isinstance(c, Controller)]
@@ -196,10 +194,19 @@ class GraVACStrategy(DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        # The strategy owns the step: told at every batch, not in `on_train_epoch_start`, which Lightning skips for the
+        # epoch a resumed run continues into (an epoch-driven schedule, DGC's warm-up, would stay an epoch behind).
+        self.compression_state.begin_step(self.lightning_module.trainer.current_epoch)
         self._follow_gradient_scale()
         # Momentum set in the optimizer again (a restored checkpoint's param groups, a momentum schedule) is taken
         # into the hook before this step's backward, so it never applies twice.
         self.compression_state.momentum.refresh()
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        # DDP's backward has waited for every bucket's future: the step's statistics are all in.
+        self.compression_state.end_step()
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

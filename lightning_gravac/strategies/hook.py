@@ -40,10 +40,53 @@ from lightning_gravac.compressors.base import Compressor, Payload, sq_norm
 from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.compressors.powersgd import PowerSGD, as_matrix
-from lightning_gravac.strategies.state import GATHER, REDUCE, BucketRecord, CompressionState
+from lightning_gravac.state import GATHER, HALF, REDUCE, BucketRecord, Collective, CompressionState
 
-#: The factor of a half step: fp16 on the wire from an fp32 gradient.
-HALF = 2.0
+
+@dataclass(frozen=True)
+class Header:
+    """The float64 statistics a compressed bucket carries beside its payload, summed over ranks by the collective.
+
+    Laid out ``[basis, sent, *probes, grad_sq]``: ``basis`` is ``||g||^2`` of what the method selects from (the
+    error-fed gradient, or the method's own accumulation), ``sent`` is ``||C(g)||^2``, ``probes`` the kept squared
+    norms at the controller's probe factors, and ``grad_sq``, present only when the probes are of the step's own
+    gradient, that gradient's ``||grad||^2`` (the probes are then relative to it, else to ``basis``). A non-finite
+    ``basis`` means some rank's gradient was not finite.
+    """
+
+    basis: float
+    sent: float
+    probes: tuple[float, ...]
+    grad_sq: float | None = None
+
+    @staticmethod
+    def numel(probes: int, fresh: bool) -> int:
+        """Entries of a header with ``probes`` probe norms, of the step's own gradient if ``fresh``."""
+        return 2 + probes + int(fresh)
+
+    @staticmethod
+    def pack(basis: Tensor, sent: list[Tensor], probes: list[Tensor], fresh: tuple[Tensor, Tensor] | None) -> Tensor:
+        """This rank's part of the sums, from ``basis``, the sent norms of each segment, each segment's probe norms,
+        or ``fresh``: the probe norms of the step's own gradient and its ``||grad||^2`` (then ``probes`` is unused)."""
+        parts = [basis.view(1), torch.stack(sent).sum().view(1).to(basis.device)]
+        if fresh is not None:
+            parts += [fresh[0].to(basis.device), fresh[1].view(1).to(basis.device)]
+        elif probes:
+            parts.append(torch.stack(probes).sum(0).to(basis.device))
+        return torch.cat(parts)
+
+    @classmethod
+    def unpack(cls, summed: Tensor, fresh: bool) -> "Header":
+        """The header of the summed tensor (one device read)."""
+        values = summed.tolist()
+        if fresh:
+            return cls(values[0], values[1], tuple(values[2:-1]), values[-1])
+        return cls(values[0], values[1], tuple(values[2:]))
+
+    @property
+    def probe_basis(self) -> float:
+        """What the probes are relative to: ``grad_sq`` when they are of the step's own gradient, else ``basis``."""
+        return self.basis if self.grad_sq is None else self.grad_sq
 
 
 @dataclass(frozen=True)
@@ -114,7 +157,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         probe = state.compressor.probe
         probes = [probe(s.tensor, probe_cfs, key=s.key, step=state.step) for s in segments] if probe_cfs else []
         norm = sq_norm(buffer)  # sent dense: what is sent is all there is
-        header = _header(norm, [norm], probes, fresh)
+        header = Header.pack(norm, [norm], probes, fresh)
         work = _Work(state, buffer, segments, [], header, fresh is not None, names, start=start)
         if state.error_feedback:
             work.pending = dict.fromkeys(names)
@@ -125,7 +168,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     sent = [s.compressor.sent_sq_norm(p) for s, p in zip(segments, payloads, strict=True)]
     # Gains are relative to what each method selects from: the error-fed gradient, or DGC's accumulation.
     basis = torch.stack([s.compressor.basis_sq_norm(s.tensor, s.key) for s in segments]).sum()
-    header = _header(basis, sent, probes, fresh)
+    header = Header.pack(basis, sent, probes, fresh)
     work = _Work(state, buffer, segments, payloads, header, fresh is not None, names, start=start)
     if state.error_feedback:
         work.pending = _new_residuals(work, names, grads)
@@ -315,17 +358,6 @@ def _compress(
     return payloads, probes
 
 
-def _header(basis: Tensor, sent: list[Tensor], probes: list[Tensor], fresh: tuple[Tensor, Tensor] | None) -> Tensor:
-    """``[||g||^2, ||C(g)||^2, *probe norms]`` in float64, this rank's part of the sums; with ``fresh``, the probe
-    norms of the step's own gradient and its ``||grad||^2`` instead of ``probes``."""
-    parts = [basis.view(1), torch.stack(sent).sum().view(1).to(basis.device)]
-    if fresh is not None:
-        parts += [fresh[0].to(basis.device), fresh[1].view(1).to(basis.device)]
-    elif probes:
-        parts.append(torch.stack(probes).sum(0).to(basis.device))
-    return torch.cat(parts)
-
-
 def _new_residuals(work: _Work, names: list[str], grads: list[Tensor]) -> dict[str, Tensor | None]:
     """``g - decoded`` for every parameter, computed before the buffer is overwritten; not stored yet."""
     pending: dict[str, Tensor | None] = {}
@@ -343,8 +375,15 @@ def _new_residuals(work: _Work, names: list[str], grads: list[Tensor]) -> dict[s
     return pending
 
 
-def _decode_into(segments: list[_Segment], stacked: list[Payload], scale: float) -> None:
-    for segment, payload in zip(segments, stacked, strict=True):
+def _decode_into(work: _Work, stacked: list[Payload], scale: float) -> None:
+    """The average of every rank's payloads into the bucket: written segment by segment where the segments cover the
+    buffer (each layer's gradient, or the whole bucket), else added into the zeroed buffer."""
+    if sum(s.out.numel() for s in work.segments) == work.buffer.numel():
+        for segment, payload in zip(work.segments, stacked, strict=True):
+            segment.compressor.decode_(segment.out.view(-1), payload, scale)
+        return
+    work.buffer.zero_()
+    for segment, payload in zip(work.segments, stacked, strict=True):
         segment.compressor.aggregate_(segment.out.view(-1), payload, scale)
 
 
@@ -360,16 +399,14 @@ def _gather_payloads(work: _Work, layout: Layout) -> Future[Tensor]:
         _received(fut, state, "all-gather of the packed payloads")
         received = time.perf_counter()
         headers, stacked = layout.unpack(gathered.view(world, layout.nbytes), work.payloads)
-        work.buffer.zero_()
-        _decode_into(work.segments, stacked, 1.0 / world)
+        _decode_into(work, stacked, 1.0 / world)
         return _settle(work, layout.nbytes, GATHER, headers.sum(0), encode_s, received, launched)
 
     return handle.get_future().then(decode)
 
 
 def _reduce_decoded(work: _Work) -> Future[Tensor]:
-    work.buffer.zero_()
-    _decode_into(work.segments, [_stack_one(p) for p in work.payloads], 1.0 / work.state.world_size)
+    _decode_into(work, [_stack_one(p) for p in work.payloads], 1.0 / work.state.world_size)
     return _launch_reduce(work, work.buffer, lambda: work.buffer)
 
 
@@ -378,7 +415,6 @@ def _reduce_payloads(work: _Work) -> Future[Tensor]:
     flat = torch.cat([w.reshape(-1) for p in work.payloads for w in p.wire]).div_(work.state.world_size)
 
     def decode() -> Tensor:
-        work.buffer.zero_()
         summed, offset = [], 0
         for payload in work.payloads:
             views = []
@@ -386,7 +422,7 @@ def _reduce_payloads(work: _Work) -> Future[Tensor]:
                 views.append(flat[offset : offset + w.numel()].view(1, *w.shape))
                 offset += w.numel()
             summed.append(payload.with_wire(views))
-        _decode_into(work.segments, summed, 1.0)
+        _decode_into(work, summed, 1.0)
         return work.buffer
 
     return _launch_reduce(work, flat, decode)
@@ -416,7 +452,8 @@ def _low_rank(
     names = [s.key for s in segments]  # per layer: the parameters' names
     work = _Work(state, buffer, segments, [], basis.new_zeros(0), fresh is not None, names, start=start)
     second_numel = sum(m.shape[1] * p.shape[1] for m, p in zip(matrices, ps, strict=True))
-    sent_bytes = (first.numel() + second_numel) * first.element_size() + (2 + len(state.probe_cfs) + work.fresh) * 8
+    header_bytes = Header.numel(len(state.probe_cfs), work.fresh) * 8
+    sent_bytes = (first.numel() + second_numel) * first.element_size() + header_bytes
     encode_s = time.perf_counter() - start
     launched = time.perf_counter()
 
@@ -435,7 +472,7 @@ def _low_rank(
     for s in full:
         work.pending[s.key] = None
     sent = [dense_sq] + [q.double().square().sum() for q in qs]  # ||P Q^T|| = ||Q|| for orthonormal P
-    work.header = _header(basis, sent, probes, fresh)
+    work.header = Header.pack(basis, sent, probes, fresh)
     second = torch.cat([q.view(-1) for q in qs]) if qs else summed.new_zeros(0)
     futures = [dist.all_reduce(work.header, group=group, async_op=True).get_future()]
     if qs:  # a bucket of biases alone has no second factor
@@ -508,13 +545,18 @@ def _launch_reduce(work: _Work, tensor: Tensor, finish: Callable[[], Tensor]) ->
 
 
 def _settle(
-    work: _Work, bytes_sent: int, collective: int, norms: Tensor, encode_s: float, received: float, launched: float
+    work: _Work,
+    bytes_sent: int,
+    collective: Collective,
+    norms: Tensor,
+    encode_s: float,
+    received: float,
+    launched: float,
 ) -> Tensor:
     """Commit the residuals of a finite step (or poison the result of a non-finite one) and record the stats."""
-    values = norms.tolist()
-    probe_sq, probe_basis = (values[2:-1], values[-1]) if work.fresh else (values[2:], values[0])
+    header = Header.unpack(norms, work.fresh)
     keys = [s.key for s in work.segments]
-    if math.isfinite(values[0]):
+    if math.isfinite(header.basis):
         work.state.compressor.commit(keys)
         work.state.momentum.commit(work.names)
         for key, residual in work.pending.items():
@@ -528,15 +570,15 @@ def _settle(
         work.buffer.fill_(math.nan)
     compress_s = encode_s + time.perf_counter() - received
     record = BucketRecord(
-        bytes_sent,
-        work.dense_bytes,
-        collective,
-        values[0],
-        values[1],
-        compress_s,
-        received - launched,
-        tuple(probe_sq),
-        probe_basis,
+        bytes_sent=bytes_sent,
+        bytes_dense=work.dense_bytes,
+        collective=collective,
+        sq_norm=header.basis,
+        sq_norm_sent=header.sent,
+        compress_s=compress_s,
+        comm_s=received - launched,
+        probe_sq=header.probes,
+        probe_basis=header.probe_basis,
     )
     work.state.record(record)
     return work.buffer
