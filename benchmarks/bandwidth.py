@@ -44,7 +44,8 @@ from pytorch_lightning import Callback
 from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, Static
+from lightning_gravac import Accordion, GraVAC, GraVACStrategy, Static
+from lightning_gravac.callbacks.controller import controllers_of
 from lightning_gravac.compressors import DGC
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.meprop import MeProp
@@ -158,7 +159,7 @@ class TargetStop(Callback):
         dist.all_reduce(shared)
         loss = shared[0].item() / trainer.world_size
         self.ewma = loss if self.ewma is None else 0.9 * self.ewma + 0.1 * loss
-        controller = next((c for c in trainer.callbacks if isinstance(c, Controller)), None)  # type: ignore[attr-defined]
+        controller = next(iter(controllers_of(trainer)), None)
         metrics = controller.last_metrics if controller is not None else {}
         cf = float(metrics.get("gravac/achieved_cf", 1.0))
         sent = int(metrics.get("gravac/bytes_sent", self.numel * 4))
@@ -242,7 +243,7 @@ def _scale_table(alpha: float, numel: int, links: dict[str, float]) -> list[str]
         for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
             reduce_s = 2 * (n - 1) * alpha + 2 * (n - 1) / n * dense * beta
             gathers = [(n - 1) * alpha + (n - 1) * dense / cf * beta for cf in (10, 100, 1000)]
-            pick = "gather" if n * dense / 100 < 2 * dense else "dense reduce of decoded"
+            pick = "gather" if gathers(dense / 100, dense, n) else "dense reduce of decoded"
             cells = " | ".join(f"{g:.3f}" for g in gathers)
             lines.append(f"| {n} | {reduce_s:.3f} | {cells} | {pick} |")
     return lines

@@ -61,7 +61,8 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, Static
+from lightning_gravac import Accordion, GraVAC, GraVACStrategy, Static
+from lightning_gravac.callbacks.controller import controllers_of
 from lightning_gravac.compressors import DGC
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import (
@@ -234,7 +235,7 @@ class Recorder(Callback):
     def _fill(self, trainer: pl.Trainer) -> None:
         """The last step's factor, from its controller's metrics (the controller may run after this callback)."""
         if self.steps and math.isnan(self.steps[-1][2]):
-            controller = next((c for c in trainer.callbacks if isinstance(c, Controller)), None)  # type: ignore[attr-defined]
+            controller = next(iter(controllers_of(trainer)), None)
             cf = float(controller.last_metrics.get("gravac/cf", 1.0)) if controller is not None else 1.0
             self.steps[-1] = (*self.steps[-1][:2], cf)
 

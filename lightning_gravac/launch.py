@@ -63,7 +63,8 @@ def run_distributed(
     ``None``; it is killed at ``timeout``.
 
     Raises:
-        AssertionError: with every failing rank's traceback, or if a rank has not finished within ``timeout``.
+        RuntimeError: with every failing rank's traceback, or if a rank has not finished within ``timeout`` (its
+            stacks), or exited without a result; the last two unless ``allow_missing``.
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
@@ -82,11 +83,14 @@ def run_distributed(
                 p.kill()
                 p.join()
         errors = {r: Path(out, f"{r}.err").read_text() for r in range(world_size) if Path(out, f"{r}.err").exists()}
-        assert not errors, "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items())
-        stacks = "".join(f"--- rank {r} ---\n{Path(out, f'{r}.stacks').read_text()}" for r in hung)
-        assert allow_missing or not hung, f"ranks {hung} did not finish within {timeout}s:\n{stacks}"
+        if errors:
+            raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items()))
+        if hung and not allow_missing:
+            stacks = "".join(f"--- rank {r} ---\n{Path(out, f'{r}.stacks').read_text()}" for r in hung)
+            raise RuntimeError(f"ranks {hung} did not finish within {timeout}s:\n{stacks}")
         missing = [r for r in range(world_size) if not Path(out, f"{r}.pt").exists()]
-        assert allow_missing or not missing, f"ranks {missing} exited without a result"
+        if missing and not allow_missing:
+            raise RuntimeError(f"ranks {missing} exited without a result")
         return [
             None if r in missing else torch.load(Path(out, f"{r}.pt"), weights_only=False) for r in range(world_size)
         ]

@@ -28,6 +28,15 @@ class Collective(IntEnum):
 
 
 GATHER, REDUCE = Collective.GATHER, Collective.REDUCE
+
+
+def gathers(payload_bytes: float, dense_bytes: float, world_size: int) -> bool:
+    """Whether the hook all-gathers a bucket's payloads rather than all-reducing it dense: when each rank then moves
+    fewer bytes, ``(N-1)`` payloads against a ring all-reduce's ``2 (N-1)/N`` of the dense buffer, i.e. when
+    ``N x payload < 2 x dense``."""
+    return world_size * payload_bytes < 2 * dense_bytes
+
+
 #: The factor of a ``half`` step: fp16 on the wire from an fp32 gradient.
 HALF = 2.0
 

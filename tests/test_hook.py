@@ -4,6 +4,7 @@ Each rank trains on different data, so a hook that communicated nothing, or aver
 """
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gravac.compressors import get_compressor, sparse_k
 from lightning_gravac.launch import run_distributed
-from lightning_gravac.state import GATHER, REDUCE, CompressionState
+from lightning_gravac.state import GATHER, REDUCE, Collective, CompressionState
 from lightning_gravac.strategies.hook import gravac_hook
 
 pytestmark = pytest.mark.distributed
@@ -108,42 +109,51 @@ def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb, param_cf=N
     return results
 
 
+class Case(NamedTuple):
+    compressor: str
+    cf: float
+    granularity: str
+    cap: float  # DDP's bucket_cap_mb
+    collective: Collective
+    param_cf: dict[str, float] | None = None  # per-layer factors (Accordion's), None: the global one
+
+
 # cf 1.0001 with one bucket makes the packed payload (values + indices + header) larger than the dense bucket, so
 # the hook must take its third path: decode locally and all-reduce densely.
 CASES = {
-    "topk-layer-gather": ("topk", 50, "layer", 0.005, GATHER),
-    "topk-bucket-gather": ("topk", 50, "bucket", 25, GATHER),
-    "topk-layer-mixed-factors": ("topk", 50, "layer", 25, GATHER),
-    "topk-bucket-dense": ("topk", 1.0001, "bucket", 25, REDUCE),
-    "randomk-layer-summed": ("randomk", 20, "layer", 0.005, REDUCE),
-    "redsync-layer-gather": ("redsync", 50, "layer", 0.005, GATHER),
-    "sidco-bucket-gather": ("sidco", 50, "bucket", 25, GATHER),
-    "threshold-layer-gather": ("threshold", 50, "layer", 25, GATHER),
-    "adaq-layer-gather": ("adaq", 20, "layer", 25, GATHER),
-    "onebit-layer-gather": ("onebit", 32, "layer", 25, GATHER),
-    "efsignsgd-bucket-gather": ("efsignsgd", 32, "bucket", 25, GATHER),
-    "qsgd-layer-gather": ("qsgd", 10, "layer", 25, GATHER),
-    "terngrad-layer-gather": ("terngrad", 16, "layer", 25, GATHER),
+    "topk-layer-gather": Case("topk", 50, "layer", 0.005, GATHER),
+    "topk-bucket-gather": Case("topk", 50, "bucket", 25, GATHER),
+    # Per-layer factors: one layer dense, one at 5x, the rest at the global factor, in one bucket.
+    "topk-layer-mixed-factors": Case("topk", 50, "layer", 25, GATHER, {"0.weight": 1.0, "2.weight": 5.0}),
+    "topk-bucket-dense": Case("topk", 1.0001, "bucket", 25, REDUCE),
+    "randomk-layer-summed": Case("randomk", 20, "layer", 0.005, REDUCE),
+    "redsync-layer-gather": Case("redsync", 50, "layer", 0.005, GATHER),
+    "sidco-bucket-gather": Case("sidco", 50, "bucket", 25, GATHER),
+    "threshold-layer-gather": Case("threshold", 50, "layer", 25, GATHER),
+    "adaq-layer-gather": Case("adaq", 20, "layer", 25, GATHER),
+    "onebit-layer-gather": Case("onebit", 32, "layer", 25, GATHER),
+    "efsignsgd-bucket-gather": Case("efsignsgd", 32, "bucket", 25, GATHER),
+    "qsgd-layer-gather": Case("qsgd", 10, "layer", 25, GATHER),
+    "terngrad-layer-gather": Case("terngrad", 16, "layer", 25, GATHER),
 }
 
 
-@pytest.mark.parametrize(("compressor", "cf", "granularity", "cap", "collective"), CASES.values(), ids=CASES.keys())
-def test_hook_averages_the_compressed_error_fed_gradients(request, compressor, cf, granularity, cap, collective):
-    # Per-layer factors (Accordion's): one layer dense, one at 5x, the rest at the global factor, in one bucket.
-    mixed = {"0.weight": 1.0, "2.weight": 5.0} if "mixed" in request.node.callspec.id else None
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_hook_averages_the_compressed_error_fed_gradients(case):
     ranks = run_distributed(
-        _compare, compressor=compressor, cf=cf, granularity=granularity, bucket_cap_mb=cap, param_cf=mixed
-    )
+        _compare, compressor=case.compressor, cf=case.cf, granularity=case.granularity, bucket_cap_mb=case.cap,
+        param_cf=case.param_cf,
+    )  # fmt: skip
     for steps in ranks:
         for s in steps:
             assert s["equal"], f"max abs error {s['max_err']}"
             assert s["residual_err"] == 0.0
             assert s["gain"] == pytest.approx(s["expected_gain"], rel=1e-6)  # norms: fp32 chunks summed in fp64
-            assert s["gathered"] == (s["buckets"] if collective == GATHER else 0)
+            assert s["gathered"] == (s["buckets"] if case.collective == GATHER else 0)
     # Both ranks hold the same averaged gradient, bit for bit.
     for a, b in zip(ranks[0], ranks[1], strict=True):
         assert all(torch.equal(a["grads"][n], b["grads"][n]) for n in a["grads"])
-    if cap < 1:
+    if case.cap < 1:
         # DDP starts with one bucket and rebuilds smaller ones after the first iteration: residuals, keyed by
         # parameter, must survive that.
         assert ranks[0][0]["buckets"] == 1 and ranks[0][-1]["buckets"] > 1

@@ -22,6 +22,13 @@ def _scales_per_coordinate(trainer: "pl.Trainer") -> bool:
     return False
 
 
+def controllers_of(trainer: "pl.Trainer") -> list["Controller"]:
+    """The compression controllers among ``trainer``'s callbacks (a GraVACStrategy accepts one)."""
+    # `Trainer.callbacks` is public but assigned by Lightning's callback connector, invisible to type checkers.
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    return [c for c in callbacks if isinstance(c, Controller)]
+
+
 class Controller(Callback):
     """A callback that reads each step's compression statistics and sets the compression factor.
 

@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats
+from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats, gathers
 
 Policy = Literal["exponential", "geometric"]
 Search = Literal["sequential", "model"]
@@ -94,7 +94,7 @@ def moved_bytes(payload_bytes: float, dense_bytes: float, world_size: int) -> fl
     that is fewer bytes, so the cost is the smaller of the two.
     """
     n = world_size
-    return min((n - 1) * payload_bytes, 2 * (n - 1) / n * dense_bytes)
+    return (n - 1) * payload_bytes if gathers(payload_bytes, dense_bytes, n) else 2 * (n - 1) / n * dense_bytes
 
 
 def _gain_power(value: float) -> float:

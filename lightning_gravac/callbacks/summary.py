@@ -9,7 +9,7 @@ from pytorch_lightning import Callback
 from pytorch_lightning.utilities import rank_zero_only
 from typing_extensions import override
 
-from lightning_gravac.callbacks.controller import Controller
+from lightning_gravac.callbacks.controller import Controller, controllers_of
 
 
 class RunSummary(Callback):
@@ -38,9 +38,7 @@ class RunSummary(Callback):
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._start = time.perf_counter()
-        # Callbacks: public, but assigned by Lightning's callback connector, so invisible to type checkers.
-        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        self._controller = next((c for c in callbacks if isinstance(c, Controller)), None)
+        self._controller = next(iter(controllers_of(trainer)), None)
         self._seen = self._controller.metrics_step if self._controller is not None else 0
 
     def _collect(self, trainer: "pl.Trainer") -> None:

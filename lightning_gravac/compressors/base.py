@@ -10,7 +10,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal, TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -73,17 +73,12 @@ class Compressor(ABC):
             no factor to search.
         near_lossless: whether what is sent is the gradient up to rounding (a 16-bit cast, or nothing done), so that
             an optimizer that scales each coordinate (Adam) trains as with dense gradients.
-        nesting: how a controller's probes of other factors are computed. ``"exact"``: compressing the payload
-            further equals compressing the input at the higher factor, so one selection serves every factor
-            (Top-K); ``"approximate"``: it is close (threshold methods); ``"none"``: each probe compresses the
-            input again (the generic :meth:`probe`).
     """
 
     name: ClassVar[str]
     biased: bool = True
     summable: ClassVar[bool] = False
     passthrough: ClassVar[bool] = False
-    nesting: ClassVar[Literal["exact", "approximate", "none"]] = "none"
     owns_feedback: ClassVar[bool] = False
     requires_feedback: ClassVar[bool] = False
     layerwise: ClassVar[bool] = False

@@ -23,7 +23,7 @@ class DGC(Sparsifier):
     ``u = m u + g`` and velocity ``v = v + u`` (momentum correction), send the ``k`` largest ``|v|`` and zero ``v``
     and ``u`` there (momentum factor masking). The threshold comes from a ``sample_ratio`` sample of ``|v|``, set so
     that a little more than ``k`` entries are expected to pass, and the exact top ``k`` among those that pass is
-    sent. Short of ``k``, the threshold is lowered to just below the ``k``-th largest block peak (up to 10 rounds),
+    sent. Short of ``k``, the threshold is lowered to just below the ``k``-th largest block peak (up to 3 rounds),
     and the payload is filled to exactly ``k``. During the first ``warmup_epochs`` epochs
     the density is at least ``0.25 ** (epoch + 1)`` (75%, 93.75%, ... sparsity).
 
@@ -42,7 +42,6 @@ class DGC(Sparsifier):
     """
 
     name = "dgc"
-    nesting = "approximate"
     owns_feedback = True
 
     def __init__(
@@ -161,14 +160,10 @@ class DGC(Sparsifier):
         threshold = float(torch.topk(drawn, rank, sorted=False).values.min())
         out = self.scratch.like(v)
         blocks = Blocks(v, signed=False, peak=peak)  # each threshold tried looks at the peaks and the hot blocks
-        for _ in range(10):
-            candidates = blocks.above(threshold, out)
-            if candidates.numel() >= k or threshold <= 0:
-                break
-            threshold = blocks.lowered(threshold, k, 0.8)  # just below the k-th block peak: k or more pass
+        candidates, threshold = blocks.above_lowering(threshold, k, out)
         if candidates.numel() >= k or threshold <= 0:  # enough (the exact top k among them), or every non-zero
             return fill_to_k(v, candidates, k)
-        return blocks.topk(k, out, generator)  # too few even after 10 rounds: exact top-k
+        return blocks.topk(k, out, generator)  # too few even so: exact top-k
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         return self.compress_and_probe(tensor, cf, (), key=key, step=step)[0]

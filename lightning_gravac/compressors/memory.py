@@ -51,11 +51,6 @@ class ErrorFeedback:
         compressor.residual_(residual, payload)
         return residual
 
-    def update(self, key: str, compressor: Compressor, error_fed: Tensor, payload: Payload) -> Tensor:
-        """Store ``error_fed - decompress(payload)`` as the residual of ``key`` and return it."""
-        self._residuals[key] = self.residual_of(compressor, error_fed, payload)
-        return self._residuals[key]
-
     def scale_(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (the gradients' scale changed; a power of 2 is exact)."""
         for residual in self._residuals.values():

@@ -31,6 +31,10 @@ def stream_key(seed: int, step: int, key: str, rank: int = 0) -> int:
     return (((seed * 1_000_003 + step) * 4_294_967_311 + zlib.crc32(key.encode())) * 65_537 + rank) % (1 << 63)
 
 
+#: How many times :meth:`Blocks.above_lowering` lowers a threshold too high, and by what factor when the tensor has
+#: fewer than ``k`` blocks (the selection is exact either way: these only bound the work).
+LOWERINGS, LOWERING_FACTOR = 3, 0.7
+
 #: Entries a run in :func:`sample`.
 _RUN = 32
 
@@ -129,6 +133,19 @@ class Blocks:
             return threshold * factor
         kth = kth_largest(self.peak.float(), k)
         return float(torch.nextafter(kth, kth.new_zeros(())))
+
+    def above_lowering(self, threshold: float, k: int, out: Tensor) -> tuple[Tensor, float]:
+        """The entries above ``threshold``, lowered (:meth:`lowered`) up to :data:`LOWERINGS` times while fewer than
+        ``k`` pass and it is positive; returns them and the threshold that gave them. One lowering almost always
+        suffices (just below the ``k``-th block peak, at least ``k`` pass); the factor only serves tensors of fewer
+        than ``k`` blocks. Callers decide what a tensor still short gets (every non-zero, or the exact top ``k``)."""
+        candidates = self.above(threshold, out)
+        for _ in range(LOWERINGS):
+            if candidates.numel() >= k or threshold <= 0:  # enough, or a sparse tensor: every non-zero passed
+                break
+            threshold = self.lowered(threshold, k, LOWERING_FACTOR)
+            candidates = self.above(threshold, out)
+        return candidates, threshold
 
     def topk(self, k: int, out: Tensor, generator: torch.Generator, sample_ratio: float = 0.01) -> Tensor:
         """The exact top ``k`` (see :func:`exact_topk`): a sample estimates a threshold a little below the ``k``-th

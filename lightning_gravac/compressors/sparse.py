@@ -48,14 +48,11 @@ class ThresholdSparsifier(Sparsifier):
     block peaks (:class:`~lightning_gravac.compressors.select.Blocks`): one that more than ``8k`` blocks (or a
     quarter of them) pass gives way to the exact Top-K, the same entries found faster. One admitting fewer than
     ``k`` candidates is lowered to just below the ``k``-th largest block peak (:meth:`Blocks.lowered`; x0.7 when
-    there are fewer than ``k`` blocks), up to :attr:`retries` times, then to 0 (every non-zero); each try looks at
+    there are fewer than ``k`` blocks), up to three times (:meth:`Blocks.above_lowering`), then to 0 (every
+    non-zero); each try looks at
     the peaks and the blocks that pass, not at the whole tensor. Probes at other factors are approximate (a
     threshold estimated per factor).
     """
-
-    nesting = "approximate"
-    #: Times the threshold is lowered when fewer than ``k`` entries pass, before the payload is padded.
-    retries = 3
 
     def __init__(self, seed: int = 0, sample_ratio: float = 0.01, min_samples: int = 1024) -> None:
         if not 0 < sample_ratio <= 1:
@@ -86,12 +83,7 @@ class ThresholdSparsifier(Sparsifier):
         # among them, which is what is sent, is the exact top k, and that is cheaper to find directly.
         if blocks.count(threshold) > min(8 * k, blocks.peak.numel() // 4):
             return self.kept(tensor, blocks.topk(k, out, seeded_generator(self.seed, step, key)))
-        candidates = blocks.above(threshold, out)
-        for _ in range(self.retries):
-            if candidates.numel() >= k or threshold <= 0:  # enough, or a sparse gradient: every non-zero passed
-                break
-            threshold = blocks.lowered(threshold, k, 0.7)
-            candidates = blocks.above(threshold, out)
+        candidates, threshold = blocks.above_lowering(threshold, k, out)
         if candidates.numel() < k and threshold > 0:  # still short: every non-zero, then the padding
             candidates = blocks.above(0.0, out)
         return self.kept(tensor, fill_to_k(flat, candidates, k))

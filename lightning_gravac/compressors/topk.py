@@ -29,7 +29,6 @@ class TopK(Sparsifier):
     """
 
     name = "topk"
-    nesting = "exact"
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, whole
-from lightning_gravac.callbacks.controller import Controller
+from lightning_gravac.callbacks.controller import Controller, controllers_of
 from lightning_gravac.callbacks.gravac import GraVAC
 from lightning_gravac.callbacks.static import Static
 from lightning_gravac.compressors.base import Compressor, get_compressor
@@ -140,9 +140,7 @@ class GraVACStrategy(DDPStrategy):
         super().setup_environment()
 
     def _attach_controller(self, trainer: "pl.Trainer") -> None:
-        # `Trainer.callbacks` is public but assigned by Lightning's callback connector, invisible to type checkers.
-        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        controllers = [c for c in callbacks if isinstance(c, Controller)]
+        controllers = controllers_of(trainer)
         if len(controllers) > 1:
             names = ", ".join(type(c).__name__ for c in controllers)
             raise ValueError(
@@ -166,6 +164,8 @@ class GraVACStrategy(DDPStrategy):
             rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
             # Before the checkpoint callbacks, which Lightning has already moved last: a checkpoint then holds the
             # step's decisions, and a `ModelCheckpoint(monitor="gravac/...")` sees the step's values.
+            # `Trainer.callbacks` is public but assigned by Lightning's connector, invisible to type checkers.
+            callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
             first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
             callbacks.insert(first_checkpoint, default)
 
@@ -196,7 +196,9 @@ class GraVACStrategy(DDPStrategy):
         super().on_train_batch_start(batch, batch_idx)
         # The strategy owns the step: told at every batch, not in `on_train_epoch_start`, which Lightning skips for the
         # epoch a resumed run continues into (an epoch-driven schedule, DGC's warm-up, would stay an epoch behind).
-        self.compression_state.begin_step(self.lightning_module.trainer.current_epoch)
+        module = self.lightning_module
+        if module is not None:
+            self.compression_state.begin_step(module.trainer.current_epoch)
         self._follow_gradient_scale()
         # Momentum set in the optimizer again (a restored checkpoint's param groups, a momentum schedule) is taken
         # into the hook before this step's backward, so it never applies twice.

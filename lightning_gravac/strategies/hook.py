@@ -5,14 +5,16 @@ Data flow for one bucket:
 1. every factor is 1, no probe is asked for: plain all-reduce, bit for bit what stock DDP does (residuals left by
    earlier compressed steps are added in and dropped once the result is known finite);
 2. otherwise add each parameter's residual to its gradient (error feedback), compress each layer (or the
-   whole bucket) to a fixed-size payload, and compute the new residuals;
+   whole bucket) to a fixed-size payload, and compute the new residuals (on a *half* step, ``state.half``, the
+   method is the fp16 cast whatever the factor: the controller's 16-bit rung);
 3. pick the cheapest collective: an all-reduce of the payloads when ranks share support (Random-K), an
    all-gather of the packed payloads when ``world_size x payload < 2 x dense`` (ring all-reduce moves twice
    the dense bytes), else a dense all-reduce of the locally decoded gradient (the same sum, fewer bytes);
 4. decode and average into the bucket buffer, record the step's statistics, and hand the buffer to DDP.
 
-Every compressed bucket carries a float64 header, summed over ranks: ``||g||^2``, ``||C(g)||^2`` and the norms at
-the controller's probe factors; those are of the error-fed gradient by default and, when the controller asks for the
+Every compressed bucket carries a float64 header (:class:`Header`), summed over ranks: ``||g||^2``, ``||C(g)||^2``
+and the norms at the controller's probe factors; those are of the error-fed gradient by default and, when the
+controller asks for the
 gain of the step's own gradient (``gain_of="gradient"``), of the gradient before the residual is added, followed by
 its ``||grad||^2``. A non-finite ``||g||^2`` means some rank's gradient was not finite: then the new
 residuals are dropped (the old ones stay, as if the step had not happened) and the bucket is returned as NaN on
@@ -40,7 +42,7 @@ from lightning_gravac.compressors.base import Compressor, Payload, sq_norm
 from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.compressors.powersgd import PowerSGD, as_matrix
-from lightning_gravac.state import GATHER, HALF, REDUCE, BucketRecord, Collective, CompressionState
+from lightning_gravac.state import GATHER, HALF, REDUCE, BucketRecord, Collective, CompressionState, gathers
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if all(s.compressor.summable for s in segments):
         return _reduce_payloads(work)
     layout = Layout.of(payloads, header_numel=work.header.numel())
-    if state.world_size * layout.nbytes < 2 * work.dense_bytes:
+    if gathers(layout.nbytes, work.dense_bytes, state.world_size):
         return _gather_payloads(work, layout)
     return _reduce_decoded(work)
 
