@@ -290,7 +290,7 @@ class GraVAC(Controller):
         self.half_per_byte: float | None = None
         self.payload_fixed = 0.0  # bytes a compressed step sends beyond dense / cf (headers, minimum entries), measured
         self._gain_sums: dict[float, tuple[float, float]] = {}  # bias-corrected EWMA: (weighted sum, weight)
-        self._buckets = 1
+        self._buckets, self._probe_bytes = 1, PROBE_BYTES[1]  # the latter: the largest all-reduce the link probe timed
         self._warm_up = False  # the next observed step is a fit's first: its time is not tallied
 
         # The current window.
@@ -408,6 +408,7 @@ class GraVAC(Controller):
         small = PROBE_BYTES[0]
         t_small = self._timed_all_reduce(trainer, small, torch.float32)
         size, t_large = self._grown_all_reduce(trainer, torch.float32)
+        self._probe_bytes = size
         per_byte = (t_large - t_small) / (share * (size - small))
         if per_byte <= 0:  # noise on a fast link: all of it per byte
             return 0.0, t_large / (share * size)
@@ -416,12 +417,14 @@ class GraVAC(Controller):
     def measure_half(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``, the same on every
         rank: what the fp16 rung costs, measured rather than assumed (an fp16 sum is not always half an fp32 one's
-        time: gloo reduces fp16 on the CPU element by element). The all-reduce grows as :meth:`measure_link`'s; the
-        casts are the fp16 method's compress, rounding residual and decode on the model's gradient size, best of
-        three. The slowest rank's times decide. A subclass may return a model (tests)."""
+        time: gloo reduces fp16 on the CPU element by element). The all-reduce carries as many entries as the largest
+        of :meth:`measure_link`'s (one size: the per-message cost is the fp32 probe's); the casts are the fp16
+        method's compress, rounding residual and decode on the model's gradient size, best of three. The slowest
+        rank's times decide. A subclass may return a model (tests)."""
         share = 2 * (trainer.world_size - 1) / trainer.world_size
         latency = self.probed[0] if self.probed is not None else 0.0
-        size, seconds = self._grown_all_reduce(trainer, torch.float16)
+        size = max(2, self._probe_bytes // 2)
+        seconds = self._timed_all_reduce(trainer, size, torch.float16)
         per_byte = max(0.0, seconds - latency) / (share * size)
         numel = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
         device = trainer.strategy.root_device
