@@ -359,7 +359,7 @@ def test_the_model_search_sends_fp16_where_no_factor_keeps_enough_and_bytes_cost
 
     state = CompressionState(get_compressor("topk"), error_feedback=True)
     # Every factor keeps 0.1% of the gradient (below the 0.02 floor): dense, or the whole gradient in fp16.
-    poor = _model_search({**dict.fromkeys((10, 20, 40, 160, 1000), 0.001), 2.0: 1.0}, window=3)
+    poor = _model_search({**dict.fromkeys((10, 20, 40, 160, 1000), 0.001), 2.0: 1.0}, window=3, fp16_rung=True)
     poor.cast_cost, poor.half_per_byte = 0.5, 1e-5  # as the fit-start probe would have measured them
     poor.run(6, state)
     # Dense: 1 s + 10 s of bytes. fp16: 1 s + 5 s + 0.5 s of casts.
@@ -372,12 +372,13 @@ def test_the_model_search_sends_fp16_where_no_factor_keeps_enough_and_bytes_cost
     poor.apply(state)
     assert poor.cf == 1.0 and not state.half
     # Factors that keep enough beat both: the rung is one choice among the others.
-    rich = _model_search({10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}, window=3)
+    rich = _model_search({10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}, window=3, fp16_rung=True)
     rich.half_per_byte = 1e-5
     rich.run(6, state)
     rich.apply(state)
     assert rich.cf > 2 and not state.half
-    assert not GraVAC(search="sequential").fp16_rung and GraVAC().fp16_rung
+    assert not GraVAC(search="sequential").fp16_rung and not GraVAC().fp16_rung, "off by default"
+    assert GraVAC(fp16_rung=True).fp16_rung
     with pytest.raises(ValueError, match="`fp16_rung=True` needs `search='model'`"):
         GraVAC(search="sequential", fp16_rung=True)
 

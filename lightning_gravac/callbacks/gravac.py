@@ -33,7 +33,7 @@ SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "sequential": {"epsilon": 0.7, "window": 500, "probe_every": 1, "gain_of": "error_fed", "gain_power": 1.0,
                    "link_probe": False, "probe_backoff": 1, "fp16_rung": False},
     "model": {"epsilon": 0.02, "window": 50, "probe_every": 25, "gain_of": "gradient", "gain_power": 1 / 3,
-              "link_probe": True, "probe_backoff": 8, "fp16_rung": True},
+              "link_probe": True, "probe_backoff": 8, "fp16_rung": False},
 }  # fmt: skip
 #: The link probe: the all-reduce that measures a message's cost, and the first that measures a byte's (it grows 4x
 #: until one takes ``PROBE_SECONDS`` or reaches the model's gradient bytes).
@@ -108,15 +108,16 @@ class GraVAC(Controller):
     """Adapt the compression factor to what compression loses (gain) and what the link costs (step time).
 
     **The default** (``GraVAC()``, which ``GraVACStrategy()`` installs) sends, at every step, the factor with the
-    highest predicted *compression throughput*, ``samples/s x gain^p``, among dense, the whole gradient in fp16 (the
-    16-bit rung: a factor of 2 that keeps all but the rounding, which error feedback carries) and the factors of the
-    ladder ``cf_min, cf_min x 2, x 4, x 16, ...`` up to ``cf_max`` (10, 20, 40, 160, 1000). What it measures:
+    highest predicted *compression throughput*, ``samples/s x gain^p``, among dense and the factors of the ladder
+    ``cf_min, cf_min x 2, x 4, x 16, ...`` up to ``cf_max`` (10, 20, 40, 160, 1000); with ``fp16_rung=True`` also the
+    whole gradient in fp16 (a factor of 2 that keeps all but the rounding, which error feedback carries). What it
+    measures:
 
     - the **link**, at fit start (again on resume): all-reduces of 1 KB and of 64 KB, 256 KB, ... (until one takes
       20 ms or reaches the model's size), each the best of three, timed on every rank (the slowest rank's times, so
       every rank holds the same numbers), give a per-message and a per-byte cost. So the first decision knows what
-      a dense step costs on this network without sending one; and the casts of the fp16 rung (the model's gradient
-      to fp16 and back, best of three);
+      a dense step costs on this network without sending one (with the fp16 rung, also an fp16 all-reduce and the
+      casts);
     - the **rest of a step** (forward, backward, optimizer) and what compressing costs, from the steps it sends,
       every ``window`` steps (a fit's first step, which warms up, is left out; so is the time spent measuring the
       gains);
@@ -146,9 +147,12 @@ class GraVAC(Controller):
       1.2x, 1.6x and 2.8x dense's steps: ``g^(-1/3)`` is 1.3x, 2.0x and 2.9x, a slightly pessimistic fit; ``1/g``
       predicts 2x, 8x and 25x. On an embedding bag (gains 0.6-0.9) no factor cost steps. Theory brackets it: error
       feedback's slowdown vanishes where gradient noise dominates and grows like ``1/g`` where it does not.
-    - *fp16 is a rung of the ladder*: where the link costs but no factor keeps enough (on a 2.3M-parameter CNN with
-      SGD momentum at 1 Gbit/s fp16 all-reduce was the best fixed choice, 0.80x Top-K cf 10's time to target),
-      halving the bytes without losing the step's direction is what pays. The paper's search has no rung.
+    - *fp16 as a rung is available, off by default* (``fp16_rung=True``): on a 2.3M-parameter CNN with SGD momentum
+      at 1 Gbit/s fp16 all-reduce was the best fixed choice (0.7-0.8x Top-K cf 10's time to target), but through the
+      rung a half step carries error feedback and the hook's momentum correction: 159 ms a step against the fp16
+      method's 136 ms and Top-K cf 10's 105 ms, so the search left it after 25 steps; and on gloo an fp16 sum costs
+      about 4x an fp32 byte on loopback, so its fit-start measurement (0.2 s) is noisy enough to pick it there now
+      and then. It paid on no cell of the matrix.
     - *``epsilon`` is a floor (0.02), not the gate*: the gain already weighs each factor; the floor only refuses a
       factor that sends almost nothing of each step.
     - *The link is measured, not searched*: the paper finds the best factor by sending each candidate for a window,
@@ -206,8 +210,8 @@ class GraVAC(Controller):
             the probes, up to ``probe_every x probe_backoff`` steps; a change of choice brings it back to
             ``probe_every`` (1: no back-off). ``None``: 8 (model: probes between 25 and 200 steps apart), 1
             (sequential).
-        fp16_rung: let the model search send a step whole in fp16. ``None``: on for the model search, which then
-            turns it off at setup for 16-bit parameters (nothing to halve), for methods that keep an accumulation of
+        fp16_rung: let the model search send a step whole in fp16 (``None``: off; see above why). When on, it is
+            turned off at setup for 16-bit parameters (nothing to halve), for methods that keep an accumulation of
             their own (DGC) or have one factor (casts, sign methods), and for ``cf_min`` of 2 or less.
 
     Raises:
