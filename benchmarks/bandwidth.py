@@ -49,6 +49,7 @@ from lightning_gravac.callbacks.controller import controllers_of
 from lightning_gravac.compressors import DGC
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.meprop import MeProp
+from lightning_gravac.state import gathers
 from lightning_gravac.zoo import BagOfWordsRegression, bag_of_words_dataset
 
 _INSIDE = "GRAVAC_BANDWIDTH_NETNS"
@@ -242,9 +243,9 @@ def _scale_table(alpha: float, numel: int, links: dict[str, float]) -> list[str]
         ]
         for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
             reduce_s = 2 * (n - 1) * alpha + 2 * (n - 1) / n * dense * beta
-            gathers = [(n - 1) * alpha + (n - 1) * dense / cf * beta for cf in (10, 100, 1000)]
+            gather_s = [(n - 1) * alpha + (n - 1) * dense / cf * beta for cf in (10, 100, 1000)]
             pick = "gather" if gathers(dense / 100, dense, n) else "dense reduce of decoded"
-            cells = " | ".join(f"{g:.3f}" for g in gathers)
+            cells = " | ".join(f"{g:.3f}" for g in gather_s)
             lines.append(f"| {n} | {reduce_s:.3f} | {cells} | {pick} |")
     return lines
 

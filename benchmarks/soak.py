@@ -122,7 +122,7 @@ def main() -> None:
         batch = runs[first : first + args.per_launch]
         try:
             ranks = run_distributed(_launch, timeout=args.timeout, runs=batch)
-        except AssertionError as error:
+        except RuntimeError as error:  # run_distributed's report of a failed or hung rank
             hangs += len(batch)
             print(f"launch of runs {first}-{first + len(batch) - 1} failed or hung:\n{error}\n{batch}")
             continue

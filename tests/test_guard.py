@@ -80,3 +80,18 @@ def test_a_trigger_drops_a_method_own_accumulation_and_the_hold_survives_a_resum
     resumed._state = CompressionState(get_compressor("topk"), error_feedback=True)
     resumed.load_state_dict(controller.state_dict())
     assert resumed.state.cf == 1.0
+
+
+def test_a_backward_pass_outside_the_strategy_is_ended_by_the_controller():
+    # Manual optimization with a plain `loss.backward()` never reaches the strategy's post_backward: the controller
+    # ends the step itself, so the statistics are read and the step count (which seeds the draws) still advances.
+    state = CompressionState(get_compressor("randomk"), error_feedback=True)
+    controller = Static(cf=10)
+    controller._state = state
+    connector = SimpleNamespace(should_update_logs=False)
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, callback_metrics={}, _logger_connector=connector)
+    for step in (1, 2):
+        state.record(BucketRecord(bytes_sent=100 * step, bytes_dense=1000, collective=GATHER, sq_norm=1.0))
+        controller.on_train_batch_end(trainer, None, None, None, 0)
+        assert state.step == step and controller.last_metrics["gravac/bytes_sent"] == 100 * step
+        assert controller.metrics_step == step

@@ -121,7 +121,10 @@ class Controller(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        stats = self.state.take_stats()  # the strategy ended the step (and advanced its count) after backward
+        # The strategy ended the step after backward (and advanced its count); a backward pass that did not go
+        # through the strategy (a plain `loss.backward()` under manual optimization) is ended here. No-op otherwise.
+        self.state.end_step()
+        stats = self.state.take_stats()
         if stats is None:  # no communication this batch (gradient accumulation)
             return
         if not stats.finite:

@@ -368,6 +368,12 @@ class GraVAC(Controller):
                 f"`gain_of='gradient'` measures what a factor keeps of the step's own gradient, but {method.name!r} "
                 "selects from an accumulation of its own, not from the gradient. Use `gain_of='error_fed'`."
             )
+        self._check_rung(pl_module)
+
+    def _check_rung(self, pl_module: "pl.LightningModule") -> None:
+        """Turn the fp16 rung off where it cannot be sent: 16-bit parameters, a method with its own accumulation or
+        one factor, a ladder from 2 or less (at setup, and again at fit start for layers built in configure_model)."""
+        method = self.state.compressor
         fp32 = all(p.dtype == torch.float32 for p in pl_module.parameters() if p.requires_grad)
         own_state = method.owns_feedback or method.fixed_cf is not None or method.near_lossless
         self.fp16_rung = self.fp16_rung and fp32 and not own_state and self.cf_min > HALF
@@ -382,6 +388,7 @@ class GraVAC(Controller):
         super().on_fit_start(trainer, pl_module)
         if self.search != "model":
             return
+        self._check_rung(pl_module)
         fresh = self._steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
         self._warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
         if self.link_probe and trainer.world_size > 1:
@@ -574,8 +581,16 @@ class GraVAC(Controller):
         # the step's own gradient (the probes' smoothed value).
         fresh = self.gain_of == "gradient" and self.cf not in (DENSE, *self.rungs)
         tally.gain += self.gains.get(self.cf, stats.gain) if fresh else stats.gain
-        tally.moved_bytes += moved_bytes(stats.bytes_sent, stats.bytes_dense, self._world_size)
+        tally.moved_bytes += self._moved(stats)
         self._after_step(trainer, probed=bool(gains))
+
+    def _moved(self, stats: StepStats) -> float:
+        """Bytes a rank moved in the step of ``stats``: ``(N-1)`` payloads for the buckets gathered, a ring
+        all-reduce's ``2 (N-1)/N`` of what was sent for the others (dense buckets, and summable payloads: Random-K's,
+        a half step's)."""
+        n = self._world_size
+        share = stats.gathered / stats.buckets if stats.buckets else 0.0
+        return stats.bytes_sent * (share * (n - 1) + (1 - share) * 2 * (n - 1) / n)
 
     def _after_step(self, trainer: "pl.Trainer | None", probed: bool = False) -> None:
         probed = probed and self.windows > 0  # the first window probes every step: no back-off from those
@@ -718,8 +733,9 @@ class GraVAC(Controller):
         per_byte = link.seconds_per_byte
         if cf == DENSE:
             moved, extra = moved_bytes(dense_bytes, dense_bytes, self._world_size), 0.0
-        elif cf in self.rungs:  # the whole gradient in fp16: its own all-reduce's cost a byte, and the casts
-            moved, extra = moved_bytes(dense_bytes / cf, dense_bytes, self._world_size), self.cast_cost
+        elif cf in self.rungs:  # the whole gradient in fp16, all-reduced (summable): its cost a byte, and the casts
+            n = self._world_size
+            moved, extra = 2 * (n - 1) / n * dense_bytes / cf, self.cast_cost
             per_byte = self.half_per_byte if self.half_per_byte is not None else per_byte
         else:
             moved = moved_bytes(dense_bytes / cf + self.payload_fixed, dense_bytes, self._world_size)

@@ -14,11 +14,10 @@ Data flow for one bucket:
 
 Every compressed bucket carries a float64 header (:class:`Header`), summed over ranks: ``||g||^2``, ``||C(g)||^2``
 and the norms at the controller's probe factors; those are of the error-fed gradient by default and, when the
-controller asks for the
-gain of the step's own gradient (``gain_of="gradient"``), of the gradient before the residual is added, followed by
-its ``||grad||^2``. A non-finite ``||g||^2`` means some rank's gradient was not finite: then the new
-residuals are dropped (the old ones stay, as if the step had not happened) and the bucket is returned as NaN on
-every rank, so that a mixed-precision scaler skips the step as it would with stock DDP.
+controller asks for the gain of the step's own gradient (``gain_of="gradient"``), of the gradient before the
+residual is added, followed by its ``||grad||^2``. A non-finite ``||g||^2`` means some rank's gradient was not
+finite: then the new residuals are dropped (the old ones stay, as if the step had not happened) and the bucket is
+returned as NaN on every rank, so that a mixed-precision scaler skips the step as it would with stock DDP.
 
 Two rules keep the collectives from hanging. Every collective is launched from the thread that runs the hook, so
 every rank issues them in the same order (collectives are matched by that order; a collective launched from a
