@@ -42,7 +42,7 @@ def test_a_learning_rate_drop_sends_every_layer_back_to_light_until_the_next_che
 
     def batch_start(lr: float) -> None:
         trainer = SimpleNamespace(optimizers=[SimpleNamespace(param_groups=[{"lr": lr}])], current_epoch=0)
-        a.on_train_batch_start(trainer, None)  # type: ignore[arg-type]
+        a.on_train_batch_start(trainer, None, None, 0)  # type: ignore[arg-type]
 
     batch_start(0.1)
     batch_start(0.1)

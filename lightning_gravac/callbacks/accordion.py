@@ -85,8 +85,9 @@ class Accordion(Controller):
         self._hand_over(self.state)
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any) -> None:
-        super().on_train_batch_start(trainer, pl_module, *args)
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         # Learning rates are the same on every rank, so this decision is too.
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
         if lr is not None and self._last_lr is not None and lr < self._last_lr:
