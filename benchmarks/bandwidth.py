@@ -49,7 +49,7 @@ from lightning_gravac.callbacks.controller import controllers_of
 from lightning_gravac.compressors import DGC
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.meprop import MeProp
-from lightning_gravac.state import gathers
+from lightning_gravac.state import gathers, ring_share
 from lightning_gravac.zoo import BagOfWordsRegression, bag_of_words_dataset
 
 _INSIDE = "GRAVAC_BANDWIDTH_NETNS"
@@ -212,7 +212,7 @@ def _link_costs(rank: int, world_size: int) -> dict[str, float]:
             dist.all_reduce(tensor)
         times[nbytes] = (time.perf_counter() - start) / 5
     # A ring all-reduce of n bytes on N ranks: 2 (N-1) messages and 2 (N-1)/N n bytes a rank.
-    messages, share = 2 * (world_size - 1), 2 * (world_size - 1) / world_size
+    messages, share = 2 * (world_size - 1), ring_share(world_size)
     beta = (times[16 * 2**20] - times[1024]) / (share * (16 * 2**20 - 1024))
     alpha = max(0.0, (times[1024] - share * 1024 * beta) / messages)
     return {"alpha_s": alpha, "beta_s_per_byte": beta}
@@ -242,7 +242,7 @@ def _scale_table(alpha: float, numel: int, links: dict[str, float]) -> list[str]
             "| ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-            reduce_s = 2 * (n - 1) * alpha + 2 * (n - 1) / n * dense * beta
+            reduce_s = 2 * (n - 1) * alpha + ring_share(n) * dense * beta
             gather_s = [(n - 1) * alpha + (n - 1) * dense / cf * beta for cf in (10, 100, 1000)]
             pick = "gather" if gathers(dense / 100, dense, n) else "dense reduce of decoded"
             cells = " | ".join(f"{g:.3f}" for g in gather_s)

@@ -30,6 +30,11 @@ class Collective(IntEnum):
 GATHER, REDUCE = Collective.GATHER, Collective.REDUCE
 
 
+def ring_share(world_size: int) -> float:
+    """The share of an all-reduced buffer each rank moves in a ring all-reduce: ``2 (N-1)/N``."""
+    return 2 * (world_size - 1) / world_size
+
+
 def gathers(payload_bytes: float, dense_bytes: float, world_size: int) -> bool:
     """Whether the hook all-gathers a bucket's payloads rather than all-reducing it dense: when each rank then moves
     fewer bytes, ``(N-1)`` payloads against a ring all-reduce's ``2 (N-1)/N`` of the dense buffer, i.e. when

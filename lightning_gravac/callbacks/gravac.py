@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats, gathers
+from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats, gathers, ring_share
 
 Policy = Literal["exponential", "geometric"]
 Search = Literal["sequential", "model"]
@@ -94,7 +94,7 @@ def moved_bytes(payload_bytes: float, dense_bytes: float, world_size: int) -> fl
     that is fewer bytes, so the cost is the smaller of the two.
     """
     n = world_size
-    return (n - 1) * payload_bytes if gathers(payload_bytes, dense_bytes, n) else 2 * (n - 1) / n * dense_bytes
+    return (n - 1) * payload_bytes if gathers(payload_bytes, dense_bytes, n) else ring_share(n) * dense_bytes
 
 
 def _gain_power(value: float) -> float:
@@ -415,7 +415,7 @@ class GraVAC(Controller):
         ``t = latency + moved x per_byte``, ``moved = 2 (N - 1) / N x bytes`` (a ring). Runs on every rank, from the
         training thread, before the first step: no comm hook is in flight. A subclass may return a model (tests).
         """
-        share = 2 * (trainer.world_size - 1) / trainer.world_size
+        share = ring_share(trainer.world_size)
         small = PROBE_BYTES[0]
         t_small = self._timed_all_reduce(trainer, small, torch.float32)
         size, t_large = self._grown_all_reduce(trainer, torch.float32)
@@ -432,7 +432,7 @@ class GraVAC(Controller):
         of :meth:`measure_link`'s (one size: the per-message cost is the fp32 probe's); the casts are the fp16
         method's compress, rounding residual and decode on the model's gradient size, best of three. The slowest
         rank's times decide. A subclass may return a model (tests)."""
-        share = 2 * (trainer.world_size - 1) / trainer.world_size
+        share = ring_share(trainer.world_size)
         latency = self.probed[0] if self.probed is not None else 0.0
         size = max(2, self._probe_bytes // 2)
         seconds = self._timed_all_reduce(trainer, size, torch.float16)
@@ -590,7 +590,7 @@ class GraVAC(Controller):
         a half step's)."""
         n = self._world_size
         share = stats.gathered / stats.buckets if stats.buckets else 0.0
-        return stats.bytes_sent * (share * (n - 1) + (1 - share) * 2 * (n - 1) / n)
+        return stats.bytes_sent * (share * (n - 1) + (1 - share) * ring_share(n))
 
     def _after_step(self, trainer: "pl.Trainer | None", probed: bool = False) -> None:
         probed = probed and self.windows > 0  # the first window probes every step: no back-off from those
@@ -734,8 +734,7 @@ class GraVAC(Controller):
         if cf == DENSE:
             moved, extra = moved_bytes(dense_bytes, dense_bytes, self._world_size), 0.0
         elif cf in self.rungs:  # the whole gradient in fp16, all-reduced (summable): its cost a byte, and the casts
-            n = self._world_size
-            moved, extra = 2 * (n - 1) / n * dense_bytes / cf, self.cast_cost
+            moved, extra = ring_share(self._world_size) * dense_bytes / cf, self.cast_cost
             per_byte = self.half_per_byte if self.half_per_byte is not None else per_byte
         else:
             moved = moved_bytes(dense_bytes / cf + self.payload_fixed, dense_bytes, self._world_size)
