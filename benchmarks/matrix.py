@@ -1,7 +1,7 @@
 """Does compression pay, and does the default find what pays? Four tasks x three links x every row, in one run.
 
     python benchmarks/matrix.py [--tasks bag mlp cnn lstm] [--links unlimited 1gbit 100mbit] [--rows ...]
-                                [--scale 0.25] [--steps 300] [--cap 240] [--out benchmarks/results]
+                                [--scale 0.25] [--steps 300] [--cap 240] [--repeats 1] [--out benchmarks/results]
 
 Needs root (a private network namespace whose loopback ``tc`` shapes, as ``benchmarks/bandwidth.py`` does; every
 rank's bytes cross that one shaped queue). Two ranks, gloo, one thread each.
@@ -35,6 +35,11 @@ times at its factor). The GraVAC rows train in full on every link, each run stop
 ``--optimizer adamw`` trains every task with AdamW instead (what language-model and embedding users run), and
 ``--rows`` also takes more compressor families (QSGD 4-bit, PowerSGD, Random-K, EF-signSGD) at fixed settings: with
 ``--links unlimited`` that measures what each family does to AdamW's training, link aside.
+
+``--repeats R`` runs each task R times back to back (the paper's GraVAC row, slow and not what the bar judges, in
+the first repeat only). A single run cannot check a 10% or 30% bar: on this machine one cell's time moves by more than
+that between runs. With repeats each cell reports the median time, the median of the *paired* regrets (each repeat's
+time over the same repeat's best fixed factor, measured minutes apart) and their range.
 
 Regret: a cell's time to target over the hindsight-best fixed factor's (dense, fp16, Top-K 10/100/1000, DGC 100)
 on that cell. Writes ``matrix.json``, ``matrix.md`` (tables, regret, the default's check against the bar) and
@@ -93,6 +98,9 @@ ORDER = ROWS + FAMILIES
 ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3}
 #: Rows trained on every link (they time their own steps); the others are projected from the unlimited run.
 LINK_DEPENDENT = {"gravac (paper)", "default"}
+#: Rows trained in the first repeat only (``--repeats``): the paper's search, slow on a slow link and not what the
+#: bar judges; later repeats borrow its runs.
+ONCE = {"gravac (paper)"}
 
 
 # --- tasks -------------------------------------------------------------------------------------------------------
@@ -348,9 +356,11 @@ def analyse(results: dict[str, Any], tasks: list[str], links: list[str], rows: l
                             "final": final, "ran_steps": len(run["steps"])}  # fmt: skip
             fixed = [out[r]["seconds"] for r in FIXED if r in rows and out[r]["seconds"] is not None]
             best = min(fixed, default=None)
+            dense_s = out["dense DDP"]["seconds"] if "dense DDP" in rows else None
             for row in rows:
                 s = out[row]["seconds"]
                 out[row]["regret"] = s / best if s is not None and best else None
+                out[row]["vs_dense"] = s / dense_s if s is not None and dense_s else None
             out["best_fixed"] = min(
                 (r for r in FIXED if r in rows and out[r]["seconds"] is not None),
                 key=lambda r: out[r]["seconds"],
@@ -382,7 +392,11 @@ def tables(cells: dict[str, Any], tasks: list[str], links: list[str], rows: list
                     cells_here.append(f"missed ({c['ran_steps']} steps)")
                 else:
                     mark = "*" if c["how"] == "projected" else ""
-                    cells_here.append(f"{c['seconds']:.1f}{mark} ({c['regret']:.2f}x)")
+                    spread = ""
+                    if "regret_range" in c:
+                        low, high = c["regret_range"]
+                        spread = f", {low:.2f}-{high:.2f}" if math.isfinite(high) else f", {low:.2f}-miss"
+                    cells_here.append(f"{c['seconds']:.1f}{mark} ({c['regret']:.2f}x{spread})")
             finals = []
             for link in links:
                 f = cells[f"{task}|{link}"][row]["final"]
@@ -411,15 +425,14 @@ def check_default(cells: dict[str, Any], tasks: list[str], links: list[str], row
             d, dense = cell["default"], cell["dense DDP"]
             ok = lambda b: "yes" if b else "**no**"  # noqa: E731
             regret = f"{d['regret']:.2f} {ok(d['regret'] <= 1.3)}" if d["regret"] else "**missed**"
-            vs_dense = "-"
-            if d["seconds"] and dense["seconds"]:
-                ratio = d["seconds"] / dense["seconds"]
-                if link == "unlimited":
-                    vs_dense = f"{ratio:.2f}x {ok(ratio <= 1.10)}"
-            faster = "-"
-            if link == "100mbit" and d["seconds"] and dense["seconds"]:
-                speed = dense["seconds"] / d["seconds"]
-                faster = f"{speed:.1f}x {ok(speed >= 5)}"
+            if d["regret"] and "regret_range" in d:
+                low, high = d["regret_range"]
+                regret += f" [{low:.2f}-{high:.2f}]"
+            vs_dense, faster, ratio = "-", "-", d.get("vs_dense")  # paired: each repeat's over its own dense run
+            if ratio and link == "unlimited":
+                vs_dense = f"{ratio:.2f}x {ok(ratio <= 1.10)}"
+            if ratio and link == "100mbit":
+                faster = f"{1 / ratio:.1f}x {ok(1 / ratio >= 5)}"
             final = "-"
             if d["final"] and dense["final"]:
                 if "accuracy" in d["final"]:
@@ -471,50 +484,117 @@ def heatmap(cells: dict[str, Any], tasks: list[str], links: list[str], rows: lis
 # --- driver ------------------------------------------------------------------------------------------------------
 
 
-def _inside(args: argparse.Namespace) -> None:
-    out = prepare_namespace(args.out)
-    results: dict[str, Any] = {"args": vars(args), "full": {}, "timing": {}, "adaptive": {}, "parameters": {}}
-    fixed_rows = [r for r in args.rows if r not in LINK_DEPENDENT]
+def _block(task: str, rows: list[str], args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
+    """One repeat of one task: the full runs on the unlimited link, the timing runs and the GraVAC rows on each link."""
+    block: dict[str, Any] = {"full": {}, "timing": {}, "adaptive": {}}
+    fixed_rows = [r for r in rows if r not in LINK_DEPENDENT]
     if "accordion 10/1000" in fixed_rows:  # projected on a link with the Top-K rows' step times at its factors
         fixed_rows = sorted({*fixed_rows, "topk cf=10", "topk cf=1000"}, key=ORDER.index)
+    _shape("unlimited")
+    for row in sorted(set(fixed_rows) | {"dense DDP"}, key=ORDER.index):
+        run = _run(task, row, args, args.steps, cap=3600.0)
+        block["full"][row] = run
+        say(f"{task} unlimited {row}: {run['steps'][-1][0]:.1f} s, held-out {run['held_out']}")
+    timed = [r for r in block["full"] if r != "accordion 10/1000"]
+    for link in args.links:
+        _shape(link)
+        if link == "unlimited":
+            block["timing"][link] = {r: step_profile(block["full"][r]["steps"]) for r in timed}
+        else:
+            block["timing"][link] = {}
+            for row in timed:
+                run = _run(task, row, args, args.timing_steps, cap=3600.0)
+                block["timing"][link][row] = step_profile(run["steps"])
+                say(f"{task} {link} {row}: step {block['timing'][link][row][1] * 1e3:.0f} ms")
+        block["adaptive"][link] = {}
+        for row in [r for r in rows if r in LINK_DEPENDENT]:
+            run = _run(task, row, args, args.steps, cap=args.cap)
+            block["adaptive"][link][row] = run
+            factors = {f: sum(1 for s in run["steps"] if s[2] == f) for f in sorted({s[2] for s in run["steps"]})}
+            say(f"{task} {link} {row}: {run['steps'][-1][0]:.1f} s, {len(run['steps'])} steps, "
+                f"steps at each factor {factors}, held-out {run['held_out']}")  # fmt: skip
+    _shape("unlimited")
+    return block
+
+
+def _as_results(repeat: dict[str, Any], first: dict[str, Any]) -> dict[str, Any]:
+    """A repeat's runs in the shape ``analyse`` reads, with the rows run once borrowed from the first repeat."""
+    out: dict[str, Any] = {"full": {}, "timing": {}, "adaptive": {}}
+    for task, block in repeat.items():
+        out["full"][task] = block["full"]
+        out["timing"][task] = block["timing"]
+        out["adaptive"][task] = {
+            link: {**{r: first[task]["adaptive"][link][r] for r in ONCE & first[task]["adaptive"][link].keys()},
+                   **runs}
+            for link, runs in block["adaptive"].items()
+        }  # fmt: skip
+    return out
+
+
+def combine(per_repeat: list[dict[str, Any]], rows: list[str]) -> dict[str, Any]:
+    """One table from several repeats: per cell and row the median time, the median of the paired regrets (each
+    repeat's time over the same repeat's best fixed factor), their range, and the median final metric. A row
+    missed in a cell when it missed in most repeats."""
+    if len(per_repeat) == 1:
+        return per_repeat[0]
+
+    def median(values: list[float | None]) -> float | None:
+        m = statistics.median(math.inf if v is None else v for v in values)
+        return None if math.isinf(m) else m
+
+    cells: dict[str, Any] = {}
+    for key, first in per_repeat[0].items():
+        cell: dict[str, Any] = {"target": first["target"], "best_fixed": first["best_fixed"]}
+        for row in rows:
+            runs = [c[key][row] for c in per_repeat]
+            regrets = [r["regret"] for r in runs]
+            finals = [r["final"] for r in runs if r["final"] is not None]
+            final = None
+            if finals:
+                final = {m: statistics.median(f[m] for f in finals) for m in finals[0]}
+            cell[row] = {
+                "seconds": median([r["seconds"] for r in runs]),
+                "steps": median([r["steps"] for r in runs]),
+                "how": first[row]["how"],
+                "final": final,
+                "ran_steps": max(r["ran_steps"] for r in runs),
+                "regret": median(regrets),
+                "vs_dense": median([r.get("vs_dense") for r in runs]),
+                "regret_range": [min(r if r is not None else math.inf for r in regrets),
+                                 max(r if r is not None else math.inf for r in regrets)],
+            }  # fmt: skip
+        cells[key] = cell
+    return cells
+
+
+def _inside(args: argparse.Namespace) -> None:
+    out = prepare_namespace(args.out)
+    results: dict[str, Any] = {"args": vars(args), "parameters": {}, "repeats": [{} for _ in range(args.repeats)]}
     started = time.perf_counter()
 
     def say(text: str) -> None:
         print(f"[{time.perf_counter() - started:7.0f} s] {text}", flush=True)
 
     for task in args.tasks:
-        results["full"][task], results["timing"][task], results["adaptive"][task] = {}, {}, {}
-        _shape("unlimited")
-        for row in sorted(set(fixed_rows) | {"dense DDP"}, key=ORDER.index):
-            run = _run(task, row, args, args.steps, cap=3600.0)
-            results["full"][task][row] = run
-            results["parameters"][task] = run["parameters"]
-            say(f"{task} unlimited {row}: {run['steps'][-1][0]:.1f} s, held-out {run['held_out']}")
-        timed = [r for r in results["full"][task] if r != "accordion 10/1000"]
-        for link in args.links:
-            _shape(link)
-            if link == "unlimited":
-                results["timing"][task][link] = {r: step_profile(results["full"][task][r]["steps"]) for r in timed}
-            else:
-                results["timing"][task][link] = {}
-                for row in timed:
-                    run = _run(task, row, args, args.timing_steps, cap=3600.0)
-                    results["timing"][task][link][row] = step_profile(run["steps"])
-                    say(f"{task} {link} {row}: step {results['timing'][task][link][row][1] * 1e3:.0f} ms")
-            results["adaptive"][task][link] = {}
-            for row in [r for r in args.rows if r in LINK_DEPENDENT]:
-                run = _run(task, row, args, args.steps, cap=args.cap)
-                results["adaptive"][task][link][row] = run
-                factors = {f: sum(1 for s in run["steps"] if s[2] == f) for f in sorted({s[2] for s in run["steps"]})}
-                say(f"{task} {link} {row}: {run['steps'][-1][0]:.1f} s, {len(run['steps'])} steps, "
-                    f"steps at each factor {factors}, held-out {run['held_out']}")  # fmt: skip
-        (out / "matrix.json").write_text(json.dumps(results))
-    _shape("unlimited")
-    cells = analyse(results, args.tasks, args.links, args.rows)
+        for r in range(args.repeats):  # a task's repeats back to back: each pairs the rows measured minutes apart
+            rows = args.rows if r == 0 else [row for row in args.rows if row not in ONCE]
+            say(f"{task}: repeat {r + 1} of {args.repeats}")
+            results["repeats"][r][task] = _block(task, rows, args, say)
+            results["parameters"][task] = results["repeats"][r][task]["full"]["dense DDP"]["parameters"]
+            (out / "matrix.json").write_text(json.dumps(results))
+    first = results["repeats"][0]
+    per_repeat = [analyse(_as_results(rep, first), args.tasks, args.links, args.rows) for rep in results["repeats"]]
+    cells = combine(per_repeat, args.rows)
     whole = time.perf_counter() - started
+    repeats = (
+        ""
+        if args.repeats == 1
+        else f" Each cell is the median of {args.repeats} repeats (regret: the median of the paired regrets, its "
+        f"range in brackets); {', '.join(sorted(ONCE))} trained in the first repeat only."
+    )
     lines = [
         f"Two ranks (gloo, one thread each), {args.steps} steps a run, scale {args.scale}, cap {args.cap:g} s a "
-        f"GraVAC run; links shaped with tc on a private loopback (MTU 1500). Whole run {whole:.0f} s.",
+        f"GraVAC run; links shaped with tc on a private loopback (MTU 1500). Whole run {whole:.0f} s.{repeats}",
         *tables(cells, args.tasks, args.links, args.rows, results["parameters"]),
     ]
     if "default" in args.rows and all(r in args.rows for r in FIXED):
@@ -522,7 +602,7 @@ def _inside(args: argparse.Namespace) -> None:
     text = "\n".join(lines)
     print(text)
     (out / "matrix.md").write_text(text + "\n")
-    results["cells"] = cells
+    results["cells"], results["per_repeat"] = cells, per_repeat
     (out / "matrix.json").write_text(json.dumps(results))
     heatmap(cells, args.tasks, args.links, args.rows, out / "matrix.png")
     print(f"\nWrote {out / 'matrix.md'}, {out / 'matrix.json'}, {out / 'matrix.png'}")
@@ -543,6 +623,9 @@ def main() -> None:
     parser.add_argument("--timing-steps", type=int, default=10)
     parser.add_argument("--cap", type=float, default=240.0, help="seconds a GraVAC run may take on a link")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="times each task is run (tables: medians, paired regrets' range)"
+    )
     args = parser.parse_args()
     if args.links[0] != "unlimited":
         args.links = ["unlimited", *[link for link in args.links if link != "unlimited"]]
