@@ -6,10 +6,9 @@ One process, the gradient as one fp32 tensor of ``--numel`` entries (default 25M
 with 3 degrees of freedom (gradients are heavy-tailed). For each method and factor one iteration is what the hook
 does to one segment on one rank, in its order:
 
-1. error feedback: the gradient plus the stored residual, into a buffer the memory recycles
-   (``ErrorFeedback.error_fed``);
-2. compress to the factor;
-3. the new residual, in place in that buffer (``Compressor.residual_``), stored;
+1. error feedback: the gradient plus the stored residual, into a buffer the memory recycles;
+2. compress to the factor, and the squared norm of what was compressed (the header's, for the gain);
+3. the new residual, in place in that buffer, stored (1-3 are the hook's own ``encode``);
 4. decode into the bucket (``decode_`` of this rank's payload, as the hook decodes every rank's: written in one
    pass by the casts, added into the zeroed bucket by the others).
 
@@ -35,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_gravac.compressors import ErrorFeedback, get_compressor, list_compressors
+from lightning_gravac.compressors.memory import encode
 
 SPARSIFIERS = ("topk", "dgc", "redsync", "sidco", "threshold", "randomk")
 
@@ -49,18 +49,14 @@ def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
     def run() -> None:
         work.copy_(grad)  # the fresh gradient in the bucket: not part of the method, not timed
         start = time.perf_counter()
-        if compressor.owns_feedback:  # DGC keeps its own accumulation instead
-            payload = compressor.compress(work, cf, key="g", step=0)
-            compressor.commit(["g"])
-        elif (
-            not compressor.error_feedback_default
-        ):  # unbiased methods (casts, QSGD, TernGrad), signSGD: as the strategy
-            payload = compressor.compress(work, cf, key="g", step=0)
-        else:
-            fed = memory.error_fed("g", work)
-            payload = compressor.compress(fed, cf, key="g", step=0)
-            compressor.residual_(fed, payload)
-            memory.set("g", fed)
+        # As the strategy does: error feedback for biased methods that keep no residual of their own (DGC keeps its
+        # accumulation instead; unbiased methods and signSGD go without), through the hook's own `encode`.
+        feedback = "recycle" if compressor.error_feedback_default else "off"
+        encoded = encode(compressor, work, cf, key="g", feedback=feedback, memory=memory)
+        payload = encoded.payload
+        if encoded.residual is not None:
+            memory.set("g", encoded.residual)
+        compressor.commit(["g"])
         compressor.decode_(work, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
         run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
 

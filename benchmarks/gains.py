@@ -6,17 +6,17 @@ the residual, on the bandwidth benchmark's task (or a dense-gradient MLP), in on
 
 ``--ranks`` ranks are simulated in one process, as the hook computes them with a sparse all-gather: each rank's
 gradient of its share of the batch (32 examples), error feedback per rank and per parameter with the package's
-compressor (``ErrorFeedback.error_fed``, ``compress``, ``residual_``), then the mean of the ranks' decoded payloads,
-applied by plain SGD (``--task bag``: ``BagOfWordsRegression``, lr 0.05, the data and seed of
+compressor through the hook's own ``encode`` (error feedback, compression, residual), then the mean of the ranks'
+decoded payloads, applied by plain SGD (``--task bag``: ``BagOfWordsRegression``, lr 0.05, the data and seed of
 ``benchmarks/bandwidth.py``; ``--task mlp``: ``TeacherRegression`` with 4 hidden layers of 1600, 10.2M parameters
 whose gradients are dense, lr 0.05). A factor of 1 is dense SGD. For each factor: the steps until the smoothed loss
 (an EWMA, factor 0.9) first reaches each target.
 
 For the largest factor, every ``--probe-every`` steps, the gain ``sum_ranks ||C_cf(x)||^2 / sum_ranks ||x||^2`` at the
 factors of GraVAC's default ladder (20, 160 and 1000 above ``cf_min`` 10): with ``x`` the error-fed gradient
-(GraVAC's gain, ``ALGORITHMS.md``), and with ``x`` the fresh gradient (what the step's own gradient keeps), beside the
-residual's norm. On a task whose loss does not suffer from a factor, a gain that falls far below ``epsilon`` there
-is measuring the residual's backlog, not a loss of progress.
+(GraVAC's gain, ``docs/algorithms.md``), and with ``x`` the fresh gradient (what the step's own gradient keeps),
+beside the residual's norm. On a task whose loss does not suffer from a factor, a gain that falls far below
+``epsilon`` there is measuring the residual's backlog, not a loss of progress.
 """
 
 import argparse
@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gravac.compressors import ErrorFeedback, get_compressor
 from lightning_gravac.compressors.base import sq_norm
+from lightning_gravac.compressors.memory import encode
 from lightning_gravac.zoo import BagOfWordsRegression, TeacherRegression, bag_of_words_dataset, teacher_dataset
 
 LADDER = (20.0, 160.0, 1000.0)
@@ -72,14 +73,16 @@ def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
                     if probing:
                         fresh_sq += sq_norm(grad)
                         fresh_kept += compressor.probe(grad, LADDER, key=name, step=step)
-                    fed = memories[rank].error_fed(name, grad)
-                    if probing:
-                        fed_sq += sq_norm(fed)
-                        fed_kept += compressor.probe(fed, LADDER, key=name, step=step)
-                    payload = compressor.compress(fed, cf, key=name, step=step)
-                    update[name] += compressor.decompress(payload).view_as(p)
-                    compressor.residual_(fed, payload)
-                    memories[rank].set(name, fed)
+                    encoded = encode(
+                        compressor, grad, cf, key=name, step=step, feedback="recycle", memory=memories[rank],
+                        probe_cfs=LADDER if probing else (),
+                    )  # fmt: skip
+                    if encoded.probes is not None:  # of the error-fed gradient
+                        fed_sq += encoded.basis
+                        fed_kept += encoded.probes
+                    update[name] += compressor.decompress(encoded.payload).view_as(p)
+                    assert encoded.residual is not None  # Top-K and its kin: never sent unchanged
+                    memories[rank].set(name, encoded.residual)
             with torch.no_grad():
                 for name, p in params.items():
                     p.sub_(update[name], alpha=lr / args.ranks)

@@ -141,8 +141,9 @@ def _dgc_run(options: dict, steps: int = 3) -> tuple[list[tuple[torch.Tensor, ..
     payloads, basis = [], None
     for step in range(steps):
         g = _student(300_007, seed=10 + step)  # a tail of 7: neither a whole block nor whole vectors
-        payloads.append(dgc.compress(g, 50, key="w", step=step).wire)
-        basis = dgc.basis_sq_norm(g, "w")
+        payload = dgc.compress(g, 50, key="w", step=step)
+        payloads.append(payload.wire)
+        basis = payload.basis
         dgc.commit(["w"])
     return payloads, dgc.state_dict(), basis
 

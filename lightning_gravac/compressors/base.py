@@ -10,6 +10,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import ClassVar, TypeVar
 
 import torch
@@ -32,12 +33,15 @@ class Payload:
         dtype: dtype of the tensor that was compressed.
         local: tensors needed to decode that never cross the network, because every rank can derive them
             (Random-K's indices come from a shared seed).
+        basis: ``||x||^2`` (float64) of what the method selected from, when that is not the tensor it was given
+            (DGC selects from its own accumulation); ``None`` means the input. Gains are relative to it.
     """
 
     wire: tuple[Tensor, ...]
     shape: torch.Size
     dtype: torch.dtype
     local: tuple[Tensor, ...] = ()
+    basis: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +50,21 @@ class Payload:
 
     def with_wire(self, wire: Sequence[Tensor]) -> "Payload":
         """The same payload with other wire tensors: another rank's, unpacked from a gathered buffer."""
-        return Payload(tuple(wire), self.shape, self.dtype, self.local)
+        return Payload(tuple(wire), self.shape, self.dtype, self.local, self.basis)
+
+
+class Communication(Enum):
+    """How a method's payloads cross the network: the comm hook hands a compressed bucket to the communicator of the
+    pattern its method declares (``lightning_gravac.strategies.communicators``)."""
+
+    #: Packed payloads all-gathered and decoded rank by rank, or (when that moves more bytes than a ring all-reduce of
+    #: the dense bucket) decoded locally and all-reduced: Top-K, DGC, the quantizers.
+    GATHER = "gather"
+    #: Payloads summed element-wise by an all-reduce and decoded once: they share support across ranks (Random-K's
+    #: seeded indices, a cast's every entry).
+    SUM = "sum"
+    #: Several rounds whose later payloads depend on earlier sums (PowerSGD: ``P``, then ``Q``).
+    ROUNDS = "rounds"
 
 
 class Compressor(ABC):
@@ -59,9 +77,8 @@ class Compressor(ABC):
         name: the registry name (``get_compressor(name)``).
         biased: whether the method is biased; error feedback defaults to on for biased methods.
         passthrough: whether the method sends the gradient unchanged; the hook then uses plain all-reduce.
-        summable: whether the payloads of different ranks can be summed element-wise and decoded once
-            (they share support, as Random-K's seeded indices do). The hook then all-reduces the payload
-            instead of gathering it.
+        communication: how the payloads travel (:class:`Communication`): gathered (the default), summed by an
+            all-reduce (payloads that share support across ranks, as Random-K's seeded indices do), or in rounds.
         owns_feedback: whether the method keeps its own residual (DGC's accumulation), so that the strategy's error
             feedback must stay off.
         requires_feedback: whether the method is only defined with error feedback (1-bit SGD), so that turning it
@@ -77,13 +94,18 @@ class Compressor(ABC):
 
     name: ClassVar[str]
     biased: bool = True
-    summable: ClassVar[bool] = False
+    communication: ClassVar[Communication] = Communication.GATHER
     passthrough: ClassVar[bool] = False
     owns_feedback: ClassVar[bool] = False
     requires_feedback: ClassVar[bool] = False
     layerwise: ClassVar[bool] = False
     fixed_cf: ClassVar[float | None] = None
     near_lossless: ClassVar[bool] = False
+
+    @property
+    def summable(self) -> bool:
+        """Whether the payloads of different ranks are summed element-wise by an all-reduce and decoded once."""
+        return self.communication is Communication.SUM
 
     @property
     def error_feedback_default(self) -> bool:
@@ -144,11 +166,6 @@ class Compressor(ABC):
     def sent_sq_norm(self, payload: Payload) -> Tensor:
         """Squared L2 norm of the decoded payload, in float64."""
         return sq_norm(self.decompress(payload))
-
-    def basis_sq_norm(self, tensor: Tensor, key: str = "") -> Tensor:
-        """``||x||^2`` (float64) of what :meth:`compress` selects from: the error-fed gradient by default, the
-        method's own accumulation for methods that keep one. Gains are relative to it."""
-        return sq_norm(tensor)
 
     # State. Methods with per-tensor state (momentum, factors) compute the new state in `compress` and keep it
     # pending; the hook commits it once every rank's gradient is known finite, or discards it.

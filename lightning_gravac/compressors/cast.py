@@ -5,7 +5,14 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor, sq_norm
+from lightning_gravac.compressors.base import (
+    Communication,
+    Compressor,
+    Payload,
+    note_clamped,
+    register_compressor,
+    sq_norm,
+)
 
 
 class _Cast(Compressor):
@@ -21,7 +28,7 @@ class _Cast(Compressor):
     fixed_cf = 2.0
     wire_dtype: torch.dtype
     biased = False
-    summable = True
+    communication = Communication.SUM
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         # A copy even when the dtypes agree: with error feedback the input becomes the residual in place.

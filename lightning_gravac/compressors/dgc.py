@@ -73,7 +73,7 @@ class DGC(Sparsifier):
         self.world_size = 1
         self._u: dict[str, Tensor] = {}
         self._v: dict[str, Tensor] = {}
-        self._pending: dict[str, tuple[Tensor | None, Tensor, Tensor]] = {}  # u, v after the step, ||v||^2 before
+        self._pending: dict[str, tuple[Tensor | None, Tensor]] = {}  # u and v after the step, until committed
         # Buffers of the state a commit replaced, reused for the next step's (no gradient-sized allocation a step).
         self._spare_u: dict[str, Tensor] = {}
         self._spare_v: dict[str, Tensor] = {}
@@ -175,13 +175,13 @@ class DGC(Sparsifier):
         k = self._k(v.numel(), cf, tensor.dtype)
         indices = self._select(v, k, key, step, peak)
         values = v.index_select(0, indices).to(tensor.dtype)
-        payload = Payload((values, indices.to(torch.int32)), tensor.shape, tensor.dtype)
         probes = self._probe_v(v, probe_cfs, tensor.dtype, key, step)
         basis = sq_norm(v) if basis is None else basis
+        payload = Payload((values, indices.to(torch.int32)), tensor.shape, tensor.dtype, basis=basis)
         v.index_fill_(0, indices, 0)  # what was sent leaves the accumulation
         if u is not None and self.momentum_masking:
             u.index_fill_(0, indices, 0)
-        self._pending[key] = (u, v, basis)
+        self._pending[key] = (u, v)
         return payload, probes
 
     def _probe_v(self, v: Tensor, cfs: Sequence[float], dtype: torch.dtype, key: str, step: int) -> Tensor:
@@ -197,14 +197,10 @@ class DGC(Sparsifier):
         _, v, _, _ = self._accumulate(tensor, key, recycle=False)
         return self._probe_v(v, cfs, tensor.dtype, key, step)
 
-    def basis_sq_norm(self, tensor: Tensor, key: str = "") -> Tensor:
-        pending = self._pending.get(key)
-        return pending[2] if pending is not None else super().basis_sq_norm(tensor, key)
-
     def commit(self, keys: Sequence[str]) -> None:
         for key in keys:
             if key in self._pending:
-                u, v, _ = self._pending.pop(key)
+                u, v = self._pending.pop(key)
                 self._swap(self._v, self._spare_v, key, v)
                 if u is not None:
                     self._swap(self._u, self._spare_u, key, u)
@@ -213,7 +209,7 @@ class DGC(Sparsifier):
         for key in keys:
             pending = self._pending.pop(key, None)
             if pending is not None:  # the new state's buffers are free again
-                u, v, _ = pending
+                u, v = pending
                 self._spare_v[key] = v
                 if u is not None:
                     self._spare_u[key] = u

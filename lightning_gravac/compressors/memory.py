@@ -1,11 +1,16 @@
-"""Error feedback: the residual memory that wraps any compressor."""
+"""Error feedback: the residual memory that wraps any compressor, and :func:`encode`, the one sequence of error
+feedback, compression and residual that the comm hook and the benchmarks share."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Compressor, Payload
+from lightning_gravac.compressors.base import Compressor, Payload, sq_norm
+
+Feedback = Literal["recycle", "copy", "off"]
 
 
 class ErrorFeedback:
@@ -91,3 +96,71 @@ class ErrorFeedback:
         """Replace all residuals with ``state``."""
         self._residuals = {key: residual.clone() for key, residual in state.items()}
         self._spare = {}
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tensor error-fed and compressed.
+
+    Attributes:
+        payload: what is sent.
+        basis: ``||x||^2`` (float64) of what the method selected from (the error-fed tensor, or the method's own
+            accumulation): the denominator of the gain.
+        probes: the kept squared norms at the probe factors (float64), or ``None`` when none were asked for.
+        residual: ``x - decompress(payload)``, the next residual, not stored yet (the caller stores it once the step
+            is known finite); ``None`` without error feedback or when the method sends ``x`` unchanged.
+    """
+
+    payload: Payload
+    basis: Tensor
+    probes: Tensor | None
+    residual: Tensor | None
+
+
+def encode(
+    compressor: Compressor,
+    tensor: Tensor,
+    cf: float,
+    *,
+    key: str = "",
+    step: int = 0,
+    feedback: Feedback = "off",
+    memory: ErrorFeedback | None = None,
+    probe_cfs: Sequence[float] = (),
+    prober: Compressor | None = None,
+) -> Encoded:
+    """Error feedback, compression and the new residual of one tensor, in that order.
+
+    ``feedback`` says where the error-fed ``x`` comes from and where its residual goes:
+
+    - ``"recycle"``: ``x = tensor + memory's residual of key``, in a buffer ``memory`` recycles, which then becomes
+      the new residual in place (no copy, no allocation; ``tensor`` is left as it is);
+    - ``"copy"``: ``tensor`` is already error-fed (the caller added the residuals in place); the residual is a copy;
+    - ``"off"``: no error feedback; ``x = tensor`` and no residual.
+
+    ``probe_cfs`` asks for the kept norms at other factors too, measured by ``prober`` (default: ``compressor``, in
+    one multi-level selection where the method nests them; another method when ``compressor`` only stands in for it
+    this step, as a layer sent dense inside a compressed bucket).
+    """
+    if feedback == "recycle":
+        if memory is None:
+            raise ValueError("encode(feedback='recycle') needs the `memory` whose residual is added.")
+        x = memory.error_fed(key, tensor)
+    else:
+        x = tensor
+    prober = compressor if prober is None else prober
+    probes = None
+    if probe_cfs and prober is compressor:
+        payload, probes = compressor.compress_and_probe(x, cf, probe_cfs, key=key, step=step)
+    else:
+        payload = compressor.compress(x, cf, key=key, step=step)
+        if probe_cfs:
+            probes = prober.probe(x, probe_cfs, key=key, step=step)
+    basis = payload.basis if payload.basis is not None else sq_norm(x)
+    residual = None
+    if feedback == "recycle" and not compressor.passthrough:
+        compressor.residual_(x, payload)  # the recycled buffer becomes the residual in place
+        residual = x
+    elif feedback == "copy" and not compressor.passthrough:
+        residual = ErrorFeedback.residual_of(compressor, x, payload)
+    return Encoded(payload, basis, probes, residual)

@@ -10,7 +10,7 @@ from torch import Tensor
 # that is faster. Private API; should it move, `torch.linalg.qr` is the drop-in.
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
-from lightning_gravac.compressors.base import Compressor, Payload, register_compressor, sq_norm
+from lightning_gravac.compressors.base import Communication, Compressor, Payload, register_compressor, sq_norm
 from lightning_gravac.compressors.select import seeded_generator
 
 
@@ -42,6 +42,7 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     layerwise = True
+    communication = Communication.ROUNDS
 
     def __init__(self, rank: int | None = None, epsilon: float = 1e-8, seed: int = 0) -> None:
         if rank is not None and rank < 1:

@@ -1,0 +1,463 @@
+"""The communicators: how one compressed bucket crosses the network, one per pattern a method declares.
+
+The comm hook (:mod:`lightning_gravac.strategies.hook`) prepares a bucket as a :class:`Work` (its segments: each layer,
+or the whole bucket; their factors and methods; the step's own-gradient probes) and hands it to
+:func:`communicator_for`, which picks by the method's :class:`~lightning_gravac.compressors.base.Communication`:
+
+- :class:`Gathered` (``GATHER``): error feedback, compression and residuals (:func:`encode`), then an all-gather of
+  the packed payloads and the header, decoded rank by rank in rank order; or, when the gather would move more bytes
+  than a ring all-reduce of the dense bucket, the payloads decoded locally and the bucket all-reduced with the header.
+- :class:`Summed` (``SUM``): the same encoding; the payloads all-reduced element-wise (they share support), decoded
+  once.
+- :class:`LowRank` (``ROUNDS``): PowerSGD's two all-reduces, ``P`` with the dense parts, then ``Q`` with the header.
+- :class:`DenseProbed`: every factor 1 but the controller measures what compression would keep: the dense bucket
+  all-reduced with the header (residuals are sent in full and dropped).
+
+Each communicator builds the bucket's :class:`Header` (this rank's norms, summed over ranks by a collective) and ends
+in :func:`settle`: a finite step commits the pending residuals and method state, a non-finite one (some rank's
+gradient was not) discards them and poisons the bucket with NaN, and the step's :class:`BucketRecord` is recorded.
+
+Two rules keep the collectives from hanging. Every collective is launched from the thread that runs the hook, so
+every rank issues them in the same order (collectives are matched by that order; a collective launched from a
+future's callback, which runs on whichever thread completes the previous one, would not be). And no callback waits
+for anything: callbacks only decode and record.
+"""
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_gravac.compressors.base import Communication, Compressor, Payload, sq_norm
+from lightning_gravac.compressors.memory import Feedback, encode
+from lightning_gravac.compressors.packing import Layout
+from lightning_gravac.compressors.powersgd import PowerSGD, as_matrix
+from lightning_gravac.state import GATHER, REDUCE, BucketRecord, Collective, CompressionState, gathers
+
+
+@dataclass(frozen=True)
+class Header:
+    """The float64 statistics a compressed bucket carries beside its payload, summed over ranks by the collective.
+
+    Laid out ``[basis, sent, *probes, grad_sq]``: ``basis`` is ``||g||^2`` of what the method selects from (the
+    error-fed gradient, or the method's own accumulation), ``sent`` is ``||C(g)||^2``, ``probes`` the kept squared
+    norms at the controller's probe factors, and ``grad_sq``, present only when the probes are of the step's own
+    gradient, that gradient's ``||grad||^2`` (the probes are then relative to it, else to ``basis``). A non-finite
+    ``basis`` means some rank's gradient was not finite.
+    """
+
+    basis: float
+    sent: float
+    probes: tuple[float, ...]
+    grad_sq: float | None = None
+
+    @staticmethod
+    def numel(probes: int, fresh: bool) -> int:
+        """Entries of a header with ``probes`` probe norms, of the step's own gradient if ``fresh``."""
+        return 2 + probes + int(fresh)
+
+    @staticmethod
+    def pack(basis: Tensor, sent: list[Tensor], probes: list[Tensor], fresh: tuple[Tensor, Tensor] | None) -> Tensor:
+        """This rank's part of the sums, from ``basis``, the sent norms of each segment, each segment's probe norms,
+        or ``fresh``: the probe norms of the step's own gradient and its ``||grad||^2`` (then ``probes`` is unused)."""
+        parts = [basis.view(1), torch.stack(sent).sum().view(1).to(basis.device)]
+        if fresh is not None:
+            parts += [fresh[0].to(basis.device), fresh[1].view(1).to(basis.device)]
+        elif probes:
+            parts.append(torch.stack(probes).sum(0).to(basis.device))
+        return torch.cat(parts)
+
+    @classmethod
+    def unpack(cls, summed: Tensor, fresh: bool) -> "Header":
+        """The header of the summed tensor (one device read)."""
+        values = summed.tolist()
+        if fresh:
+            return cls(values[0], values[1], tuple(values[2:-1]), values[-1])
+        return cls(values[0], values[1], tuple(values[2:]))
+
+    @property
+    def probe_basis(self) -> float:
+        """What the probes are relative to: ``grad_sq`` when they are of the step's own gradient, else ``basis``."""
+        return self.basis if self.grad_sq is None else self.grad_sq
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One unit of compression: a layer's gradient, or the whole bucket."""
+
+    key: str
+    tensor: Tensor  # what is compressed: the gradient (error-fed on the way, by `Work.feedback`), or the bucket
+    cf: float
+    compressor: Compressor
+    out: Tensor  # where the averaged result goes: a view into the bucket buffer
+
+
+@dataclass
+class Work:
+    """One compressed bucket on its way through a communicator.
+
+    Written by the hook: everything up to ``start``. Written by the communicator: the payloads, the header and the
+    pending residuals (by parameter; ``None`` drops one), committed by :func:`settle` once the step is known finite
+    on every rank.
+    """
+
+    state: CompressionState
+    buffer: Tensor
+    segments: list[Segment]
+    names: list[str]  # the bucket's parameters
+    grads: list[Tensor]  # their gradients: views into `buffer`
+    feedback: Feedback = "off"  # how each segment is error-fed (`encode`)
+    dense: bool = False  # every factor is 1: sent dense while the controller probes
+    fresh: tuple[Tensor, Tensor] | None = None  # the probes of the step's own gradient and its ||grad||^2
+    start: float = field(default_factory=time.perf_counter)
+    payloads: list[Payload] = field(default_factory=list)
+    header: Tensor | None = None
+    pending: dict[str, Tensor | None] = field(default_factory=dict)
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def probe_cfs(self) -> tuple[float, ...]:
+        """The factors the header's probes are of, when measured here (not from the step's own gradient)."""
+        return () if self.fresh is not None else self.state.probe_cfs
+
+    @property
+    def method(self) -> Compressor:
+        """The method that compresses this step's segments: the strategy's, or the cast of a half step."""
+        return next((s.compressor for s in self.segments if not s.compressor.passthrough), self.state.compressor)
+
+
+class Communicator(ABC):
+    """How a compressed bucket crosses the network: its collectives, its header, its settle."""
+
+    @abstractmethod
+    def send(self, work: Work) -> Future[Tensor]:
+        """Launch the bucket's collectives (from the calling thread) and return the future of its averaged result."""
+
+
+class _Encoded(Communicator):
+    """A pattern whose payloads are computed in one go before any collective: error feedback, compression, probes,
+    residuals and the header of every segment (:func:`encode`), then :meth:`exchange`."""
+
+    def send(self, work: Work) -> Future[Tensor]:
+        state, probe_cfs = work.state, work.probe_cfs
+        basis, sent, probes = [], [], []
+        for s in work.segments:
+            encoded = encode(
+                s.compressor, s.tensor, s.cf, key=s.key, step=state.step, feedback=work.feedback,
+                memory=state.memory, probe_cfs=probe_cfs, prober=state.compressor,
+            )  # fmt: skip
+            work.payloads.append(encoded.payload)
+            basis.append(encoded.basis)
+            sent.append(s.compressor.sent_sq_norm(encoded.payload))
+            if encoded.probes is not None:
+                probes.append(encoded.probes)
+            if state.error_feedback:
+                _keep_residual(work, s, encoded.residual)
+        work.header = Header.pack(torch.stack(basis).sum(), sent, probes, work.fresh)
+        if state.error_feedback and state.momentum:
+            state.momentum.mask_(work.pending)
+        return self.exchange(work)
+
+    @abstractmethod
+    def exchange(self, work: Work) -> Future[Tensor]:
+        """Launch the collectives of the encoded ``work``."""
+
+
+class Gathered(_Encoded):
+    """Packed payloads all-gathered with the header and decoded rank by rank; or, when that moves more bytes than a
+    ring all-reduce of the dense bucket (``N x payload >= 2 x dense``), decoded locally and all-reduced."""
+
+    def exchange(self, work: Work) -> Future[Tensor]:
+        assert work.header is not None
+        layout = Layout.of(work.payloads, header_numel=work.header.numel())
+        if not gathers(layout.nbytes, work.dense_bytes, work.state.world_size):
+            _decode_into(work, [_stack_one(p) for p in work.payloads], 1.0 / work.state.world_size)
+            return reduce_with_header(work, work.buffer, lambda: work.buffer)
+        state, world = work.state, work.state.world_size
+        packed = layout.pack(work.payloads, work.header)
+        gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=work.buffer.device)
+        encode_s = time.perf_counter() - work.start
+        launched = time.perf_counter()
+        handle = dist.all_gather_single(gathered, packed, group=state.process_group, async_op=True)
+
+        def decode(fut: Future[object]) -> Tensor:
+            received_value(fut, state, "all-gather of the packed payloads")
+            received = time.perf_counter()
+            headers, stacked = layout.unpack(gathered.view(world, layout.nbytes), work.payloads)
+            _decode_into(work, stacked, 1.0 / world)
+            return settle(work, layout.nbytes, GATHER, headers.sum(0), encode_s, received, launched)
+
+        return handle.get_future().then(decode)
+
+
+class Summed(_Encoded):
+    """Payloads that share support across ranks, summed by one all-reduce (with the header beside it) and decoded
+    once."""
+
+    def exchange(self, work: Work) -> Future[Tensor]:
+        # Divide before summing: a half-precision sum of N undivided gradients can overflow.
+        flat = torch.cat([w.reshape(-1) for p in work.payloads for w in p.wire]).div_(work.state.world_size)
+
+        def decode() -> Tensor:
+            summed, offset = [], 0
+            for payload in work.payloads:
+                views = []
+                for w in payload.wire:
+                    views.append(flat[offset : offset + w.numel()].view(1, *w.shape))
+                    offset += w.numel()
+                summed.append(payload.with_wire(views))
+            _decode_into(work, summed, 1.0)
+            return work.buffer
+
+        return reduce_with_header(work, flat, decode)
+
+
+class DenseProbed(Communicator):
+    """Every factor is 1 while the controller measures what compression would keep: the error-fed bucket is sent
+    dense with the header (the residuals it carried are sent in full and dropped)."""
+
+    def send(self, work: Work) -> Future[Tensor]:
+        state, probe_cfs = work.state, work.probe_cfs
+        probe = state.compressor.probe
+        probes = [probe(s.tensor, probe_cfs, key=s.key, step=state.step) for s in work.segments] if probe_cfs else []
+        norm = sq_norm(work.buffer)  # sent dense: what is sent is all there is
+        work.header = Header.pack(norm, [norm], probes, work.fresh)
+        if state.error_feedback:
+            work.pending = dict.fromkeys(work.names)
+        work.buffer.mul_(1.0 / state.world_size)
+        return reduce_with_header(work, work.buffer, lambda: work.buffer)
+
+
+class LowRank(Communicator):
+    """PowerSGD's two all-reduces: ``P = M Q`` with the bucket's dense parts, then ``Q = M^T P`` with the header."""
+
+    def send(self, work: Work) -> Future[Tensor]:
+        state, method = work.state, work.state.compressor
+        assert isinstance(method, PowerSGD)
+        world, group = state.world_size, state.process_group
+        if work.feedback == "recycle":  # the error-fed gradient, in the memory's buffer that becomes the residual
+            work.segments = [replace(s, tensor=state.memory.error_fed(s.key, s.tensor)) for s in work.segments]
+        low = [s for s in work.segments if s.compressor is method and method.low_rank(s.tensor)]
+        full = [s for s in work.segments if not (s.compressor is method and method.low_rank(s.tensor))]
+        matrices = [as_matrix(s.tensor) for s in low]  # views of the inputs for fp32
+        ranks = [method.rank_for(s.tensor.shape, s.cf) for s in low]
+        ps = [method.project(m, r, s.key) for s, m, r in zip(low, matrices, ranks, strict=True)]
+        probe_cfs = work.probe_cfs
+        probes = [method.probe(s.tensor, probe_cfs, key=s.key) for s in work.segments] if probe_cfs else []
+        norms = {s.key: sq_norm(s.tensor) for s in work.segments}
+        basis = torch.stack(list(norms.values())).sum()
+        dense_sq = torch.stack([norms[s.key] for s in full]).sum() if full else basis.new_zeros(())
+        first = torch.cat([p.view(-1) for p in ps] + [s.tensor.reshape(-1).float() / world for s in full])
+        second_numel = sum(m.shape[1] * p.shape[1] for m, p in zip(matrices, ps, strict=True))
+        header_bytes = Header.numel(len(state.probe_cfs), work.fresh is not None) * 8
+        sent_bytes = (first.numel() + second_numel) * first.element_size() + header_bytes
+        encode_s = time.perf_counter() - work.start
+        launched = time.perf_counter()
+
+        # The second all-reduce needs the first one's result. It is launched here, on the thread that runs the hook,
+        # after waiting for the first: never from the first one's callback. A callback runs on the thread that
+        # completes the collective (gloo's worker): waiting there can stall the very collective waited on (the
+        # deadlock torch's own PowerSGD hook risks), and a collective launched there is issued at a moment that differs
+        # between ranks, while collectives are matched by the order each rank issues them. From the hook's thread
+        # every rank issues the same collectives in the same order. The price: the first round does not overlap the
+        # rest of the backward pass.
+        first_round = dist.all_reduce(first, group=group, async_op=True).get_future()
+        try:
+            summed = first_round.wait()[0]
+        except Exception as error:
+            raise failure(state, "first all-reduce (P and the dense parts)", error) from error
+        qs = _right_factors(work, method, low, ps, matrices, summed)
+        for s in full:
+            work.pending[s.key] = None
+        sent = [dense_sq] + [q.double().square().sum() for q in qs]  # ||P Q^T|| = ||Q|| for orthonormal P
+        work.header = header = Header.pack(basis, sent, probes, work.fresh)
+        second = torch.cat([q.view(-1) for q in qs]) if qs else summed.new_zeros(0)
+        futures = [dist.all_reduce(header, group=group, async_op=True).get_future()]
+        if qs:  # a bucket of biases alone has no second factor
+            futures.append(dist.all_reduce(second, group=group, async_op=True).get_future())
+
+        def finish(both: Future[list[Future[Tensor]]]) -> Tensor:
+            for fut in received_value(both, state, "second all-reduce (Q and the header)"):
+                received_value(fut, state, "second all-reduce (Q and the header)")
+            offset = 0
+            for s, p, q in zip(low, ps, qs, strict=True):
+                q_sum = second[offset : offset + q.numel()].view_as(q)
+                offset += q.numel()
+                method.keep(s.key, q_sum)
+                s.out.copy_((p @ q_sum.T).div_(world).view_as(s.out))
+            offset = first.numel() - sum(s.tensor.numel() for s in full)
+            for s in full:
+                s.out.view(-1).copy_(summed[offset : offset + s.tensor.numel()])
+                offset += s.tensor.numel()
+            received = time.perf_counter()
+            return settle(work, sent_bytes, REDUCE, header, encode_s, received, launched)
+
+        return torch.futures.collect_all(futures).then(finish)
+
+
+_BY_PATTERN: dict[Communication, Communicator] = {
+    Communication.GATHER: Gathered(),
+    Communication.SUM: Summed(),
+    Communication.ROUNDS: LowRank(),
+}
+_DENSE_PROBED = DenseProbed()
+
+
+def communicator_for(work: Work) -> Communicator:
+    """The communicator of a bucket: dense with probes, its method's pattern, or the gather when the segments' methods
+    differ in pattern (a layer sent dense beside one compressed by a method that gathers)."""
+    if work.dense:
+        return _DENSE_PROBED
+    pattern = work.method.communication
+    if pattern is Communication.SUM and not all(s.compressor.summable for s in work.segments):
+        pattern = Communication.GATHER
+    return _BY_PATTERN[pattern]
+
+
+def _keep_residual(work: Work, segment: Segment, residual: Tensor | None) -> None:
+    """The pending residual(s) of one encoded segment: a layer's own, or a whole bucket's split by parameter (views of
+    one tensor: DDP may regroup parameters into other buckets)."""
+    if work.state.granularity == "layer":
+        work.pending[segment.key] = residual
+    elif residual is None:
+        work.pending.update(dict.fromkeys(work.names))
+    else:
+        work.pending.update(zip(work.names, views_like(residual, work.buffer, work.grads), strict=True))
+
+
+def _right_factors(
+    work: Work, method: PowerSGD, low: list[Segment], ps: list[Tensor], matrices: list[Tensor], summed: Tensor
+) -> list[Tensor]:
+    """``Q = M^T P`` of each low-rank segment from the summed ``P`` (orthonormalized in place); with error feedback,
+    what this rank's gradient has outside the shared subspace becomes its pending residual, in place."""
+    qs, offset = [], 0
+    for s, p, m in zip(low, ps, matrices, strict=True):
+        p.copy_(summed[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+        method.orthonormalize_(p)
+        q = m.T @ p
+        if work.state.error_feedback:
+            m.sub_(p @ q.T)
+            if m.data_ptr() != s.tensor.data_ptr():  # not fp32: `m` was a copy
+                s.tensor.copy_(m.view_as(s.tensor))
+            work.pending[s.key] = s.tensor
+        qs.append(q)
+    return qs
+
+
+def _decode_into(work: Work, stacked: list[Payload], scale: float) -> None:
+    """The average of every rank's payloads into the bucket: written segment by segment where the segments cover the
+    buffer (each layer's gradient, or the whole bucket), else added into the zeroed buffer."""
+    if sum(s.out.numel() for s in work.segments) == work.buffer.numel():
+        for segment, payload in zip(work.segments, stacked, strict=True):
+            segment.compressor.decode_(segment.out.view(-1), payload, scale)
+        return
+    work.buffer.zero_()
+    for segment, payload in zip(work.segments, stacked, strict=True):
+        segment.compressor.aggregate_(segment.out.view(-1), payload, scale)
+
+
+def _stack_one(payload: Payload) -> Payload:
+    return payload.with_wire([w.unsqueeze(0) for w in payload.wire])
+
+
+def reduce_with_header(work: Work, tensor: Tensor, finish: Callable[[], Tensor]) -> Future[Tensor]:
+    """All-reduce ``tensor`` and the float64 header beside it, then ``finish`` makes the bucket's result."""
+    assert work.header is not None
+    header = work.header
+    encode_s = time.perf_counter() - work.start
+    launched = time.perf_counter()
+    group = work.state.process_group
+    # The header goes in a separate float64 all-reduce: the statistics need a range and precision that an fp16 or
+    # bf16 bucket does not have. Both are launched at once, so they are in flight together.
+    futures = [
+        dist.all_reduce(tensor, group=group, async_op=True).get_future(),
+        dist.all_reduce(header, group=group, async_op=True).get_future(),
+    ]
+    sent = tensor.numel() * tensor.element_size() + header.numel() * 8
+
+    def done(fut: Future[list[Future[object]]]) -> Tensor:
+        for each in received_value(fut, work.state, "all-reduce of the bucket and its header"):
+            received_value(each, work.state, "all-reduce of the bucket and its header")
+        received = time.perf_counter()
+        finish()
+        return settle(work, sent, REDUCE, header, encode_s, received, launched)
+
+    return torch.futures.collect_all(futures).then(done)
+
+
+def settle(
+    work: Work,
+    bytes_sent: int,
+    collective: Collective,
+    norms: Tensor,
+    encode_s: float,
+    received: float,
+    launched: float,
+) -> Tensor:
+    """Commit the residuals of a finite step (or poison the result of a non-finite one) and record the stats."""
+    header = Header.unpack(norms, work.fresh is not None)
+    keys = [s.key for s in work.segments]
+    state = work.state
+    if math.isfinite(header.basis):
+        state.compressor.commit(keys)
+        state.momentum.commit(work.names)
+        for key, residual in work.pending.items():
+            if residual is None:
+                state.memory.discard(key)
+            else:
+                state.memory.set(key, residual)
+    else:
+        state.compressor.discard(keys)
+        state.momentum.discard(work.names)
+        work.buffer.fill_(math.nan)
+    compress_s = encode_s + time.perf_counter() - received
+    record = BucketRecord(
+        bytes_sent=bytes_sent,
+        bytes_dense=work.dense_bytes,
+        collective=collective,
+        sq_norm=header.basis,
+        sq_norm_sent=header.sent,
+        compress_s=compress_s,
+        comm_s=received - launched,
+        probe_sq=header.probes,
+        probe_basis=header.probe_basis,
+    )
+    state.record(record)
+    return work.buffer
+
+
+def views_like(result: Tensor, buffer: Tensor, grads: list[Tensor]) -> list[Tensor]:
+    """The parts of ``result`` (a tensor shaped as the bucket's ``buffer``) where each gradient view lies."""
+    views = []
+    for grad in grads:
+        offset = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+        views.append(result.view(-1)[offset : offset + grad.numel()].view_as(grad))
+    return views
+
+
+def received_value(fut: Future[Any], state: CompressionState, what: str) -> Any:
+    """``fut``'s value, which must be complete (as in its own callback): a failed collective (a peer that died or
+    stalled past the process group's timeout) is re-raised naming the compressor and what was waiting for it."""
+    try:
+        return fut.value()
+    except Exception as error:
+        raise failure(state, what, error) from error
+
+
+def failure(state: CompressionState, what: str, error: Exception) -> RuntimeError:
+    """The error a failed collective surfaces as, naming the compressor, the step and what was waited for."""
+    return RuntimeError(
+        f"GraVACStrategy's comm hook ({state.compressor!r}, step {state.step}): the {what} failed; "
+        f"a rank may have died or stalled past the process group's timeout. {error}"
+    )
