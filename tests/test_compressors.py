@@ -27,6 +27,7 @@ REACHABLE = {
     "dgc": [10, 100],
     "efsignsgd": [32],
     "fp16": [2],
+    "natural": [4],  # a byte an entry
     "none": [1],
     "onebit": [25.6],  # 256 bits and 2 fp32 means a column of 256 fp32 entries
     "powersgd": [10, 35],
@@ -331,6 +332,24 @@ def test_qsgd_is_unbiased():
     bound = 6 * g.view(2, 512).norm(dim=1).repeat_interleave(512) / (2 * s * math.sqrt(n))
     assert s == 3 and torch.all((mean - g).abs() <= bound)
     assert not torch.allclose(c.decompress(c.compress(g, cf=10, step=0)), g, atol=0.05), "it must quantize"
+
+
+def test_natural_compression_is_unbiased_within_its_variance_bound_and_exact_on_powers_of_two():
+    # Each entry is a two-point draw between the powers of two around it: variance at most |t|^2 / 8, so the mean of
+    # n draws is within 6 |t| / sqrt(8 n) of t.
+    c, g, n = get_compressor("natural"), _grad(1024), 3000
+    mean = sum(c.decompress(c.compress(g, cf=4, key="w", step=t)) for t in range(n)) / n
+    assert torch.all((mean - g).abs() <= 6 * g.abs() / math.sqrt(8 * n))
+    one = c.decompress(c.compress(g, cf=4, key="w", step=0))
+    magnitude = one[one != 0].abs()
+    assert torch.equal(magnitude, torch.exp2(torch.log2(magnitude).round())), "every value sent is a power of two"
+    assert torch.equal(one.sign(), g.sign())
+    # Powers of two are sent as they are, down to 2^-126 of the largest (here 8 = 2^3); below, as 0.
+    exact = torch.tensor([0.0, 1.0, -0.5, 2.0**-20, 8.0, -(2.0**-123), 2.0**-124])
+    sent = torch.tensor([0.0, 1.0, -0.5, 2.0**-20, 8.0, -(2.0**-123), 0.0])
+    assert torch.equal(c.decompress(c.compress(exact, cf=4, key="p")), sent)
+    (codes, top) = c.compress(g, cf=4).wire
+    assert codes.dtype == torch.uint8 and codes.numel() == g.numel() and top.numel() == 1
 
 
 def test_qsgd_packs_sign_and_level_in_the_fewest_bits():

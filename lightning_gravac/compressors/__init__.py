@@ -14,6 +14,7 @@ from lightning_gravac.compressors.cast import BF16, FP16
 from lightning_gravac.compressors.dgc import DGC
 from lightning_gravac.compressors.efsignsgd import EFSignSGD
 from lightning_gravac.compressors.memory import ErrorFeedback
+from lightning_gravac.compressors.natural import Natural
 from lightning_gravac.compressors.none import NoCompression
 from lightning_gravac.compressors.onebit import OneBit
 from lightning_gravac.compressors.powersgd import PowerSGD
@@ -35,6 +36,7 @@ __all__ = [
     "Compressor",
     "EFSignSGD",
     "ErrorFeedback",
+    "Natural",
     "NoCompression",
     "OneBit",
     "Payload",
