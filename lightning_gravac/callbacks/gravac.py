@@ -104,6 +104,123 @@ def _gain_power(value: float) -> float:
     return power
 
 
+#: A window's steps by factor: ``(steps, seconds, comm seconds, moved bytes)``, summed.
+Measured = dict[float, tuple[int, float, float, float]]
+
+
+class _Search:
+    """One of GraVAC's decision rules: which factors the hook probes, how their gains are smoothed, what to send next
+    and what a window's end changes. A rule holds no state of its own: it reads and writes the controller's, so both
+    rules checkpoint alike and a subclass of :class:`GraVAC` reaches every value it decides from."""
+
+    #: Whether the rule predicts a step's cost from a measured link (and so measures it at fit start).
+    models_cost = False
+
+    def first_window(self, window: int) -> int:
+        """The first window's length when the user leaves it unset."""
+        return window
+
+    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
+        """Take a probe of the gain at ``cf`` that weighs ``weight`` into ``c.gains``."""
+        raise NotImplementedError
+
+    def choose(self, c: "GraVAC") -> float:
+        """The factor to send next step, from values every rank holds identically."""
+        raise NotImplementedError
+
+    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
+        """What a window's end changes, given its steps by factor (``(steps, seconds, comm seconds, moved bytes)``,
+        the slowest rank's) once ``c.windows`` counts it."""
+        raise NotImplementedError
+
+    def gains_can_matter(self, c: "GraVAC") -> bool:
+        """Whether measuring gains could change the choice."""
+        return True
+
+
+class _Sequential(_Search):
+    """The paper's search: the gains at ``cf_min`` and a candidate each step; the candidate if its gain reaches
+    ``epsilon``, else ``cf_min`` if that does, else dense; each window promotes and advances the candidate."""
+
+    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
+        factors = {c.cf_min, c.candidate}
+        if c.settled is not None and c.settled != DENSE:
+            factors.add(c.settled)
+        return tuple(sorted(factors))
+
+    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
+        # The paper's EWMA, started at the first value.
+        c.gains[cf] = gain if cf not in c.gains else (1 - weight) * c.gains[cf] + weight * gain
+
+    def choose(self, c: "GraVAC") -> float:
+        order = [c.settled] if c.settled is not None else [c.candidate, c.cf_min]
+        for cf in order:
+            if cf == DENSE or c.gains.get(cf, 0.0) >= c.epsilon:
+                return cf
+        return DENSE
+
+    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
+        if c.settled is not None:
+            return
+        gain_min, gain_candidate = c.gains.get(c.cf_min), c.gains.get(c.candidate)
+        if (
+            c.candidate > c.cf_min
+            and gain_min
+            and gain_candidate is not None
+            and abs(gain_min - gain_candidate) / gain_min <= c.omega
+        ):
+            c.cf_min = c.candidate
+        c.scale = c._next_scale(c.scale)
+        c.candidate = min(c.cf_min * c.scale, c.cf_max)
+
+
+class _Model(_Search):
+    """The default: the factor of highest predicted compression throughput, by a cost model of the step fitted to a
+    link measured at fit start and to the steps sent; the gains of every factor of the ladder, bias-corrected."""
+
+    models_cost = True
+
+    def first_window(self, window: int) -> int:
+        return min(window, 3)
+
+    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
+        return c.ladder
+
+    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
+        # Bias-corrected: the weights of the probes so far, normalised.
+        total, mass = c._gain_sums.get(cf, (0.0, 0.0))
+        total, mass = (1 - weight) * total + weight * gain, (1 - weight) * mass + weight
+        c._gain_sums[cf] = (total, mass)
+        c.gains[cf] = total / mass
+
+    def choose(self, c: "GraVAC") -> float:
+        if c.link is not None:
+            return c._best_predicted()
+        if c.probed is not None:
+            # The first window, on a measured link: the step's cost is not known yet, the gains may not be either. Send
+            # the most aggressive eligible factor, the cheapest on any link: error feedback keeps what it leaves for
+            # later, and a few steps at it cost no accuracy (the first decision follows the window).
+            eligible = [cf for cf in c.ladder if c.gains.get(cf, 1.0) >= c.epsilon]
+            return max(eligible, default=DENSE)
+        return SEARCHES["sequential"].choose(c)  # no link measured: the paper's rule until the first fit
+
+    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
+        c.link = c._fit(measured, slowest, factors) or c.link
+
+    def gains_can_matter(self, c: "GraVAC") -> bool:
+        if c.link is None:
+            return True
+        dense = c._predicted_seconds(c.link, DENSE, c._bytes_dense)
+        return any(c._predicted_seconds(c.link, cf, c._bytes_dense) < dense for cf in c.ladder)
+
+
+#: GraVAC's decision rules by the name ``search`` takes.
+SEARCHES: dict[str, _Search] = {"sequential": _Sequential(), "model": _Model()}
+
+
 class GraVAC(Controller):
     """Adapt the compression factor to what compression loses (gain) and what the link costs (step time).
 
@@ -247,8 +364,8 @@ class GraVAC(Controller):
         if cf_min > cf_max:
             raise ValueError(f"`cf_min` ({cf_min:g}) must not exceed `cf_max` ({cf_max:g}).")
         super().__init__(cf=cf_min)
-        self.search = choice(search, "search", ("sequential", "model"))
-        defaults = SEARCH_DEFAULTS[self.search]
+        self.search = choice(search, "search", tuple(SEARCHES))
+        self._rule, defaults = SEARCHES[self.search], SEARCH_DEFAULTS[self.search]
         self.window = whole(defaults["window"] if window is None else window, "window")
         self.epsilon = fraction(defaults["epsilon"] if epsilon is None else epsilon, "epsilon")
         self.omega = fraction(omega, "omega")
@@ -268,10 +385,10 @@ class GraVAC(Controller):
         #: Whether the model search may send a step whole in fp16 (decided at setup: fp32 gradients, a method whose
         #: residual the hook keeps, ``cf_min`` above 2).
         self.fp16_rung = bool(defaults["fp16_rung"] if fp16_rung is None else fp16_rung)
-        if self.fp16_rung and self.search != "model":
+        if self.fp16_rung and not self._rule.models_cost:
             raise ValueError("`fp16_rung=True` needs `search='model'`: the sequential search has no cost model for it.")
         self.fp16_rung = self.fp16_rung and cf_min > HALF  # a ladder from 2 or less has the factor already
-        default_first = min(self.window, 3) if self.search == "model" else self.window
+        default_first = self._rule.first_window(self.window)
         self.first_window = default_first if first_window is None else whole(first_window, "first_window")
         self.cf_max = cf_max
         self.ladder = self._ladder(cf_min, cf_max)
@@ -339,12 +456,7 @@ class GraVAC(Controller):
     @property
     def probe_cfs(self) -> tuple[float, ...]:
         """The factors whose gain the hook measures each step."""
-        if self.search == "model":
-            return self.ladder
-        factors = {self.cf_min, self.candidate}
-        if self.settled is not None and self.settled != DENSE:
-            factors.add(self.settled)
-        return tuple(sorted(factors))
+        return self._rule.probe_cfs(self)
 
     @property
     @override
@@ -386,7 +498,7 @@ class GraVAC(Controller):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.search != "model":
+        if not self._rule.models_cost:
             return
         self._check_rung(pl_module)
         fresh = self._steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
@@ -552,13 +664,7 @@ class GraVAC(Controller):
             weight = 1 - (1 - self.ewma_alpha) ** (self._steps - self._last_probe)
             self._last_probe = self._steps
             for cf, gain in gains.items():
-                if self.search == "model":  # bias-corrected: the weights of the probes so far, normalised
-                    total, mass = self._gain_sums.get(cf, (0.0, 0.0))
-                    total, mass = (1 - weight) * total + weight * gain, (1 - weight) * mass + weight
-                    self._gain_sums[cf] = (total, mass)
-                    self.gains[cf] = total / mass
-                else:  # the paper's EWMA, started at the first value
-                    self.gains[cf] = gain if cf not in self.gains else (1 - weight) * self.gains[cf] + weight * gain
+                self._rule.smooth(self, cf, gain, weight)
         self._buckets = max(1, stats.buckets)
         if self.cf not in (DENSE, *self.rungs) and stats.bytes_sent and stats.bytes_dense:
             # What a step sends beyond dense/cf: headers, at least one entry a tensor, rounding to whole entries.
@@ -625,19 +731,7 @@ class GraVAC(Controller):
 
     def _choose(self) -> float:
         """The factor to send next step: decided from values every rank holds identically."""
-        if self.search == "model" and self.link is not None:
-            return self._best_predicted()
-        if self.search == "model" and self.probed is not None:
-            # The first window, on a measured link: the step's cost is not known yet, the gains may not be either. Send
-            # the most aggressive eligible factor, the cheapest on any link: error feedback keeps what it leaves for
-            # later, and a few steps at it cost no accuracy (the first decision follows the window).
-            eligible = [cf for cf in self.ladder if self.gains.get(cf, 1.0) >= self.epsilon]
-            return max(eligible, default=DENSE)
-        order = [self.settled] if self.settled is not None else [self.candidate, self.cf_min]
-        for cf in order:
-            if cf == DENSE or self.gains.get(cf, 0.0) >= self.epsilon:
-                return cf
-        return DENSE
+        return self._rule.choose(self)
 
     def _end_window(self, trainer: "pl.Trainer | None") -> None:
         self._progress = 0
@@ -666,12 +760,9 @@ class GraVAC(Controller):
                 plain = [plain[0] + plain_s, plain[1] + tally.plain_steps]
         if plain[1] or compress[1]:  # what compressing costs a step: from steps without probes when there were any
             self.compress_cost = plain[0] / plain[1] if plain[1] else compress[0] / compress[1]
-        if self.search == "model":
-            self.link = self._fit(measured, slowest.tolist(), factors) or self.link
         self._tally.clear()
         self.windows += 1
-        if self.search == "sequential":
-            self._advance()
+        self._rule.end_window(self, measured, slowest.tolist(), factors)
         self._check_plateau()
 
     def _fit(
@@ -693,20 +784,6 @@ class GraVAC(Controller):
         comm = sum(n * per_step + moved * per_byte for n, _, _, moved in measured.values())
         seconds = sum(m[1] for m in measured.values())
         return _Link(max(0.0, (seconds - comm - compress_total) / steps), per_byte, per_step)
-
-    def _advance(self) -> None:
-        if self.settled is not None:
-            return
-        gain_min, gain_candidate = self.gains.get(self.cf_min), self.gains.get(self.candidate)
-        if (
-            self.candidate > self.cf_min
-            and gain_min
-            and gain_candidate is not None
-            and abs(gain_min - gain_candidate) / gain_min <= self.omega
-        ):
-            self.cf_min = self.candidate
-        self.scale = self._next_scale(self.scale)
-        self.candidate = min(self.cf_min * self.scale, self.cf_max)
 
     def _check_plateau(self) -> None:
         ranked = sorted(self.throughput.items(), key=lambda item: item[1], reverse=True)
@@ -745,10 +822,7 @@ class GraVAC(Controller):
         """Whether some factor could beat dense if it kept all of the gradient (gain 1): if none can (compressing
         costs more time than its bytes save, as on a fast link), no gain changes the choice and the model search
         stops measuring them. True for the sequential search and before the step's cost is known."""
-        if self.search != "model" or self.link is None:
-            return True
-        dense = self._predicted_seconds(self.link, DENSE, self._bytes_dense)
-        return any(self._predicted_seconds(self.link, cf, self._bytes_dense) < dense for cf in self.ladder)
+        return self._rule.gains_can_matter(self)
 
     def _best_predicted(self) -> float:
         eligible = [DENSE, *self.rungs] + [cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon]
