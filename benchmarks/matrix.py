@@ -32,7 +32,9 @@ projection adds those up along the full run's trajectory (Accordion's step by st
 times at its factor). The GraVAC rows train in full on every link, each run stopped at ``--cap`` seconds
 (a row stopped before its target or its last step *misses*, and the tables say so).
 
-``--optimizer adamw`` trains every task with AdamW instead (what language-model and embedding users run), and
+``--optimizer users`` trains each task with what its users run: SGD with momentum 0.9 and a cosine schedule to 0 over
+the run for the MLP and the CNN (momentum correction in the hook for the Top-K rows; DGC applies the momentum itself),
+AdamW for the embedding bag and the LSTM. ``--optimizer adamw`` trains every task with AdamW, and
 ``--rows`` also takes more compressor families (QSGD 4-bit, PowerSGD, Random-K, EF-signSGD) at fixed settings: with
 ``--links unlimited`` that measures what each family does to AdamW's training, link aside.
 
@@ -96,6 +98,9 @@ FAMILIES = ["qsgd 4-bit", "powersgd cf=100", "randomk cf=100", "efsignsgd"]
 ORDER = ROWS + FAMILIES
 #: AdamW's learning rate per task (``--optimizer adamw``).
 ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3}
+#: ``--optimizer users``: SGD with momentum 0.9 and a cosine schedule (peak learning rate per task) for these tasks,
+#: AdamW for the others.
+USERS_SGD_LR = {"mlp": 0.01, "cnn": 0.005}
 #: Rows trained on every link (they time their own steps); the others are projected from the unlimited run.
 LINK_DEPENDENT = {"gravac (paper)", "default"}
 #: Rows trained in the first repeat only (``--repeats``): the paper's search, slow on a slow link and not what the
@@ -207,6 +212,18 @@ def use_adamw(model: pl.LightningModule, lr: float) -> None:
     model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
 
 
+def use_sgd_cosine(model: pl.LightningModule, lr: float, momentum: float, steps: int) -> None:
+    """Train ``model`` with SGD (``momentum``, weight decay 5e-4) and a cosine schedule from ``lr`` to 0 over ``steps``
+    (what vision users run)."""
+
+    def configure_optimizers() -> Any:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=5e-4)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+
+
 # --- one run -----------------------------------------------------------------------------------------------------
 
 
@@ -280,9 +297,13 @@ def _train(
     pl.seed_everything(0)
     dgc = row.startswith("dgc")
     spec = make_task(task, scale, momentum_in_optimizer=not dgc)
-    if optimizer == "adamw":
+    momentum = spec["momentum"] if optimizer == "task" else 0.0  # the task's SGD momentum, which DGC applies itself
+    if optimizer == "adamw" or (optimizer == "users" and task not in USERS_SGD_LR):
         use_adamw(spec["model"], ADAMW_LR[task])
-    strategy, callbacks = make_row(row, spec["momentum"] if dgc and optimizer == "task" else 0.0)
+    elif optimizer == "users":
+        momentum = 0.9
+        use_sgd_cosine(spec["model"], USERS_SGD_LR[task], 0.0 if dgc else momentum, steps)
+    strategy, callbacks = make_row(row, momentum if dgc else 0.0)
     recorder = Recorder(cap)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, callbacks=[recorder, *callbacks], max_steps=steps,
@@ -616,7 +637,10 @@ def main() -> None:
     parser.add_argument("--links", nargs="+", default=["unlimited", "1gbit", "100mbit"])
     parser.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS + FAMILIES)
     parser.add_argument(
-        "--optimizer", default="task", choices=["task", "adamw"], help="each task's own (SGD), or AdamW for all"
+        "--optimizer",
+        default="task",
+        choices=["task", "users", "adamw"],
+        help="each task's own (SGD), each task's users' (SGD momentum + cosine, or AdamW), or AdamW for all",
     )
     parser.add_argument("--scale", type=float, default=0.25, help="parameters a task, in units of 10M")
     parser.add_argument("--steps", type=int, default=300)
