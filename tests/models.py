@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning import Callback
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gravac import Controller, GraVAC, StepStats
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
@@ -263,3 +263,30 @@ class CompiledMLP(MLP):
 
     def configure_model(self) -> None:
         self.net = torch.compile(self.net)
+
+
+class Regression(pl.LightningModule):
+    """16 -> 64 -> 32 -> 4, SGD with the given momentum settings."""
+
+    def __init__(self, lr: float = 0.05, **sgd: float | bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.lr, self.sgd = lr, sgd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, **self.sgd)
+
+
+def regression_data(n: int, seed: int) -> TensorDataset:
+    """A random tanh teacher (always the same one) on ``n`` inputs drawn with ``seed``."""
+    teacher = torch.Generator().manual_seed(1234)
+    w1, w2 = torch.randn(16, 32, generator=teacher) / 4, torch.randn(32, 4, generator=teacher) / 32**0.5
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(x, torch.tanh(x @ w1) @ w2)

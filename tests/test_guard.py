@@ -95,3 +95,15 @@ def test_a_backward_pass_outside_the_strategy_is_ended_by_the_controller():
         controller.on_train_batch_end(trainer, None, None, None, 0)
         assert state.step == step and controller.last_metrics["gravac/bytes_sent"] == 100 * step
         assert controller.metrics_step == step
+
+
+def test_a_trigger_drops_the_momentum_moved_into_the_hook_and_the_buffers_are_in_sync_again():
+    # With SGD momentum moved into the hook, the buffers accumulated the explosion as the residuals did.
+    _, state, step = _guarded_static("topk", cooldown=2)
+    for norm in (1.0, 1.0, 1.0):
+        step(norm)
+    state.momentum._buffers["w"] = torch.full((3,), 1e6)
+    state.momentum._local.add("w")
+    assert not state.momentum.in_sync(["w"])
+    step(50.0)
+    assert state.cf == 1.0 and state.momentum.state_dict() == {} and state.momentum.in_sync(["w"])

@@ -6,40 +6,13 @@ import torch
 from pytorch_lightning.plugins import MixedPrecision
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_gravac import GraVACStrategy, Static
 from lightning_gravac.compressors.momentum import MomentumCorrection
 from lightning_gravac.launch import run_distributed
 
-from models import Cycling, FaultyRegression, loader, trainer_kwargs, weights
-
-
-class Regression(pl.LightningModule):
-    """16 -> 64 -> 32 -> 4, SGD with the given momentum settings."""
-
-    def __init__(self, lr: float = 0.05, **sgd: float | bool) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
-        self.lr, self.sgd = lr, sgd
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, **self.sgd)
-
-
-def regression_data(n: int, seed: int) -> TensorDataset:
-    """A random tanh teacher (always the same one) on ``n`` inputs drawn with ``seed``."""
-    teacher = torch.Generator().manual_seed(1234)
-    w1, w2 = torch.randn(16, 32, generator=teacher) / 4, torch.randn(32, 4, generator=teacher) / 32**0.5
-    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(seed))
-    return TensorDataset(x, torch.tanh(x @ w1) @ w2)
+from models import Cycling, FaultyRegression, Regression, loader, regression_data, trainer_kwargs, weights
 
 
 def _fit(strategy, controllers, steps: int, **sgd) -> tuple[Regression, pl.Trainer]:

@@ -182,6 +182,7 @@ class Controller(Callback):
             )
             self.state.memory.load_state_dict({})
             self.state.compressor.reset()
+            self.state.momentum.reset()  # the momentum moved into the hook accumulated the explosion too
             return "hold"
         if guard.holding > 0:
             return "hold"

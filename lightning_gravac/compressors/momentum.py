@@ -195,6 +195,14 @@ class MomentumCorrection:
             if spare is not None:
                 self._spares[name] = spare
 
+    def reset(self) -> None:
+        """Drop every buffer (the divergence guard: they hold the accumulation that exploded). With none on any rank
+        the buffers are in sync again: the next dense step starts them afresh, as ``torch.optim.SGD`` starts its own."""
+        for name, buffer in self._buffers.items():
+            self._spares.setdefault(name, buffer)
+        self._buffers, self._local = {}, set()
+        self._pending.clear()
+
     def state_dict(self) -> dict[str, Tensor]:
         """This rank's buffers (``u/<name>``) and whether each is local to it (``local/<name>``)."""
         out = {f"u/{name}": t.detach().clone() for name, t in self._buffers.items()}
