@@ -25,6 +25,19 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 8))
 
 
+def _hooked(state: CompressionState, bucket_cap_mb: float = 25) -> tuple[nn.Module, nn.Module, DistributedDataParallel]:
+    """The one DDP set-up of these tests: the process group (once a rank), the test model, an untouched copy of it
+    for the reference, and DDP over the model with the hook registered on ``state``."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    model = _model()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    state.bind(model)
+    ddp.register_comm_hook(state, gravac_hook)
+    return model, reference, ddp
+
+
 def _all_ranks(t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
@@ -67,14 +80,9 @@ def _reference_step(compressor, names, grads, residuals, cf, granularity, step, 
 
 
 def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb, param_cf=None):
-    dist.init_process_group("gloo")
-    model = _model()
-    reference = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     state = CompressionState(get_compressor(compressor), error_feedback=True, granularity=granularity, cf=cf)
     state.param_cf = param_cf or {}
-    state.bind(model)
-    ddp.register_comm_hook(state, gravac_hook)
+    model, reference, ddp = _hooked(state, bucket_cap_mb)
     residuals: dict[str, torch.Tensor] = {}
     results = []
     for step in range(3):
@@ -183,18 +191,13 @@ def _backward_both(ddp, reference, step, rank):
 
 def _probed(rank, world, granularity, cf):
     """GraVAC's probe gains from the hook, both ways, against norms of every rank's plain gradients."""
-    dist.init_process_group("gloo")
     cfs = (20.0, 80.0)
     out = {}
     for gain_of in ("error_fed", "gradient"):
-        model = _model()
-        reference = copy.deepcopy(model)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=25)
         topk = get_compressor("topk")
         state = CompressionState(topk, error_feedback=True, granularity=granularity, cf=cf)
         state.probe_cfs, state.gain_of = cfs, gain_of
-        state.bind(model)
-        ddp.register_comm_hook(state, gravac_hook)
+        _, reference, ddp = _hooked(state)
         residuals: dict[str, torch.Tensor] = {}
         got, expected = [], []
         for step in range(3):
@@ -232,13 +235,8 @@ def test_probe_gains_are_of_the_error_fed_or_of_the_step_own_gradient(granularit
 
 
 def _low_rank_steps(rank, world, cf):
-    dist.init_process_group("gloo")
-    model = _model()
-    reference = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
     state = CompressionState(get_compressor("powersgd"), error_feedback=True, cf=cf)
-    state.bind(model)
-    ddp.register_comm_hook(state, gravac_hook)
+    model, reference, ddp = _hooked(state)
     method = get_compressor("powersgd")  # the reference's own warm starts
     residuals: dict[str, torch.Tensor] = {}
     results = []
@@ -294,12 +292,8 @@ def test_powersgd_hook_reduces_p_then_q_and_keeps_the_local_projection_error(cf)
 
 
 def _vote(rank, world):
-    dist.init_process_group("gloo")
-    model = _model()
-    ddp = DistributedDataParallel(model)
     state = CompressionState(get_compressor("signsgd"), error_feedback=False, cf=32)
-    state.bind(model)
-    ddp.register_comm_hook(state, gravac_hook)
+    model, _, ddp = _hooked(state)
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
     ddp(x).square().mean().backward()
     reference = _model()
@@ -310,13 +304,9 @@ def _vote(rank, world):
 
 
 def _low_rank_probed(rank, world, gain_of):
-    dist.init_process_group("gloo")
-    model = _model()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
     state = CompressionState(get_compressor("powersgd"), error_feedback=True, cf=8)
     state.probe_cfs, state.gain_of = (16.0, 32.0), gain_of
-    state.bind(model)
-    ddp.register_comm_hook(state, gravac_hook)
+    model, _, ddp = _hooked(state)
     steps = []
     for step in range(3):
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -347,13 +337,8 @@ def test_signsgd_through_the_hook_is_the_majority_vote():
 def _half_steps(rank, world, granularity):
     """Top-K at cf 50, then a half step (the whole gradient in fp16), then Top-K again, against every rank's plain
     gradients: a half step sends the error-fed gradient cast to fp16, averaged in fp16, and keeps the rounding."""
-    dist.init_process_group("gloo")
-    model = _model()
-    reference = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
     state = CompressionState(get_compressor("topk"), error_feedback=True, granularity=granularity, cf=50)
-    state.bind(model)
-    ddp.register_comm_hook(state, gravac_hook)
+    model, reference, ddp = _hooked(state)
     residuals: dict[str, torch.Tensor] = {}
     out = []
     for step, half in enumerate((False, True, False, True)):
