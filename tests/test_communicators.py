@@ -41,21 +41,22 @@ def _bucket(rank: int, step: int) -> tuple[torch.Tensor, list[str], list[torch.T
     return buffer, list(SHAPES), grads
 
 
-def _one(rank: int, world: int, name: str, cf: float, dense: bool = False) -> dict:
+def _one(rank: int, world: int, name: str, cf: float, dense: tuple[bool, bool] = (False, False)) -> list[dict]:
+    """Two steps of one method on a hand-made bucket (``dense[step]``: that step every factor is 1, probed)."""
     state = CompressionState(get_compressor(name), error_feedback=True)
     state.world_size, state.probe_cfs = world, (10.0,)
     state.compressor.setup(world, rank)
     out = []
-    for step in range(2):  # the second step error-feeds the first one's residuals
+    for step, dense_now in enumerate(dense):  # the second step error-feeds the first one's residuals
         buffer, names, grads = _bucket(rank, step)
         inputs = {n: g.clone() for n, g in zip(names, grads, strict=True)}
         fed = {n: inputs[n] + state.memory.get(n) if n in state.memory else inputs[n].clone() for n in names}
-        method = state.identity if dense else state.compressor
-        segments = [Segment(n, g, 1.0 if dense else cf, method, g) for n, g in zip(names, grads, strict=True)]
-        if dense:
+        method = state.identity if dense_now else state.compressor
+        segments = [Segment(n, g, 1.0 if dense_now else cf, method, g) for n, g in zip(names, grads, strict=True)]
+        if dense_now:  # as the hook does: the residuals added in place, sent in full
             for n, g in zip(names, grads, strict=True):
                 state.memory.compensate_(n, g)
-        work = Work(state, buffer, segments, names, grads, "copy" if dense else "recycle", dense)
+        work = Work(state, buffer, segments, names, grads, "copy" if dense_now else "recycle", dense_now)
         communicator = communicator_for(work)
         result = communicator.send(work).wait()
         state.step += 1
@@ -75,26 +76,28 @@ def _all(rank: int, world: int) -> dict:
         "reduced-decoded": _one(rank, world, "topk", 1.0),  # half the entries plus indices: the gather moves more
         "summed": _one(rank, world, "randomk", 4.0),
         "low-rank": _one(rank, world, "powersgd", 4.0),
-        "dense-probed": _one(rank, world, "topk", 1.0, dense=True),
+        # A compressed step, then a dense one that carries its residuals in full and drops them.
+        "dense-probed": _one(rank, world, "topk", 4.0, dense=(False, True)),
     }
 
 
 @pytest.mark.distributed
 def test_each_communicator_averages_its_bucket_and_keeps_what_it_did_not_send():
     ranks = run_distributed(_all)
-    expected_class = {"gathered": Gathered, "reduced-decoded": Gathered, "summed": Summed, "low-rank": LowRank,
-                      "dense-probed": DenseProbed}  # fmt: skip
-    expected_collective = {"gathered": GATHER, "reduced-decoded": REDUCE, "summed": REDUCE, "low-rank": REDUCE,
-                           "dense-probed": REDUCE}  # fmt: skip
-    for case, cls in expected_class.items():
-        for step in range(2):
+    expected = {  # (communicator, collective) of each step
+        "gathered": [(Gathered, GATHER)] * 2, "reduced-decoded": [(Gathered, REDUCE)] * 2,
+        "summed": [(Summed, REDUCE)] * 2, "low-rank": [(LowRank, REDUCE)] * 2,
+        "dense-probed": [(Gathered, GATHER), (DenseProbed, REDUCE)],
+    }  # fmt: skip
+    for case, steps in expected.items():
+        for step, (cls, collective) in enumerate(steps):
             per_rank = [r[case][step] for r in ranks]
             assert all(s["communicator"] == cls.__name__ for s in per_rank), case
             # Both ranks end with the same averaged bucket, bit for bit.
             assert torch.equal(per_rank[0]["result"], per_rank[1]["result"]), case
             names = list(SHAPES)
             fed = [torch.cat([s["fed"][n].reshape(-1) for n in names]) for s in per_rank]
-            if case == "dense-probed":  # the error-fed gradients, averaged; every residual sent and dropped
+            if cls is DenseProbed:  # the error-fed gradients, averaged; every residual sent and dropped
                 assert torch.allclose(per_rank[0]["result"], (fed[0] + fed[1]) / 2, atol=1e-6)
                 assert all(not s["residuals"] for s in per_rank)
             else:
@@ -108,11 +111,11 @@ def test_each_communicator_averages_its_bucket_and_keeps_what_it_did_not_send():
                 total = kept[0] + kept[1] + 2 * per_rank[0]["result"]
                 assert torch.allclose(total, fed[0] + fed[1], atol=1e-5), case
             (record,) = per_rank[0]["records"]
-            assert record.collective == expected_collective[case], case
+            assert record.collective == collective, case
             fed_sq = sum(float(f.double().square().sum()) for f in fed)
             assert record.sq_norm == pytest.approx(fed_sq, rel=1e-6), case  # summed over ranks
             assert len(record.probe_sq) == 1 and 0 < record.probe_sq[0] <= record.sq_norm * (1 + 1e-9), case
-            assert record.bytes_sent < record.bytes_dense or case in ("reduced-decoded", "dense-probed"), case
+            assert record.bytes_sent < record.bytes_dense or case == "reduced-decoded" or cls is DenseProbed, case
 
 
 def test_header_round_trip_names_every_field():

@@ -350,6 +350,14 @@ def test_natural_compression_is_unbiased_within_its_variance_bound_and_exact_on_
     assert torch.equal(c.decompress(c.compress(exact, cf=4, key="p")), sent)
     (codes, top) = c.compress(g, cf=4).wire
     assert codes.dtype == torch.uint8 and codes.numel() == g.numel() and top.numel() == 1
+    # Zeros of either sign stay 0; NaN and Inf decode as NaN, never as a finite power of two; an all-zero tensor.
+    odd = torch.tensor([0.0, -0.0, -3.0, math.nan, math.inf, -math.inf])
+    decoded = c.decompress(c.compress(odd, cf=4, key="o"))
+    assert decoded[:2].tolist() == [0.0, 0.0] and decoded[2] in (-2.0, -4.0) and decoded[3:].isnan().all()
+    assert torch.equal(c.decompress(c.compress(torch.zeros(8), cf=4)), torch.zeros(8))
+    # Rounding up never overflows the input's dtype: fp16 entries near its largest round down instead.
+    big = torch.tensor([60000.0, -65504.0, 40000.0], dtype=torch.float16)
+    assert all(torch.isfinite(c.decompress(c.compress(big, cf=4, step=t))).all() for t in range(50))
 
 
 def test_qsgd_packs_sign_and_level_in_the_fewest_bits():

@@ -15,8 +15,10 @@ class DivergenceGuard:
     was compressed, identical on every rank. When a step that compressed has a norm above ``ratio`` times the median
     of the last ``history`` such norms (once ``min_history`` are known), the controller is overridden: every factor
     is 1 for ``cooldown`` steps, its own decisions frozen (it observes nothing meanwhile), and each later trigger
-    doubles the cooldown. The residuals are dropped when it triggers: they hold the accumulation that exploded, and
-    sending them dense would apply it. Every rank decides the same, from values that crossed the network.
+    doubles the cooldown. When it triggers, the residuals, the method's own accumulation (DGC's) and the SGD momentum
+    moved into the hook are dropped: they hold the accumulation that exploded, and sending them dense would apply it.
+    Every rank decides the same, from values that crossed the network. It catches a spike; a slow blow-up (weights
+    growing over tens of steps, each step's norm within ``ratio`` of the recent median) it catches late or not at all.
 
     Args:
         ratio: how many times the recent median norm counts as an explosion.

@@ -2,6 +2,7 @@
 
 from lightning_gravac.compressors.adaq import AdaQ
 from lightning_gravac.compressors.base import (
+    Communication,
     Compressor,
     Payload,
     get_compressor,
@@ -33,6 +34,7 @@ __all__ = [
     "FP16",
     "QSGD",
     "AdaQ",
+    "Communication",
     "Compressor",
     "EFSignSGD",
     "ErrorFeedback",

@@ -314,14 +314,15 @@ _DENSE_PROBED = DenseProbed()
 
 
 def communicator_for(work: Work) -> Communicator:
-    """The communicator of a bucket: dense with probes, its method's pattern, or the gather when the segments' methods
-    differ in pattern (a layer sent dense beside one compressed by a method that gathers)."""
+    """The communicator of a bucket: dense with probes; PowerSGD's rounds; the all-reduce of payloads when every
+    segment's are summable (a layer sent dense is); else the gather."""
     if work.dense:
         return _DENSE_PROBED
-    pattern = work.method.communication
-    if pattern is Communication.SUM and not all(s.compressor.summable for s in work.segments):
-        pattern = Communication.GATHER
-    return _BY_PATTERN[pattern]
+    if work.method.communication is Communication.ROUNDS:
+        return _BY_PATTERN[Communication.ROUNDS]
+    # `summable` rather than the declared pattern: a method that sets `summable = True` itself is summed as before.
+    summed = all(s.compressor.summable for s in work.segments)
+    return _BY_PATTERN[Communication.SUM if summed else Communication.GATHER]
 
 
 def _keep_residual(work: Work, segment: Segment, residual: Tensor | None) -> None:
