@@ -175,8 +175,9 @@ def make_task(name: str, scale: float, momentum_in_optimizer: bool = True) -> di
     raise ValueError(name)
 
 
-def make_row(row: str, momentum: float) -> tuple[Any, list[Callback]]:
-    """Strategy and callbacks of a row. ``momentum``: the task's SGD momentum (DGC applies it itself)."""
+def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tuple[Any, list[Callback]]:
+    """Strategy and callbacks of a row. ``momentum``: the task's SGD momentum (DGC applies it itself); under an
+    optimizer with moments of its own (AdamW) DGC runs without its momentum correction (momentum would apply twice)."""
     if row == "dense DDP":
         return DDPStrategy(), []
     if row == "fp16":
@@ -184,7 +185,8 @@ def make_row(row: str, momentum: float) -> tuple[Any, list[Callback]]:
     if row.startswith("topk cf="):
         return GraVACStrategy("topk"), [Static(cf=float(row.split("=")[1]))]
     if row == "dgc cf=100":
-        return GraVACStrategy(DGC(momentum=momentum, warmup_epochs=0)), [Static(cf=100)]
+        dgc = DGC(momentum=momentum, warmup_epochs=0, momentum_correction=not adaptive_optimizer)
+        return GraVACStrategy(dgc), [Static(cf=100)]
     if row == "accordion 10/1000":
         return GraVACStrategy("topk"), [Accordion(low_cf=10, high_cf=1000, window=25, interval="step")]
     if row == "gravac (paper)":
@@ -298,12 +300,13 @@ def _train(
     dgc = row.startswith("dgc")
     spec = make_task(task, scale, momentum_in_optimizer=not dgc)
     momentum = spec["momentum"] if optimizer == "task" else 0.0  # the task's SGD momentum, which DGC applies itself
-    if optimizer == "adamw" or (optimizer == "users" and task not in USERS_SGD_LR):
+    adamw = optimizer == "adamw" or (optimizer == "users" and task not in USERS_SGD_LR)
+    if adamw:
         use_adamw(spec["model"], ADAMW_LR[task])
     elif optimizer == "users":
         momentum = 0.9
         use_sgd_cosine(spec["model"], USERS_SGD_LR[task], 0.0 if dgc else momentum, steps)
-    strategy, callbacks = make_row(row, momentum if dgc else 0.0)
+    strategy, callbacks = make_row(row, momentum if dgc else 0.0, adaptive_optimizer=adamw)
     recorder = Recorder(cap)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, callbacks=[recorder, *callbacks], max_steps=steps,
