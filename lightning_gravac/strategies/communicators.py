@@ -247,8 +247,9 @@ class LowRank(Communicator):
         world, group = state.world_size, state.process_group
         if work.feedback == "recycle":  # the error-fed gradient, in the memory's buffer that becomes the residual
             work.segments = [replace(s, tensor=state.memory.error_fed(s.key, s.tensor)) for s in work.segments]
-        low = [s for s in work.segments if s.compressor is method and method.low_rank(s.tensor)]
-        full = [s for s in work.segments if not (s.compressor is method and method.low_rank(s.tensor))]
+        is_low = [s.compressor is method and method.low_rank(s.tensor) for s in work.segments]
+        low = [s for s, flag in zip(work.segments, is_low, strict=True) if flag]
+        full = [s for s, flag in zip(work.segments, is_low, strict=True) if not flag]
         matrices = [as_matrix(s.tensor) for s in low]  # views of the inputs for fp32
         ranks = [method.rank_for(s.tensor.shape, s.cf) for s in low]
         ps = [method.project(m, r, s.key) for s, m, r in zip(low, matrices, ranks, strict=True)]
@@ -287,8 +288,7 @@ class LowRank(Communicator):
             futures.append(dist.all_reduce(second, group=group, async_op=True).get_future())
 
         def finish(both: Future[list[Future[Tensor]]]) -> Tensor:
-            for fut in received_value(both, state, "second all-reduce (Q and the header)"):
-                received_value(fut, state, "second all-reduce (Q and the header)")
+            all_received(both, state, "second all-reduce (Q and the header)")
             offset = 0
             for s, p, q in zip(low, ps, qs, strict=True):
                 q_sum = second[offset : offset + q.numel()].view_as(q)
@@ -388,8 +388,7 @@ def reduce_with_header(work: Work, tensor: Tensor, finish: Callable[[], Tensor])
     sent = tensor.numel() * tensor.element_size() + header.numel() * 8
 
     def done(fut: Future[list[Future[object]]]) -> Tensor:
-        for each in received_value(fut, work.state, "all-reduce of the bucket and its header"):
-            received_value(each, work.state, "all-reduce of the bucket and its header")
+        all_received(fut, work.state, "all-reduce of the bucket and its header")
         received = time.perf_counter()
         finish()
         return settle(work, sent, REDUCE, header, encode_s, received, launched)
@@ -454,6 +453,12 @@ def received_value(fut: Future[Any], state: CompressionState, what: str) -> Any:
         return fut.value()
     except Exception as error:
         raise failure(state, what, error) from error
+
+
+def all_received(fut: Future[list[Future[Any]]], state: CompressionState, what: str) -> None:
+    """Every future of a completed ``collect_all``, each checked as :func:`received_value` checks one."""
+    for each in received_value(fut, state, what):
+        received_value(each, state, what)
 
 
 def failure(state: CompressionState, what: str, error: Exception) -> RuntimeError:
