@@ -150,3 +150,82 @@ def test_momentum_set_again_in_the_optimizer_is_taken_back_and_checkpoints_show_
     saved = correction.saved_groups(optimizer, optimizer.state_dict())
     assert saved["param_groups"][0]["momentum"] == 0.85 and saved["param_groups"][0]["weight_decay"] == 0.01
     assert optimizer.param_groups[0]["momentum"] == 0  # the live optimizer is untouched
+
+
+def _corrected_steps(rank, world):
+    """Top-K cf 8 with the momentum moved into the hook (torch DDP, 2 ranks), against a reference from every rank's
+    plain gradients: u <- m u + g, x = u + e, s = topk(x), e = x - s, the mean of the ranks' s applied; with
+    masking, u restarts from 0 where x was sent. Returns, per step, whether the hook matched the reference of its own
+    mode and whether the two modes' references differ, for each mode."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return {masking: _corrected_run(rank, world, masking) for masking in (False, True)}
+
+
+def _corrected_run(rank, world, masking):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_gravac.compressors import get_compressor
+    from lightning_gravac.state import CompressionState
+    from lightning_gravac.strategies.hook import gravac_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 4))
+    state = CompressionState(get_compressor("topk"), error_feedback=True, granularity="layer", cf=8)
+    state.momentum.masking = masking
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state.momentum.take_from(optimizer, names)
+    ddp = DistributedDataParallel(model)
+    state.bind(model)
+    ddp.register_comm_hook(state, gravac_hook)
+    topk = state.compressor
+    u = {mode: {} for mode in (False, True)}
+    e = {mode: {} for mode in (False, True)}
+    out = []
+    for step in range(5):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        optimizer.zero_grad()
+        ddp(x).square().mean().backward()
+        grads = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))  # this rank's own gradient
+        expected = {}
+        for mode in (False, True):
+            for (n, _), g in zip(model.named_parameters(), grads, strict=True):
+                u[mode][n] = g.clone() if n not in u[mode] else 0.9 * u[mode][n] + g
+                fed = u[mode][n] + e[mode].get(n, torch.zeros_like(g))
+                sent = topk.decompress(topk.compress(fed, 8, key=n, step=step))
+                e[mode][n] = fed - sent
+                if mode:
+                    u[mode][n] = u[mode][n].masked_fill(e[mode][n] == 0, 0.0)
+                gathered = [torch.empty_like(sent) for _ in range(world)]
+                dist.all_gather(gathered, sent)
+                expected[(mode, n)] = sum(s * (1.0 / world) for s in gathered)
+        state.pop_stats()
+        out.append(
+            {
+                "matches": all(
+                    torch.allclose(p.grad, expected[(masking, n)], rtol=1e-5, atol=1e-7)
+                    for n, p in model.named_parameters()
+                ),
+                "modes_differ": any(
+                    not torch.allclose(expected[(False, n)], expected[(True, n)]) for n, _ in model.named_parameters()
+                ),
+            }
+        )
+        optimizer.step()
+    return out
+
+
+@pytest.mark.distributed
+def test_corrected_topk_is_delayed_heavy_ball_and_masking_restarts_sent_entries():
+    for modes in run_distributed(_corrected_steps, timeout=120):
+        for masking, steps in modes.items():
+            assert all(s["matches"] for s in steps), (masking, steps)
+            assert any(s["modes_differ"] for s in steps), (masking, steps)  # the reference tells the modes apart
+
+
+def test_masking_is_on_as_published_unless_turned_off():
+    assert GraVACStrategy("topk").compression_state.momentum.masking is True
+    assert GraVACStrategy("topk", momentum_masking=False).compression_state.momentum.masking is False

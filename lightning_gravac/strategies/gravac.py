@@ -57,6 +57,11 @@ class GraVACStrategy(DDPStrategy):
             stock DDP with SGD momentum, bit for bit. ``False`` leaves the optimizer alone. Gradients seen after
             ``backward`` (e.g. by gradient clipping) are then update directions, momentum included. Not applied under
             a gradient scaler (fp16 mixed precision), whose scale changes from step to step.
+        momentum_masking: with momentum correction, restart a parameter's moved momentum from 0 where its entry was
+            just sent (Deep Gradient Compression's momentum factor masking; on, as published). ``False`` keeps the
+            whole momentum (heavy-ball delayed by error feedback): faster at a learning rate well inside dense's
+            stable range (VGG-11 with batch norm, Top-K cf 10, 200 steps: held-out loss 0.0073 against 0.035 masked),
+            but it diverged near the largest rate dense survives, where masking trained.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
@@ -80,6 +85,7 @@ class GraVACStrategy(DDPStrategy):
         model_averaging_period: int | None = None,
         start_local_sgd_step: int = 0,
         momentum_correction: bool = True,
+        momentum_masking: bool = True,
         **kwargs: Any,
     ) -> None:
         clashing = [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]
@@ -123,6 +129,7 @@ class GraVACStrategy(DDPStrategy):
             granularity=granularity,
             local_sgd_from=start_local_sgd_step if model_averaging_period is not None else None,
         )
+        self.compression_state.momentum.masking = momentum_masking
         if model_averaging_period is not None:
             self._ddp_comm_state = local_sgd
 
