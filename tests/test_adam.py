@@ -1,4 +1,4 @@
-"""Adam-like optimizers: the default holds dense, an explicit factor warns, and the user can ask to compress."""
+"""Adam-like optimizers: the default sends dense or fp16, an explicit factor warns, and the user can ask to compress."""
 
 import warnings
 
@@ -18,35 +18,64 @@ class AdamW(TeacherRegression):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class _Link(GraVAC):
+    """GraVAC on a modelled link: 1 MB/s for fp32, ``half_ratio`` times an fp32 byte's cost for an fp16 byte."""
+
+    def __init__(self, half_ratio: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.half_ratio = half_ratio
+
+    def measure_link(self, trainer):
+        return 0.0, 1e-6
+
+    def measure_half(self, trainer):
+        return self.half_ratio * 1e-6, 0.0
+
+
 def _fit(rank, world_size, optimizer, controller, compressor):
     pl.seed_everything(0)
     model = AdamW(width=64) if optimizer == "adamw" else TeacherRegression(width=64, momentum=0.9)
     summary = RunSummary()
-    callbacks = {"default": [], "compress": [GraVAC(adam="compress")], "static": [Static(cf=10)]}[controller]
+    callbacks = {
+        "default": [],
+        "compress": [GraVAC(adam="compress")],
+        "static": [Static(cf=10)],
+        "held-dense": [GraVAC(adam="dense")],
+        "slow-link": [_Link(half_ratio=1.0)],  # bytes dominate, an fp16 byte costs an fp32 one's: fp16
+        "dear-fp16": [_Link(half_ratio=4.0)],  # an fp16 sum at 4x an fp32 byte (gloo on a fast link): dense
+    }[controller]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = pl.Trainer(strategy=GraVACStrategy(compressor), callbacks=[*callbacks, summary], max_steps=8,
                              **trainer_kwargs(world_size))  # fmt: skip
         trainer.fit(model, loader())
     said = [str(w.message) for w in caught if "second moment" in str(w.message)]
-    return {"cf": [r["gravac/cf"] for r in summary.history], "said": said}
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"cf": [r["gravac/cf"] for r in summary.history], "said": said, "weights": weights}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("optimizer", "controller", "compressor", "dense", "warned"),
+    ("optimizer", "controller", "compressor", "sent", "warned"),
     [
-        ("adamw", "default", "topk", True, True),  # held dense, and said so
-        ("adamw", "compress", "topk", False, True),  # asked to compress: it does, with the warning
-        ("adamw", "static", "topk", False, True),  # an explicit factor is kept, with the warning
-        ("adamw", "default", "fp16", False, False),  # a cast is safe with Adam: held at its factor, no warning
-        ("sgd", "default", "topk", False, False),  # SGD: the default compresses, nothing said
+        ("adamw", "default", "topk", {1.0, 2.0}, True),  # dense or fp16 by the measured link, and said so
+        ("adamw", "slow-link", "topk", {2.0}, True),  # bytes dominate: every step whole in fp16
+        ("adamw", "dear-fp16", "topk", {1.0}, True),  # fp16's sum dearer than the bytes it saves: dense
+        ("adamw", "held-dense", "topk", {1.0}, True),  # asked to hold dense
+        ("adamw", "compress", "topk", None, True),  # asked to compress: it does, with the warning
+        ("adamw", "static", "topk", {10.0}, True),  # an explicit factor is kept, with the warning
+        ("adamw", "default", "fp16", {2.0}, False),  # a cast is safe with Adam: held at its factor, no warning
+        ("sgd", "default", "topk", None, False),  # SGD: the default compresses, nothing said
     ],
 )
-def test_adam_like_optimizers_get_dense_or_a_warning(optimizer, controller, compressor, dense, warned):
+def test_adam_like_optimizers_get_dense_fp16_or_a_warning(optimizer, controller, compressor, sent, warned):
     ranks = run_distributed(_fit, optimizer=optimizer, controller=controller, compressor=compressor, timeout=120)
     for rank in ranks:
         assert len(rank["cf"]) == 8
-        assert all(cf == 1.0 for cf in rank["cf"]) == dense, rank["cf"]
+        if sent is None:  # compressing: some step above fp16's factor
+            assert max(rank["cf"]) > 2.0, rank["cf"]
+        else:
+            assert set(rank["cf"]) <= sent, rank["cf"]
     assert bool(ranks[0]["said"]) == warned, ranks[0]["said"]
     assert ranks[0]["cf"] == ranks[1]["cf"]
+    assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])  # the ranks stepped alike (fp16 steps too)
