@@ -1,4 +1,5 @@
-"""The divergence guard: a compressed step whose gradient norm explodes makes the controller send dense a while."""
+"""The divergence guard: a compressed step whose gradient norm explodes, or a training loss that climbs while
+compressing, makes the controller send dense a while."""
 
 from types import SimpleNamespace
 
@@ -32,6 +33,35 @@ def test_an_explosion_against_the_recent_median_triggers_and_each_trigger_double
 def test_a_ratio_of_one_or_less_is_refused(ratio):
     with pytest.raises(ValueError, match=r"`ratio` must be > 1"):
         DivergenceGuard(ratio=ratio)
+    with pytest.raises(ValueError, match=r"`loss_ratio` must be > 1 or None"):
+        DivergenceGuard(loss_ratio=ratio)
+
+
+def test_a_loss_climbing_past_twice_its_lowest_median_triggers_a_slow_blow_up_that_the_norm_misses():
+    guard = DivergenceGuard(min_history=4, cooldown=5)
+    losses = [1.0, 0.8, 0.6, 0.5, 0.5, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.05, 1.1]  # lowest median 0.5
+    # The norm grows 5% a step: never 10x its recent median.
+    fired = [guard.check(_stats(1.05**i), loss) for i, loss in enumerate(losses)]
+    assert fired == [False] * 12 + [True], fired  # median of (0.9, 1.0, 1.05, 1.1) = 1.025 > 2 x 0.5
+    assert guard.holding == 5 and guard.lowest == 0.5 and not guard.losses
+    saved = guard.state_dict()
+    restored = DivergenceGuard(min_history=4, cooldown=5)
+    restored.load_state_dict(saved)
+    assert restored.state_dict() == saved
+
+
+@pytest.mark.parametrize(
+    ("loss_ratio", "compressed", "losses"),
+    [
+        pytest.param(None, True, [0.5] * 4 + [5.0] * 4, id="not-watched"),
+        pytest.param(2.0, False, [0.5] * 4 + [5.0] * 4, id="dense-steps"),
+        pytest.param(2.0, True, [0.5] * 4 + [5.0, float("nan"), -1.0, None], id="one-climb-then-nan-negative-none"),
+        pytest.param(2.0, True, [0.5] * 4 + [0.9] * 4, id="under-twice"),
+    ],
+)
+def test_the_loss_test_skips_what_it_cannot_judge(loss_ratio, compressed, losses):
+    guard = DivergenceGuard(min_history=4, loss_ratio=loss_ratio)
+    assert not any(guard.check(_stats(1.0, compressed), loss) for loss in losses)
 
 
 def _guarded_static(compressor: str, cooldown: int):
@@ -107,3 +137,41 @@ def test_a_trigger_drops_the_momentum_moved_into_the_hook_and_the_buffers_are_in
     assert not state.momentum.in_sync(["w"])
     step(50.0)
     assert state.cf == 1.0 and state.momentum.state_dict() == {} and state.momentum.in_sync(["w"])
+
+
+def _blow_up(rank, world_size):
+    """Top-K cf 1000 with SGD lr 0.5 and momentum 0.9 (corrected in the hook) on the test regression: a slow blow-up
+    (dense trains at this rate). With the guard's norm test alone and with the default guard (the loss watched)."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_gravac import GraVACStrategy
+
+    from models import Regression, regression_data, trainer_kwargs
+
+    test = regression_data(2048, seed=1)
+    out = {}
+    for name, loss_ratio in (("norm-only", None), ("default", 2.0)):
+        pl.seed_everything(0)
+        model = Regression(lr=0.5, momentum=0.9)
+        controller = Static(cf=1000)
+        controller.guard = DivergenceGuard(loss_ratio=loss_ratio)
+        trainer = pl.Trainer(strategy=GraVACStrategy("topk"), callbacks=[controller], max_steps=200,
+                             **trainer_kwargs(world_size))  # fmt: skip
+        trainer.fit(model, DataLoader(regression_data(4096, seed=0), batch_size=32, shuffle=True))
+        with torch.no_grad():
+            loss = torch.nn.functional.mse_loss(model(test.tensors[0]), test.tensors[1]).item()
+        weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out[name] = {"loss": loss, "triggers": controller.guard.triggers, "weights": weights}
+    return out
+
+
+@pytest.mark.distributed
+def test_the_loss_test_rescues_a_slow_blow_up_the_norm_test_misses():
+    from lightning_gravac.launch import run_distributed
+
+    ranks = run_distributed(_blow_up, timeout=300)
+    norm_only, default = ranks[0]["norm-only"], ranks[0]["default"]
+    assert not norm_only["loss"] < 1.0, norm_only  # diverged (NaN, or far off), the norm test too late if at all
+    assert default["triggers"] >= 1 and default["loss"] < 0.2, default  # held dense in time, trained on
+    assert torch.equal(default["weights"], ranks[1]["default"]["weights"])  # every rank decided alike

@@ -1,5 +1,6 @@
 """The base of every compression controller."""
 
+import math
 from typing import Any
 
 import pytorch_lightning as pl
@@ -138,7 +139,7 @@ class Controller(Callback):
             return
         self.last_metrics = self.metrics(stats)  # of the step that produced `stats`, before the next decision
         self.metrics_step = self.state.step
-        guarded = self._guarded(stats, trainer)
+        guarded = self._guarded(stats, trainer, outputs)
         if guarded == "free":  # a step the guard sent dense is not the controller's to observe
             self.observe(stats, trainer)
         self._hand_over(self.state)
@@ -166,19 +167,23 @@ class Controller(Callback):
         if self.guard is not None and self.guard.holding > 0:
             state.cf, state.param_cf, state.probe_cfs, state.half = 1.0, {}, (), False
 
-    def _guarded(self, stats: StepStats, trainer: "pl.Trainer") -> str:
+    def _guarded(self, stats: StepStats, trainer: "pl.Trainer", outputs: Any = None) -> str:
         """``"hold"``: the divergence guard holds the next step dense; ``"released"``: this step was its last dense
         one; ``"free"``: the controller decides."""
         guard = self.guard
         if guard is None:
             return "free"
         was_holding = guard.holding > 0
-        if guard.check(stats):
-            # Identical on every rank (the norms crossed the network); said on rank 0.
+        # The ranks' mean loss, on steps with a header only: whether a step has one is the same on every rank (its
+        # sums crossed the network), so every rank joins this all-reduce or none does. Dense steps pay nothing.
+        loss = _mean_loss(trainer, outputs) if guard.watches_loss and stats.sq_norm > 0 and not guard.holding else None
+        if guard.check(stats, loss):
+            # Identical on every rank (the norms and losses crossed the network); said on rank 0.
             rank_zero_warn(
-                f"{type(self).__name__}: the gradient norm exploded at step {trainer.global_step} while compressing "
-                f"(more than {guard.ratio:g}x its recent median): sending dense for {guard.holding} steps and dropping "
-                "the residuals. Set `controller.guard = None` to turn the guard off."
+                f"{type(self).__name__}: training diverged at step {trainer.global_step} while compressing (the "
+                f"gradient norm above {guard.ratio:g}x its recent median, or the loss above {guard.loss_ratio}x its "
+                f"lowest): sending dense for {guard.holding} steps and dropping the residuals. Set "
+                "`controller.guard = None` to turn the guard off."
             )
             self.state.memory.load_state_dict({})
             self.state.compressor.reset()
@@ -227,3 +232,18 @@ class Controller(Callback):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cf={self.cf})"
+
+
+def _mean_loss(trainer: "pl.Trainer", outputs: Any) -> float | None:
+    """The ranks' mean training loss of this step (an all-reduce of one number), or ``None`` where a rank has none to
+    give (``training_step`` returned no loss: manual optimization). Every rank calls it on the same steps."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    value = float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else math.nan
+    strategy = getattr(trainer, "strategy", None)
+    reduce = getattr(strategy, "reduce", None)
+    if strategy is None or reduce is None:  # not a distributed strategy (a test's stand-in trainer): this rank's own
+        return None if math.isnan(value) else value
+    # NaN where a rank has no loss: the mean is NaN on every rank, and the loss test skips the step everywhere.
+    shared = torch.tensor([value], dtype=torch.float64, device=strategy.root_device)
+    mean = float(reduce(shared, reduce_op="mean").item())
+    return None if math.isnan(mean) else mean
