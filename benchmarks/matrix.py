@@ -95,7 +95,9 @@ FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc 
 ROWS = [*FIXED, "accordion 10/1000", "gravac (paper)", "default"]
 #: More compressor families, for the optimizer study (``--optimizer adamw --links unlimited``): fixed settings.
 FAMILIES = ["qsgd 4-bit", "powersgd cf=100", "randomk cf=100", "efsignsgd"]
-ORDER = ROWS + FAMILIES
+#: Momentum correction without DGC's momentum factor masking, for the masking study (``--tasks cnn``).
+UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
+ORDER = ROWS + FAMILIES + UNMASKED
 #: AdamW's learning rate per task (``--optimizer adamw``).
 ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3}
 #: ``--optimizer users``: SGD with momentum 0.9 and a cosine schedule (peak learning rate per task) for these tasks,
@@ -182,6 +184,9 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return DDPStrategy(), []
     if row == "fp16":
         return GraVACStrategy("fp16"), [Static(cf=2)]
+    if row.startswith("topk cf=") and row.endswith(" unmasked"):
+        cf = float(row.removeprefix("topk cf=").removesuffix(" unmasked"))
+        return GraVACStrategy("topk", momentum_masking=False), [Static(cf=cf)]
     if row.startswith("topk cf="):
         return GraVACStrategy("topk"), [Static(cf=float(row.split("=")[1]))]
     if row == "dgc cf=100":
@@ -293,7 +298,15 @@ def _evaluate(model: pl.LightningModule, held: DataLoader, task: str) -> dict[st
 
 
 def _train(
-    rank: int, world_size: int, task: str, row: str, scale: float, steps: int, cap: float, optimizer: str
+    rank: int,
+    world_size: int,
+    task: str,
+    row: str,
+    scale: float,
+    steps: int,
+    cap: float,
+    optimizer: str,
+    sgd_lr: float | None = None,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -305,7 +318,7 @@ def _train(
         use_adamw(spec["model"], ADAMW_LR[task])
     elif optimizer == "users":
         momentum = 0.9
-        use_sgd_cosine(spec["model"], USERS_SGD_LR[task], 0.0 if dgc else momentum, steps)
+        use_sgd_cosine(spec["model"], sgd_lr or USERS_SGD_LR[task], 0.0 if dgc else momentum, steps)
     strategy, callbacks = make_row(row, momentum if dgc else 0.0, adaptive_optimizer=adamw)
     recorder = Recorder(cap)
     trainer = pl.Trainer(
@@ -326,7 +339,7 @@ def _train(
 def _run(task: str, row: str, args: argparse.Namespace, steps: int, cap: float) -> dict[str, Any]:
     return run_distributed(
         _train, world_size=2, timeout=cap * 2 + 600, task=task, row=row, scale=args.scale, steps=steps, cap=cap,
-        optimizer=args.optimizer,
+        optimizer=args.optimizer, sgd_lr=args.sgd_lr,
     )[0]  # fmt: skip
 
 
@@ -638,12 +651,15 @@ def main() -> None:
         "--tasks", nargs="+", default=["bag", "mlp", "cnn", "lstm"], choices=["bag", "mlp", "cnn", "lstm"]
     )
     parser.add_argument("--links", nargs="+", default=["unlimited", "1gbit", "100mbit"])
-    parser.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS + FAMILIES)
+    parser.add_argument("--rows", nargs="+", default=ROWS, choices=ORDER)
     parser.add_argument(
         "--optimizer",
         default="task",
         choices=["task", "users", "adamw"],
         help="each task's own (SGD), each task's users' (SGD momentum + cosine, or AdamW), or AdamW for all",
+    )
+    parser.add_argument(
+        "--sgd-lr", type=float, default=None, help="with --optimizer users: the SGD tasks' peak learning rate"
     )
     parser.add_argument("--scale", type=float, default=0.25, help="parameters a task, in units of 10M")
     parser.add_argument("--steps", type=int, default=300)
