@@ -97,6 +97,11 @@ class StepStats:
         return math.isfinite(self.sq_norm) and all(math.isfinite(v) for v in self.probe_sq)
 
     @property
+    def compressed(self) -> bool:
+        """Whether the step sent fewer bytes than dense (a step that only carried probes for the controller did not)."""
+        return self.bytes_sent < self.bytes_dense
+
+    @property
     def gain(self) -> float:
         """``sum_ranks ||C(g)||^2 / sum_ranks ||g||^2`` for the error-fed gradient ``g``; 1.0 when dense."""
         return self.sq_norm_sent / self.sq_norm if self.sq_norm > 0 else 1.0

@@ -6,8 +6,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lightning_gravac import GraVAC, GraVACStrategy, RunSummary, Static
+from lightning_gravac import GraVAC, GraVACStrategy, RunSummary, Static, get_compressor
 from lightning_gravac.launch import run_distributed
+from lightning_gravac.state import CompressionState
 from lightning_gravac.zoo import TeacherRegression
 
 from models import loader, trainer_kwargs
@@ -31,6 +32,9 @@ class _Link(GraVAC):
     def measure_half(self, trainer):
         return self.half_ratio * 1e-6, 0.0
 
+    def compress_seconds(self, stats):
+        return 0.0  # the casts cost nothing on the modelled link: the choice rests on the bytes alone
+
 
 def _fit(rank, world_size, optimizer, controller, compressor):
     pl.seed_everything(0)
@@ -43,6 +47,7 @@ def _fit(rank, world_size, optimizer, controller, compressor):
         "held-dense": [GraVAC(adam="dense")],
         "slow-link": [_Link(half_ratio=1.0)],  # bytes dominate, an fp16 byte costs an fp32 one's: fp16
         "dear-fp16": [_Link(half_ratio=4.0)],  # an fp16 sum at 4x an fp32 byte (gloo on a fast link): dense
+        "no-probe": [GraVAC(link_probe=False)],  # the link unknown: fp16 cannot be shown to pay, dense
     }[controller]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -51,21 +56,23 @@ def _fit(rank, world_size, optimizer, controller, compressor):
         trainer.fit(model, loader())
     said = [str(w.message) for w in caught if "second moment" in str(w.message)]
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"cf": [r["gravac/cf"] for r in summary.history], "said": said, "weights": weights}
+    achieved = [r["gravac/achieved_cf"] for r in summary.history]
+    return {"cf": [r["gravac/cf"] for r in summary.history], "achieved": achieved, "said": said, "weights": weights}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("optimizer", "controller", "compressor", "sent", "warned"),
     [
-        ("adamw", "default", "topk", {1.0, 2.0}, True),  # dense or fp16 by the measured link, and said so
-        ("adamw", "slow-link", "topk", {2.0}, True),  # bytes dominate: every step whole in fp16
-        ("adamw", "dear-fp16", "topk", {1.0}, True),  # fp16's sum dearer than the bytes it saves: dense
-        ("adamw", "held-dense", "topk", {1.0}, True),  # asked to hold dense
-        ("adamw", "compress", "topk", None, True),  # asked to compress: it does, with the warning
-        ("adamw", "static", "topk", {10.0}, True),  # an explicit factor is kept, with the warning
-        ("adamw", "default", "fp16", {2.0}, False),  # a cast is safe with Adam: held at its factor, no warning
-        ("sgd", "default", "topk", None, False),  # SGD: the default compresses, nothing said
+        ("adamw", "default", "topk", {1.0, 2.0}, "dense or whole in fp16"),  # by the measured link, and said so
+        ("adamw", "slow-link", "topk", {2.0}, "dense or whole in fp16"),  # bytes dominate: every step whole in fp16
+        ("adamw", "dear-fp16", "topk", {1.0}, "dense or whole in fp16"),  # fp16's sum dearer than its saved bytes
+        ("adamw", "no-probe", "topk", {1.0}, "sending dense (factor 1): the link was not measured"),
+        ("adamw", "held-dense", "topk", {1.0}, "sending dense (factor 1): asked"),  # asked to hold dense
+        ("adamw", "compress", "topk", None, "Prefer"),  # asked to compress: it does, with the warning
+        ("adamw", "static", "topk", {10.0}, "Prefer"),  # an explicit factor is kept, with the warning
+        ("adamw", "default", "fp16", {2.0}, None),  # a cast is safe with Adam: held at its factor, no warning
+        ("sgd", "default", "topk", None, None),  # SGD: the default compresses, nothing said
     ],
 )
 def test_adam_like_optimizers_get_dense_fp16_or_a_warning(optimizer, controller, compressor, sent, warned):
@@ -76,6 +83,23 @@ def test_adam_like_optimizers_get_dense_fp16_or_a_warning(optimizer, controller,
             assert max(rank["cf"]) > 2.0, rank["cf"]
         else:
             assert set(rank["cf"]) <= sent, rank["cf"]
-    assert bool(ranks[0]["said"]) == warned, ranks[0]["said"]
+        for cf, achieved in zip(rank["cf"], rank["achieved"], strict=True):
+            if cf == 2.0 and compressor == "topk":  # a step the hold sent whole in fp16: half the bytes, headers aside
+                assert 1.95 < achieved <= 2.0, rank["achieved"]
+    said = ranks[0]["said"]
+    assert (len(said) == 1 and warned in said[0]) if warned else not said, said  # once a fit, saying what is sent
     assert ranks[0]["cf"] == ranks[1]["cf"]
     assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])  # the ranks stepped alike (fp16 steps too)
+
+
+def test_the_fp16_rung_of_an_adam_fit_does_not_outlive_it():
+    controller = GraVAC()  # the default: no fp16 rung under SGD
+    controller._state = CompressionState(get_compressor("topk"), error_feedback=True)
+    module = torch.nn.Linear(4, 2)
+    controller.adaptive_optimizer = True
+    controller._check_rung(module)
+    assert controller.fp16_rung  # the Adam hold's only factor besides dense
+    controller.adaptive_optimizer = False  # the next fit, under SGD
+    controller._check_rung(module)
+    assert not controller.fp16_rung
+    assert GraVAC(fp16_rung=True).fp16_rung  # asked for: kept

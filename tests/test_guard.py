@@ -43,11 +43,22 @@ def test_a_loss_climbing_past_4x_its_lowest_median_triggers_a_slow_blow_up_that_
     # The norm grows 5% a step: never 10x its recent median.
     fired = [guard.check(_stats(1.05**i), loss) for i, loss in enumerate(losses)]
     assert fired == [False] * 12 + [True], fired  # median of (1.9, 2.0, 2.1, 2.2) = 2.05 > 4 x 0.5
-    assert guard.holding == 5 and guard.lowest == 0.5 and not guard.losses
+    assert guard.holding == 5 and guard.lowest is None and not guard.losses  # the hold starts the history afresh
     saved = guard.state_dict()
     restored = DivergenceGuard(min_history=4, cooldown=5)
     restored.load_state_dict(saved)
     assert restored.state_dict() == saved
+
+
+def test_a_loss_that_stays_up_after_a_hold_is_judged_against_its_new_lowest_not_held_dense_for_good():
+    guard = DivergenceGuard(min_history=4, cooldown=3)
+    assert [guard.check(_stats(1.0), loss) for loss in [0.5] * 4 + [2.5] * 3] == [False] * 6 + [True]
+    assert not any(guard.check(_stats(1.0), 2.5) for _ in range(3))  # the hold
+    # Released with the loss still 5x the old lowest (it rose for a reason: a schedule restart, a new data phase):
+    # the new lowest is 2.5, and the guard fires again only if the loss climbs 4x from there.
+    assert not any(guard.check(_stats(1.0), loss) for loss in [2.5] * 8 + [4.0, 6.0])
+    assert guard.lowest == 2.5 and guard.triggers == 1
+    assert [guard.check(_stats(1.0), 11.0) for _ in range(3)] == [False, False, True]  # median 11 > 4 x 2.5
 
 
 @pytest.mark.parametrize(
@@ -110,6 +121,17 @@ def test_a_trigger_drops_a_method_own_accumulation_and_the_hold_survives_a_resum
     resumed._state = CompressionState(get_compressor("topk"), error_feedback=True)
     resumed.load_state_dict(controller.state_dict())
     assert resumed.state.cf == 1.0
+
+
+def test_the_loss_is_taken_on_compressed_steps_only_not_on_dense_steps_that_carry_probes():
+    controller, state, _ = _guarded_static("topk", cooldown=2)
+    connector = SimpleNamespace(should_update_logs=False)
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, callback_metrics={}, _logger_connector=connector)
+    for sent in (100, 1100, 100, 1000):  # compressed, dense with a probe header (more than dense), compressed, dense
+        state.record(BucketRecord(bytes_sent=sent, bytes_dense=1000, collective=GATHER, sq_norm=1.0))
+        state.end_step()
+        controller.on_train_batch_end(trainer, None, {"loss": torch.tensor(0.5)}, None, 0)
+    assert list(controller.guard.losses) == [0.5, 0.5]
 
 
 def test_a_backward_pass_outside_the_strategy_is_ended_by_the_controller():

@@ -5,6 +5,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning import Callback
 from typing_extensions import override
@@ -174,9 +175,16 @@ class Controller(Callback):
         if guard is None:
             return "free"
         was_holding = guard.holding > 0
-        # The ranks' mean loss, on steps with a header only: whether a step has one is the same on every rank (its
-        # sums crossed the network), so every rank joins this all-reduce or none does. Dense steps pay nothing.
-        loss = _mean_loss(trainer, outputs) if guard.watches_loss and stats.sq_norm > 0 and not guard.holding else None
+        # The ranks' mean loss, on compressed steps only: whether a step was is the same on every rank (its byte counts
+        # are), so every rank joins this all-reduce or none does. Dense steps, probed or not, pay nothing.
+        watch = guard.watches_loss and stats.compressed and not guard.holding
+        loss = (
+            _mean_loss(
+                outputs, self.state.process_group, getattr(getattr(trainer, "strategy", None), "root_device", None)
+            )
+            if watch
+            else None
+        )
         if guard.check(stats, loss):
             # Identical on every rank (the norms and losses crossed the network); said on rank 0.
             rank_zero_warn(
@@ -234,16 +242,17 @@ class Controller(Callback):
         return f"{type(self).__name__}(cf={self.cf})"
 
 
-def _mean_loss(trainer: "pl.Trainer", outputs: Any) -> float | None:
-    """The ranks' mean training loss of this step (an all-reduce of one number), or ``None`` where a rank has none to
-    give (``training_step`` returned no loss: manual optimization). Every rank calls it on the same steps."""
+def _mean_loss(outputs: Any, group: dist.ProcessGroup | None, device: torch.device | None) -> float | None:
+    """The ranks' mean training loss of this step (an all-reduce of one float64 on ``device``, the strategy's: NCCL
+    reduces CUDA tensors only), or ``None`` where a rank has none to give (``training_step`` returned no loss: manual
+    optimization). Every rank calls it on the same steps. A plain all-reduce on the compression's process group, not
+    ``strategy.reduce``: Lightning's adds a barrier before it, a second collective a step for nothing."""
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
     value = float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else math.nan
-    strategy = getattr(trainer, "strategy", None)
-    reduce = getattr(strategy, "reduce", None)
-    if strategy is None or reduce is None:  # not a distributed strategy (a test's stand-in trainer): this rank's own
+    if device is None or not dist.is_available() or not dist.is_initialized():  # one process: this rank's own
         return None if math.isnan(value) else value
     # NaN where a rank has no loss: the mean is NaN on every rank, and the loss test skips the step everywhere.
-    shared = torch.tensor([value], dtype=torch.float64, device=strategy.root_device)
-    mean = float(reduce(shared, reduce_op="mean").item())
+    shared = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(shared, group=group)
+    mean = float(shared.item()) / dist.get_world_size(group)
     return None if math.isnan(mean) else mean

@@ -390,7 +390,9 @@ class GraVAC(Controller):
         self.fp16_rung = bool(defaults["fp16_rung"] if fp16_rung is None else fp16_rung)
         if self.fp16_rung and not self._rule.models_cost:
             raise ValueError("`fp16_rung=True` needs `search='model'`: the sequential search has no cost model for it.")
-        self.fp16_rung = self.fp16_rung and cf_min > HALF  # a ladder from 2 or less has the factor already
+        # The user's choice, which `fp16_rung` is derived from at each setup and fit; a ladder from 2 or less has the
+        # factor already.
+        self._rung_asked, self.fp16_rung = self.fp16_rung, self.fp16_rung and cf_min > HALF
         default_first = self._rule.first_window(self.window)
         self.first_window = default_first if first_window is None else whole(first_window, "first_window")
         self.cf_max = cf_max
@@ -495,7 +497,8 @@ class GraVAC(Controller):
         fp32 = all(p.dtype == torch.float32 for p in pl_module.parameters() if p.requires_grad)
         own_state = method.owns_feedback or method.fixed_cf is not None or method.near_lossless
         held = self.holds_for_adam and self.adam == "fp16" and self._rule.models_cost
-        self.fp16_rung = (self.fp16_rung or held) and fp32 and not own_state and (held or self.cf_min > HALF)
+        # From the user's choice, not from what the last fit derived: an Adam fit's rung does not outlive that fit.
+        self.fp16_rung = (self._rung_asked or held) and fp32 and not own_state and (held or self.cf_min > HALF)
 
     @property
     def holds_for_adam(self) -> bool:
@@ -525,7 +528,9 @@ class GraVAC(Controller):
             )
             if self.fp16_rung:
                 self.half_per_byte, cast_cost = self.measure_half(trainer)
-                if fresh:  # a resumed run keeps its cost, measured since on the steps it sent in fp16
+                # A resumed run keeps its cost, measured since on the steps it sent in fp16, unless it has none (a
+                # checkpoint of a run whose rung was off, or of a version that did not measure it).
+                if fresh or self.cast_cost <= 0:
                     self.cast_cost = cast_cost
             if fresh:
                 self.cf = self._choose()
@@ -533,10 +538,12 @@ class GraVAC(Controller):
         self._hold_for_adam()
 
     def _hold_for_adam(self) -> None:
-        """Under an Adam-like optimizer held dense or fp16: the factor of the first step (a resumed run's too)."""
+        """Under an Adam-like optimizer held dense or fp16: the factor of the first step (a resumed run's too), and
+        what the user gets, said once a fit."""
         if self.holds_for_adam:
             self.cf = self._choose()
             self._hand_over(self.state)
+            self._say_hold()
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of this process group's all-reduce, the same on every rank.
@@ -627,18 +634,32 @@ class GraVAC(Controller):
     def _on_adaptive_optimizer(self) -> None:
         if self.adam == "compress":
             super()._on_adaptive_optimizer()
-            return
-        sending = (
-            "sending each step dense or whole in fp16, whichever the measured link makes faster (fp16 matched dense's "
-            "loss there)"
-            if self.adam == "fp16" and self._rule.models_cost
-            else "sending dense (factor 1)"
-        )
+        # Else said by `_hold_for_adam` at the end of fit start, once the probes have told whether fp16 can be sent.
+
+    def _say_hold(self) -> None:
+        """Say, on rank 0, what an Adam-like optimizer gets: dense or fp16 by the link, or dense and why."""
+        if self.rungs:
+            sending = "sending each step dense or whole in fp16, whichever the measured link makes faster"
+        else:
+            sending = f"sending dense (factor 1): {self._why_no_half()}"
         rank_zero_warn(
             f"GraVAC: the optimizer scales each coordinate by a running second moment (Adam-like), which lossy "
             f"{self.state.compressor.name!r} gradients upset (with AdamW, Top-K ended at 17-20x dense's loss on an "
-            f"embedding-bag benchmark): {sending}. `GraVAC(adam='compress')` searches anyway."
+            f"embedding-bag benchmark; fp16 matched dense): {sending}. `GraVAC(adam='compress')` searches anyway."
         )
+
+    def _why_no_half(self) -> str:
+        """Why an Adam-like optimizer's hold cannot send fp16 (with :attr:`rungs` empty)."""
+        if self.adam == "dense":
+            return "asked with `adam='dense'`"
+        if not self._rule.models_cost:
+            return "the sequential search has no cost model to weigh fp16 against dense"
+        if not self.fp16_rung:
+            return (
+                f"fp16 cannot be sent here (16-bit parameters, or {self.state.compressor.name!r} keeps an accumulation "
+                "of its own or sends one fixed factor)"
+            )
+        return "the link was not measured (one rank, or `link_probe=False`), so fp16 cannot be shown to pay"
 
     @override
     def apply(self, state: CompressionState) -> None:
@@ -766,13 +787,9 @@ class GraVAC(Controller):
         """Under an Adam-like optimizer: fp16 if the rung can be sent and the cost model predicts it faster than
         dense (before the first window ends, from the fit-start probe alone: the rest of the step is the same for
         both), else dense. The same on every rank."""
-        if not self.rungs or (self.link is None and self.probed is None):
+        link = self.link if self.link is not None else self._probed_link()
+        if not self.rungs or link is None:
             return DENSE
-        if self.link is not None:
-            link = self.link
-        else:
-            assert self.probed is not None
-            link = _Link(0.0, self.probed[1], self.probed[0] * self._buckets)
         dense_bytes = self._bytes_dense or self._model_bytes
         half = self._predicted_seconds(link, HALF, dense_bytes)
         return HALF if half < self._predicted_seconds(link, DENSE, dense_bytes) else DENSE
@@ -789,7 +806,10 @@ class GraVAC(Controller):
         )  # fmt: skip
         # Step times are this rank's own: the slowest rank sets the pace, and every rank must see the same value.
         if trainer is not None:  # on the strategy's device: NCCL reduces device tensors only
-            local = trainer.strategy.reduce(local.to(trainer.strategy.root_device), reduce_op="max").cpu()
+            local = local.to(trainer.strategy.root_device)
+            # Not `strategy.reduce`: Lightning's puts a barrier before the all-reduce, a second collective for nothing.
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.state.process_group)
+            local = local.cpu()
         slowest = local
         measured, compress, plain = {}, [0.0, 0], [0.0, 0]
         for f, (seconds, comm_seconds, compress_s, plain_s) in zip(factors, slowest.tolist(), strict=True):
@@ -823,11 +843,20 @@ class GraVAC(Controller):
             if link is not None:
                 link.other_seconds = max(0.0, link.other_seconds - compress_total / steps)
             return link
-        latency, per_byte = self.probed
-        per_step = latency * self._buckets
-        comm = sum(n * per_step + moved * per_byte for n, _, _, moved in measured.values())
+        link = self._probed_link()
+        assert link is not None
+        comm = sum(n * link.per_step + moved * link.seconds_per_byte for n, _, _, moved in measured.values())
         seconds = sum(m[1] for m in measured.values())
-        return _Link(max(0.0, (seconds - comm - compress_total) / steps), per_byte, per_step)
+        link.other_seconds = max(0.0, (seconds - comm - compress_total) / steps)
+        return link
+
+    def _probed_link(self) -> _Link | None:
+        """The cost model of the fit-start probe (``None`` when it did not run): a message a bucket and its seconds a
+        moved byte; the rest of the step 0, for the caller to set once measured."""
+        if self.probed is None:
+            return None
+        latency, per_byte = self.probed
+        return _Link(0.0, per_byte, latency * self._buckets)
 
     def _check_plateau(self) -> None:
         ranked = sorted(self.throughput.items(), key=lambda item: item[1], reverse=True)

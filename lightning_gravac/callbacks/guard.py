@@ -22,17 +22,18 @@ class DivergenceGuard:
     Every rank decides the same, from values that crossed the network.
 
     The norm catches a spike; a slow blow-up it does not (weights growing over tens of steps, each step's norm within
-    ``ratio`` of the recent median). For that the loss: on every step with a header the controller all-reduces the
-    ranks' mean training loss (8 bytes; dense steps, which carry no header, pay nothing), and the guard triggers when
-    the median of the last ``min_history`` losses exceeds ``loss_ratio`` times the lowest such median seen while
-    compressing. Measured (regression MLP, 2 ranks, SGD lr 0.5 momentum 0.9, Top-K cf 1000 with momentum correction;
-    dense reaches 0.027): the loss bottomed at 0.25 by step 25, then climbed while the weights' norm grew 7 -> 64 by
-    step 115 and the run ended in NaN at step 130; the norm test alone fired at step ~123, too late to rescue it.
-    With the loss test (4x) the guard fired at step 94 (weights' norm 20) and dense steps trained on to 0.04. Why 4x
-    and not 2x: small batches' losses are heavy-tailed, and on an embedding-bag regression five hard batches in a row
-    (dense sees them too) lifted the 10-step median to 2.3x its lowest; 2x fired there for nothing, 3x and 4x rescued
-    the blow-up alike (steps 93 and 94). A loss that legitimately climbs 4x (a schedule restart, a new data phase)
-    costs a cooldown of dense steps, never correctness; ``loss_ratio=None`` turns the loss test off.
+    ``ratio`` of the recent median). For that the loss: on every compressed step the controller all-reduces the ranks'
+    mean training loss (8 bytes; dense steps, probed or not, pay nothing), and the guard triggers when the median of the
+    last ``min_history`` losses exceeds ``loss_ratio`` times the lowest such median seen while compressing since the
+    last trigger (each hold starts the loss history afresh). Measured (regression MLP, 2 ranks, SGD lr 0.5 momentum 0.9,
+    Top-K cf 1000 with momentum correction; dense reaches 0.027): the loss bottomed at 0.25 by step 25, then climbed
+    while the weights' norm grew 7 -> 64 by step 115 and the run ended in NaN at step 130; the norm test alone fired at
+    step ~123, too late to rescue it. With the loss test (4x) the guard fired at step 94 (weights' norm 20) and dense
+    steps trained on to 0.04. Why 4x and not 2x: small batches' losses are heavy-tailed, and on an embedding-bag
+    regression five hard batches in a row (dense sees them too) lifted the 10-step median to 2.3x its lowest; 2x fired
+    there for nothing, 3x and 4x rescued the blow-up alike (steps 93 and 94). A loss that legitimately climbs 4x (a
+    schedule restart, a new data phase) costs one cooldown of dense steps, never correctness; ``loss_ratio=None`` turns
+    the loss test off.
 
     Args:
         ratio: how many times the recent median norm counts as an explosion.
@@ -79,14 +80,17 @@ class DivergenceGuard:
         if stats.sq_norm <= 0:  # plain dense all-reduce: no header, nothing measured
             return False
         norm = stats.sq_norm**0.5
-        compressed = stats.bytes_sent < stats.bytes_dense
+        compressed = stats.compressed
         exploded = (
             compressed and len(self.norms) >= self.min_history and norm > self.ratio * statistics.median(self.norms)
         )
         if exploded or (compressed and self._climbed(loss)):
             self.holding = self.cooldown * 2**self.triggers
             self.triggers += 1
-            self.losses.clear()  # judged afresh after the hold, against the lowest loss seen
+            # Judged afresh after the hold, against the lowest median seen from then on: a loss that rose for a reason
+            # (a schedule restart, a new data phase) and stays up would otherwise trigger again at every release.
+            self.losses.clear()
+            self.lowest = None
             return True
         self.norms.append(norm)
         return False
