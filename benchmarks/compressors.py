@@ -7,7 +7,8 @@ with 3 degrees of freedom (gradients are heavy-tailed). For each method and fact
 does to one segment on one rank, in its order:
 
 1. error feedback: the gradient plus the stored residual, into a buffer the memory recycles;
-2. compress to the factor, and the squared norm of what was compressed (the header's, for the gain);
+2. compress to the factor, the squared norm of what was compressed and of what is sent (the header's, for the
+   gain: ``sent_sq_norm``, which the hook computes beside every payload);
 3. the new residual, in place in that buffer, stored (1-3 are the hook's own ``encode``);
 4. decode into the bucket (``decode_`` of this rank's payload, as the hook decodes every rank's: written in one
    pass by the casts, added into the zeroed bucket by the others).
@@ -54,6 +55,7 @@ def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
         feedback = "recycle" if compressor.error_feedback_default else "off"
         encoded = encode(compressor, work, cf, key="g", feedback=feedback, memory=memory)
         payload = encoded.payload
+        compressor.sent_sq_norm(payload)  # the header's ||C(g)||^2, which the hook sends beside every payload
         if encoded.residual is not None:
             memory.set("g", encoded.residual)
         compressor.commit(["g"])

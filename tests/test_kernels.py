@@ -245,8 +245,8 @@ def test_counter_based_draws_are_the_eager_hash_and_uniform(threads):
 
 
 def _quantized_both_ways(method, g, cf, other, eager):
-    """``method``'s packed codes, wire and decoded sum of two ranks (``g`` and ``other``), with the compiled kernels
-    and then on eager PyTorch."""
+    """``method``'s packed codes, wire, decoded sum of two ranks (``g`` and ``other``), one rank's payload decoded and
+    its energy, with the compiled kernels and then on eager PyTorch."""
     got = []
     for use_kernels in (True, False):
         if not use_kernels:
@@ -256,18 +256,19 @@ def _quantized_both_ways(method, g, cf, other, eager):
         stacked = payload.with_wire([torch.stack([a, b]) for a, b in zip(payload.wire, second.wire, strict=True)])
         out = torch.linspace(-1, 1, g.numel())
         method.aggregate_(out, stacked, 1 / 3)
-        got.append((*payload.wire, out))
+        got.append((*payload.wire, out, method.decompress(payload), method.sent_sq_norm(payload)))
     return got
 
 
+@pytest.mark.parametrize("bucket_size", [96, 100])  # whole groups of 8 codes a bucket, and groups cut by buckets
 @pytest.mark.parametrize("levels", [1, 3, 7, 15, 127])
-def test_qsgd_kernel_packs_and_decodes_the_eager_bits(levels, eager, threads):
+def test_qsgd_kernel_packs_and_decodes_the_eager_bits(levels, bucket_size, eager, threads):
     g = _student(50_003, 2)
-    g[:96] = 0.0  # a zero bucket: its norm is clamped, every level 0
+    g[:bucket_size] = 0.0  # a zero bucket: its norm is clamped, every level 0
     g[200] = -0.0
-    method = get_compressor("qsgd", levels=levels, bucket_size=96)
+    method = get_compressor("qsgd", levels=levels, bucket_size=bucket_size)
     for fast, slow in zip(*_quantized_both_ways(method, g, 10, -g.flip(0), eager), strict=True):
-        assert torch.equal(fast, slow)
+        _same(fast, slow)
 
 
 @pytest.mark.parametrize("clip_std", [2.5, None])
@@ -276,4 +277,26 @@ def test_terngrad_kernel_packs_and_decodes_the_eager_bits(clip_std, eager, threa
     g[7] = -0.0
     method = get_compressor("terngrad", clip_std=clip_std)
     for fast, slow in zip(*_quantized_both_ways(method, g, 16, g * 2, eager), strict=True):
+        _same(fast, slow)
+
+
+def _same(fast, slow):
+    """Bit for bit, but for the decoded energy (a float64 scalar): the kernel sums the codes' squares exactly and
+    weighs them once, the eager path decodes and sums the squares of the fp32 values."""
+    if fast.dtype == torch.float64 and fast.dim() == 0:
+        assert float(fast) == pytest.approx(float(slow), rel=1e-6)
+    else:
         assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_the_energy_of_packed_codes_is_the_eager_sum_of_squares_exactly(bits, threads):
+    from lightning_gravac.compressors.packing import pack_bits
+
+    numel, offset = 300_005, (1 << bits) // 2
+    codes = torch.randint(0, 1 << bits, (numel,), generator=torch.Generator().manual_seed(bits))
+    packed = pack_bits(codes, bits)
+    squares = (codes - offset).square()
+    for group in (1, 7, 8, 100, 512, numel):  # groups of one, cut by packs of 8, whole packs, one tensor-wide group
+        expected = torch.nn.functional.pad(squares, (0, -numel % group)).view(-1, group).sum(1)
+        assert torch.equal(kernels.codes_sq(packed, numel, bits, offset, group), expected), group

@@ -248,26 +248,49 @@ void lg_pack_signs(const float *x, int64_t n, uint8_t *out, int threads)
     }
 }
 
-/* out[i] = out[i] + (bit i set ? pos : neg): the decoded signs of one payload, added in one pass. */
+/* out[i] = out[i] + (bit i set ? pos : neg): the decoded signs of one payload, added in one pass, a byte (8 entries)
+ * at a time so that the bit of an entry is a constant shift. */
 void lg_add_signs(const uint8_t *bits, int64_t n, float pos, float neg, float *out, int threads)
 {
+    int64_t full = n / 8;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t j = 0; j < full; j++) {
+        unsigned b = bits[j];
+        float *o = out + j * 8;
+        for (int k = 0; k < 8; k++)
+            o[k] = o[k] + ((b >> (7 - k)) & 1u ? pos : neg);
+    }
+    for (int64_t i = full * 8; i < n; i++)
         out[i] = out[i] + ((bits[i >> 3] >> (7 - (i & 7))) & 1 ? pos : neg);
 }
 
 /* Majority vote of `ranks` rows of sign bits, `stride` bytes apart: out[i] = out[i] + alpha * sign(2 set - ranks),
- * where `set` counts the ranks whose bit i is set (0 on a tie). */
+ * where `set` counts the ranks whose bit i is set (0 on a tie). Counted a chunk of VOTE_BYTES bytes at a time, rank by
+ * rank into small counters, so that every loop is a plain pass the compiler vectorizes. */
+#define VOTE_BYTES 256
+
 void lg_vote(const uint8_t *bits, int64_t stride, int ranks, int64_t n, float alpha, float *out, int threads)
 {
+    int64_t bytes = (n + 7) / 8, chunks = (bytes + VOTE_BYTES - 1) / VOTE_BYTES;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
-    for (int64_t i = 0; i < n; i++) {
-        int set = 0;
-        for (int r = 0; r < ranks; r++)
-            set += (bits[r * stride + (i >> 3)] >> (7 - (i & 7))) & 1;
-        int votes = 2 * set - ranks;
-        float sign = votes > 0 ? 1.0f : votes < 0 ? -1.0f : 0.0f;
-        out[i] = out[i] + alpha * sign;
+    for (int64_t c = 0; c < chunks; c++) {
+        int32_t set[VOTE_BYTES * 8];
+        int64_t first = c * VOTE_BYTES, count = bytes - first < VOTE_BYTES ? bytes - first : VOTE_BYTES;
+        int64_t entries = n - first * 8 < count * 8 ? n - first * 8 : count * 8;
+        for (int64_t e = 0; e < count * 8; e++)
+            set[e] = 0;
+        for (int r = 0; r < ranks; r++) {
+            const uint8_t *row = bits + r * stride + first;
+            for (int64_t j = 0; j < count; j++)
+                for (int k = 0; k < 8; k++)
+                    set[j * 8 + k] += (row[j] >> (7 - k)) & 1;
+        }
+        float *o = out + first * 8;
+        for (int64_t e = 0; e < entries; e++) {
+            int votes = 2 * set[e] - ranks;
+            float sign = votes > 0 ? 1.0f : votes < 0 ? -1.0f : 0.0f;
+            o[e] = o[e] + alpha * sign;
+        }
     }
 }
 
@@ -309,27 +332,50 @@ static inline void put_codes(uint8_t *out, const uint8_t *codes, int bits)
     }
 }
 
+/* Reads the 8 codes of `bits` bits that `bits` bytes hold, most significant first (put_codes's inverse). */
+static inline void get_codes(const uint8_t *in, int *codes, int bits)
+{
+    uint64_t word = 0;
+    for (int b = 0; b < bits; b++)
+        word = (word << 8) | in[b];
+    unsigned mask = (1u << bits) - 1;
+    for (int k = 7; k >= 0; k--) {
+        codes[k] = (int)(word & mask);
+        word >>= bits;
+    }
+}
+
+/* The code of entry i alone (where a group of 8 is cut by a range's ends). */
+static inline int code_at(const uint8_t *packed, int64_t nbytes, int bits, int64_t i)
+{
+    int64_t at = i * bits, k = at >> 3;
+    unsigned window = (unsigned)packed[k] << 8 | (k + 1 < nbytes ? packed[k + 1] : 0);
+    return (int)((window >> (16 - (int)(at & 7) - bits)) & ((1u << bits) - 1));
+}
+
 /* Packs codes made by `code_of(i)` for entries [0, n): groups of 8 entries fill `bits` whole bytes; the last group is
- * zero-padded (its bytes past the packed size are not written). */
+ * zero-padded (its bytes past the packed size are not written). Whole groups in a loop of their own, whose 8 codes
+ * the compiler unrolls. */
 #define PACK_CODES(code_of)                                                                                           \
     do {                                                                                                              \
-        int64_t groups = (n + 7) / 8, nbytes = (n * bits + 7) / 8;                                                    \
+        int64_t full = n / 8, nbytes = (n * bits + 7) / 8;                                                            \
         _Pragma("omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)")              \
-        for (int64_t grp = 0; grp < groups; grp++) {                                                                  \
-            uint8_t codes[8] = {0}, bytes[8];                                                                         \
-            int64_t first = grp * 8;                                                                                  \
-            int count = n - first < 8 ? (int)(n - first) : 8;                                                         \
-            for (int k = 0; k < count; k++) {                                                                         \
-                int64_t i = first + k;                                                                                \
+        for (int64_t grp = 0; grp < full; grp++) {                                                                    \
+            uint8_t codes[8];                                                                                         \
+            for (int k = 0; k < 8; k++) {                                                                             \
+                int64_t i = grp * 8 + k;                                                                              \
                 codes[k] = (code_of);                                                                                 \
             }                                                                                                         \
-            if (count == 8) {                                                                                         \
-                put_codes(out + grp * bits, codes, bits);                                                             \
-            } else {                                                                                                  \
-                put_codes(bytes, codes, bits);                                                                        \
-                for (int64_t b = grp * bits; b < nbytes; b++)                                                         \
-                    out[b] = bytes[b - grp * bits];                                                                   \
-            }                                                                                                         \
+            put_codes(out + grp * bits, codes, bits);                                                                 \
+        }                                                                                                             \
+        if (full * 8 < n) {                                                                                           \
+            int64_t grp = full;                                                                                       \
+            uint8_t codes[8] = {0}, bytes[8];                                                                         \
+            for (int64_t i = full * 8; i < n; i++)                                                                    \
+                codes[i - full * 8] = (code_of);                                                                      \
+            put_codes(bytes, codes, bits);                                                                            \
+            for (int64_t b = full * bits; b < nbytes; b++)                                                            \
+                out[b] = bytes[b - full * bits];                                                                      \
         }                                                                                                             \
     } while (0)
 
@@ -346,16 +392,19 @@ static inline uint8_t qsgd_code(float x, float scale, float u, int s)
 void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits, uint64_t stream,
                     uint8_t *out, int threads)
 {
-    PACK_CODES(qsgd_code(x[i], scales[i / bucket], uniform_at(stream, i), s));
+    if (bucket % 8 == 0) /* a group of 8 within one bucket: its scale looked up once */
+        PACK_CODES(qsgd_code(x[i], scales[grp * 8 / bucket], uniform_at(stream, i), s));
+    else
+        PACK_CODES(qsgd_code(x[i], scales[i / bucket], uniform_at(stream, i), s));
 }
 
 /* TernGrad's code of one entry: 1 + sign(c) if u * scale < |c| else 1, c = x clipped to [-bound, bound]. */
 static inline uint8_t terngrad_code(float x, float bound, float scale, float u)
 {
     float c = x < -bound ? -bound : x > bound ? bound : x;
-    if (!(u * scale < fabsf(c)))
-        return 1;
-    return c > 0 ? 2 : 0;
+    /* Without branches (a random draw decides: a branch would be mispredicted half the time). NaN keeps nothing. */
+    int keep = u * scale < fabsf(c), positive = c > 0;
+    return (uint8_t)(1 + keep * (2 * positive - 1));
 }
 
 void lg_terngrad_encode(const float *x, int64_t n, float bound, float scale, uint64_t stream, uint8_t *out, int threads)
@@ -364,19 +413,110 @@ void lg_terngrad_encode(const float *x, int64_t n, float bound, float scale, uin
     PACK_CODES(terngrad_code(x[i], bound, scale, uniform_at(stream, i)));
 }
 
-/* out[i] = out[i] + ((code_i - offset) * steps[i / group]) * alpha, code_i read from the packed `bits`-bit codes. */
+/* out[i] = out[i] + ((code_i - offset) * steps[i / group]) * alpha, code_i read from the packed `bits`-bit codes: eight
+ * entries (`bits` whole bytes) at a time, the group's step looked up once for the eight where they share it. The
+ * width is made a constant (CONSTANT_BITS) so that unpacking compiles to fixed shifts. */
+static inline void codes_add_one(float *out, int code, int offset, float step, float alpha)
+{
+    float value = (float)(code - offset) * step;
+    value = value * alpha;
+    *out = *out + value;
+}
+
+static inline __attribute__((always_inline)) void codes_add_packs(const uint8_t *packed, int64_t j0, int64_t j1,
+                                                                  int bits, int offset, const float *steps,
+                                                                  int64_t group, float alpha, float *out)
+{
+    for (int64_t j = j0; j < j1; j++) {
+        int codes[8];
+        int64_t first = j * 8, g = first / group;
+        get_codes(packed + j * bits, codes, bits);
+        if ((first + 7) / group == g) {
+            float step = steps[g];
+            for (int k = 0; k < 8; k++)
+                codes_add_one(out + first + k, codes[k], offset, step, alpha);
+        } else {
+            for (int k = 0; k < 8; k++)
+                codes_add_one(out + first + k, codes[k], offset, steps[(first + k) / group], alpha);
+        }
+    }
+}
+
+/* Runs `call`, in which `bits` is then the compile-time constant 1..8 it equals. */
+#define CONSTANT_BITS(call)                                                                                           \
+    switch (bits) {                                                                                                   \
+    case 1: { const int bits = 1; call; } break;                                                                      \
+    case 2: { const int bits = 2; call; } break;                                                                      \
+    case 3: { const int bits = 3; call; } break;                                                                      \
+    case 4: { const int bits = 4; call; } break;                                                                      \
+    case 5: { const int bits = 5; call; } break;                                                                      \
+    case 6: { const int bits = 6; call; } break;                                                                      \
+    case 7: { const int bits = 7; call; } break;                                                                      \
+    default: { const int bits = 8; call; } break;                                                                     \
+    }
+
+/* Packs of 8 entries a thread takes at a time. */
+#define PACKS 512
+
 void lg_codes_add(const uint8_t *packed, int64_t n, int bits, int offset, const float *steps, int64_t group, float alpha,
                   float *out, int threads)
 {
-    int64_t nbytes = (n * bits + 7) / 8;
-    unsigned mask = (1u << bits) - 1;
+    int64_t nbytes = (n * bits + 7) / 8, full = n / 8, chunks = (full + PACKS - 1) / PACKS;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
-    for (int64_t i = 0; i < n; i++) {
-        int64_t at = i * bits, k = at >> 3;
-        unsigned window = (unsigned)packed[k] << 8 | (k + 1 < nbytes ? packed[k + 1] : 0);
-        int code = (int)((window >> (16 - (int)(at & 7) - bits)) & mask);
-        float value = (float)(code - offset) * steps[i / group];
-        value = value * alpha;
-        out[i] = out[i] + value;
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t j0 = c * PACKS, j1 = j0 + PACKS < full ? j0 + PACKS : full;
+        CONSTANT_BITS(codes_add_packs(packed, j0, j1, bits, offset, steps, group, alpha, out));
     }
+    for (int64_t i = full * 8; i < n; i++)
+        codes_add_one(out + i, code_at(packed, nbytes, bits, i), offset, steps[i / group], alpha);
+}
+
+/* The energy of packed codes, for the statistics header: sums[g] = sum over the entries of group g (`group` entries
+ * each, the last one short) of (code_i - offset)^2, as an integer: exact, so the same whatever the thread count and
+ * order. The caller weighs each by its step^2 in float64. */
+static inline __attribute__((always_inline)) int64_t codes_sq_packs(const uint8_t *packed, int64_t i, int64_t hi,
+                                                                     int bits, int offset)
+{
+    int64_t sum = 0;
+    for (; i + 8 <= hi; i += 8) {
+        int codes[8];
+        get_codes(packed + (i / 8) * bits, codes, bits);
+        for (int k = 0; k < 8; k++)
+            sum += (codes[k] - offset) * (codes[k] - offset);
+    }
+    return sum;
+}
+
+static inline int64_t codes_sq_range(const uint8_t *packed, int64_t nbytes, int bits, int offset, int64_t lo,
+                                     int64_t hi)
+{
+    int64_t sum = 0, i = lo;
+    for (; i < hi && (i & 7); i++) {
+        int v = code_at(packed, nbytes, bits, i) - offset;
+        sum += v * v;
+    }
+    int64_t packs = (hi - i) / 8 * 8;
+    CONSTANT_BITS(sum += codes_sq_packs(packed, i, i + packs, bits, offset));
+    i += packs;
+    for (; i < hi; i++) {
+        int v = code_at(packed, nbytes, bits, i) - offset;
+        sum += v * v;
+    }
+    return sum;
+}
+
+void lg_codes_sq(const uint8_t *packed, int64_t n, int bits, int offset, int64_t group, int64_t *sums, int threads)
+{
+    int64_t nbytes = (n * bits + 7) / 8, groups = (n + group - 1) / group;
+    if (groups == 1) { /* one group (a tensor-wide step): its entries shared out, the integer sums added */
+        int64_t sum = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sum) if (n > PARALLEL_BLOCKS * 32)
+        for (int64_t c = 0; c < (n + 4095) / 4096; c++)
+            sum += codes_sq_range(packed, nbytes, bits, offset, c * 4096, (c + 1) * 4096 < n ? (c + 1) * 4096 : n);
+        sums[0] = sum;
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t g = 0; g < groups; g++)
+        sums[g] = codes_sq_range(packed, nbytes, bits, offset, g * group, (g + 1) * group < n ? (g + 1) * group : n);
 }

@@ -35,6 +35,9 @@ class Payload:
             (Random-K's indices come from a shared seed).
         basis: ``||x||^2`` (float64) of what the method selected from, when that is not the tensor it was given
             (DGC selects from its own accumulation); ``None`` means the input. Gains are relative to it.
+        sent: ``||decompress(payload)||^2`` (float64) when compressing found it on the way (1-bit SGD's column
+            counts give it), so that the header need not decode the payload again; ``None``: not known. This rank's
+            own payload only: another rank's wire (:meth:`with_wire`) does not carry it.
     """
 
     wire: tuple[Tensor, ...]
@@ -42,6 +45,7 @@ class Payload:
     dtype: torch.dtype
     local: tuple[Tensor, ...] = ()
     basis: Tensor | None = None
+    sent: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -164,8 +168,10 @@ class Compressor(ABC):
         tensor.sub_(self.decompress(payload))
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
-        """Squared L2 norm of the decoded payload, in float64."""
-        return sq_norm(self.decompress(payload))
+        """Squared L2 norm of the decoded payload, in float64 (the statistics header's ``||C(g)||^2``). By default
+        ``payload.sent`` when compressing found it, else of the payload decoded; a method whose decoded energy has a
+        closed form overrides it (a decode is a gradient-sized allocation and pass)."""
+        return payload.sent if payload.sent is not None else sq_norm(self.decompress(payload))
 
     # State. Methods with per-tensor state (momentum, factors) compute the new state in `compress` and keep it
     # pending; the hook commits it once every rank's gradient is known finite, or discards it.

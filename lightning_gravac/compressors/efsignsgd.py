@@ -29,6 +29,11 @@ class EFSignSGD(Compressor):
         bits, scale = payload.wire
         return unsigned(bits, payload.shape.numel(), torch.float32).mul_(scale).to(payload.dtype).view(payload.shape)
 
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        # Every decoded entry is +-scale, rounded to the payload's dtype as decoding does.
+        step = payload.wire[1].float().to(payload.dtype).double()
+        return (step.square() * payload.shape.numel()).reshape(())
+
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         # Each rank's +-(its scale x `scale`), that product rounded to float32 once, added in rank order.
         for bits, own in zip(*stacked.wire, strict=True):

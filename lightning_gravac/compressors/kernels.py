@@ -153,6 +153,14 @@ def codes_add_(out: Tensor, packed: Tensor, bits: int, offset: int, steps: Tenso
     )  # fmt: skip
 
 
+def codes_sq(packed: Tensor, numel: int, bits: int, offset: int, group: int) -> Tensor:
+    """Per group of ``group`` entries, ``sum (code_i - offset)^2`` of the first ``numel`` ``bits``-bit codes packed in
+    ``packed`` (contiguous ``uint8``), exact, as int64."""
+    sums = torch.empty(-(-numel // group), dtype=torch.int64)
+    _loaded().lg_codes_sq(packed.data_ptr(), numel, bits, offset, group, sums.data_ptr(), torch.get_num_threads())
+    return sums
+
+
 def _loaded() -> ctypes.CDLL:
     lib = _library()
     assert lib is not None, "a kernel called without the kernels: check usable() first"
@@ -208,6 +216,10 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int,
     ]  # fmt: skip
     lib.lg_codes_add.restype = None
+    lib.lg_codes_sq.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_codes_sq.restype = None
     return lib
 
 

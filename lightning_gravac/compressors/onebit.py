@@ -33,7 +33,11 @@ class OneBit(Compressor):
         total = matrix.sum(0)
         above = torch.where(positive, matrix, 0).sum(0)
         means = torch.stack([above / count.clamp(min=1), (total - above) / (matrix.shape[0] - count).clamp(min=1)])
-        payload = Payload((pack_bits(positive.view(-1), 1), means.to(tensor.dtype)), tensor.shape, tensor.dtype)
+        means = means.to(tensor.dtype)
+        # The decoded energy from the counts: each column's set entries at its first mean, the others at its second.
+        counts = torch.stack([count, matrix.shape[0] - count]).double()
+        sent = (counts * means.double().square()).sum()
+        payload = Payload((pack_bits(positive.view(-1), 1), means), tensor.shape, tensor.dtype, sent=sent)
         note_clamped(self.name, cf, self.achieved_cf(payload))
         return payload
 

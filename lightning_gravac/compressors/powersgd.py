@@ -97,6 +97,13 @@ class PowerSGD(Compressor):
         p, q = payload.wire
         return (p @ q.T).to(payload.dtype).view(payload.shape)
 
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        if len(payload.wire) == 1:
+            return sq_norm(payload.wire[0])
+        # ||P Q^T||^2 = sum((P^T P) * (Q^T Q)): two rank x rank products instead of the decoded matrix.
+        p, q = (w.double() for w in payload.wire)
+        return ((p.T @ p) * (q.T @ q)).sum()
+
     def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
         if not self.low_rank(tensor):
             return sq_norm(tensor).expand(len(cfs)).clone()

@@ -62,13 +62,13 @@ class QSGD(Compressor):
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         s = self.levels_for(cf, tensor.dtype)
         flat = tensor.reshape(-1).float()
-        buckets = F.pad(flat, (0, -flat.numel() % self.bucket_size)).view(-1, self.bucket_size)
-        norms = torch.linalg.vector_norm(buckets, dim=1)
+        norms = _bucket_norms(flat, self.bucket_size)
         scales = s / norms.clamp(min=torch.finfo(torch.float32).tiny)
         stream = stream_key(self.seed, step, key, self.rank)
         if kernels.usable(flat):  # draws, levels and bits in one pass
             packed = kernels.qsgd_encode(flat, scales, self.bucket_size, s, _bits(s), stream)
         else:
+            buckets = F.pad(flat, (0, -flat.numel() % self.bucket_size)).view(-1, self.bucket_size)
             noise = uniforms(stream, buckets.numel(), flat.device).view_as(buckets)
             level = buckets.abs().mul_(scales.unsqueeze(1)).add_(noise).floor_().clamp_(max=s)
             packed = pack_bits(level.copysign_(buckets).add_(s).view(-1)[: flat.numel()], _bits(s))
@@ -82,10 +82,24 @@ class QSGD(Compressor):
         packed, norms = payload.wire
         numel = payload.shape.numel()
         s = int(payload.local[0])
+        out = torch.zeros(numel, dtype=torch.float32, device=packed.device)
+        if kernels.usable(out) and packed.is_contiguous():  # (code - s) * step, as below, in one pass
+            kernels.codes_add_(out, packed, _bits(s), s, (norms / s).float().contiguous(), self.bucket_size, 1.0)
+            return out.to(payload.dtype).view(payload.shape)
         codes = unpack_bits(packed, _bits(s), numel).float().sub_(s)
         values = F.pad(codes, (0, -numel % self.bucket_size)).view(-1, self.bucket_size)
         values.mul_((norms / s).unsqueeze(1))
         return values.view(-1)[:numel].to(payload.dtype).view(payload.shape)
+
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        # Per bucket, the integer sum of the squared levels times (norm / s)^2: from the packed codes alone.
+        packed, norms = payload.wire
+        if not (kernels.available() and packed.device.type == "cpu" and packed.is_contiguous()):
+            return super().sent_sq_norm(payload)
+        s = int(payload.local[0])
+        levels = kernels.codes_sq(packed, payload.shape.numel(), _bits(s), s, self.bucket_size)
+        steps = (norms / s).float().double()  # decoding's fp32 step
+        return (levels.double() * steps.square()).sum()
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         # Each rank's decoded values times `scale` (rounded), added in rank order; one pass a rank with the kernel.
@@ -100,6 +114,16 @@ class QSGD(Compressor):
 
     def __repr__(self) -> str:
         return f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"
+
+
+def _bucket_norms(flat: Tensor, size: int) -> Tensor:
+    """The L2 norm of each ``size``-entry bucket of ``flat``, the last one short: whole buckets as one strided view, the
+    rest on its own (padding the tensor to whole buckets would copy it)."""
+    whole = flat.numel() - flat.numel() % size
+    norms = torch.linalg.vector_norm(flat[:whole].view(-1, size), dim=1)
+    if whole == flat.numel():
+        return norms
+    return torch.cat([norms, torch.linalg.vector_norm(flat[whole:]).view(1)])
 
 
 def _bits(levels: int) -> int:

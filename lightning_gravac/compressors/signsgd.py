@@ -59,6 +59,10 @@ class SignSGD(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         return unsigned(payload.wire[0], payload.shape.numel(), payload.dtype).view(payload.shape)
 
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        # Every decoded entry is +1 or -1.
+        return torch.tensor(float(payload.shape.numel()), dtype=torch.float64)
+
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         # Majority vote: the sign of the summed signs, weighted so that the hook's 1/N averaging leaves it at +-1.
         rows = stacked.wire[0]

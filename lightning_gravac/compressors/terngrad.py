@@ -44,8 +44,9 @@ class TernGrad(Compressor):
         bound = None
         if self.clip_std is not None and flat.numel() > 1:
             bound = (self.clip_std * flat.std()).float()
-        # max |clip(x)| = min(max |x|, bound): one reduction, no clipped copy.
-        peak = flat.abs().max()
+        # max |clip(x)| = min(max |x|, bound): one reduction, no clipped copy (nor the copy `abs` would make).
+        low, high = flat.aminmax()
+        peak = torch.maximum(-low, high).abs()  # abs: +0.0 for an all-zero tensor, as max |x| gives
         scale = peak if bound is None else torch.minimum(peak, bound)
         stream = stream_key(self.seed, step, key, self.rank)
         if kernels.usable(flat):  # clip, draw, round and pack in one pass
@@ -61,8 +62,23 @@ class TernGrad(Compressor):
 
     def decompress(self, payload: Payload) -> Tensor:
         packed, scale = payload.wire
+        numel = payload.shape.numel()
+        out = torch.zeros(numel, dtype=torch.float32, device=packed.device)
+        if kernels.usable(out) and packed.is_contiguous():  # (code - 1) * scale, as below, in one pass
+            kernels.codes_add_(out, packed, 2, 1, scale.float().contiguous(), numel, 1.0)
+            return out.to(payload.dtype).view(payload.shape)
         ternary = unpack_bits(packed, 2, payload.shape.numel()).float().sub_(1)
         return ternary.mul_(scale).to(payload.dtype).view(payload.shape)
+
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        # The non-zero codes, each decoded to +-scale (in the payload's dtype): counted from the packed codes alone.
+        packed, scale = payload.wire
+        if not (kernels.available() and packed.device.type == "cpu" and packed.is_contiguous()):
+            return super().sent_sq_norm(payload)
+        numel = payload.shape.numel()
+        count = kernels.codes_sq(packed, numel, 2, 1, numel)
+        step = scale.float().to(payload.dtype).double()
+        return (count.double() * step.square()).reshape(())
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         # Each rank's decoded values times `scale` (rounded), added in rank order; one pass a rank with the kernel.
