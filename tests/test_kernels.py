@@ -1,5 +1,6 @@
 """The compiled selection kernels against the eager path they replace: the same peaks and indices, bit for bit."""
 
+import math
 import shlex
 import shutil
 import sysconfig
@@ -300,3 +301,29 @@ def test_the_energy_of_packed_codes_is_the_eager_sum_of_squares_exactly(bits, th
     for group in (1, 7, 8, 100, 512, numel):  # groups of one, cut by packs of 8, whole packs, one tensor-wide group
         expected = torch.nn.functional.pad(squares, (0, -numel % group)).view(-1, group).sum(1)
         assert torch.equal(kernels.codes_sq(packed, numel, bits, offset, group), expected), group
+
+
+@pytest.mark.parametrize("shape", [(50_003,), (300, 170), (7, 3, 5, 5)])
+def test_onebit_kernels_send_the_eager_bits_and_decode_them_bit_for_bit(shape, eager, threads):
+    method = get_compressor("onebit")
+    g = _student(math.prod(shape), 4).view(shape)
+    g.view(-1)[:5] = torch.tensor([-0.0, 0.0, 1.0, -1.0, 0.0])
+    fixed = method.compress(g, 32)  # one payload (the kernel's), decoded both ways below
+    second = method.compress(-g.flip(0) * 2, 32)
+    stacked = fixed.with_wire([torch.stack([a, b]) for a, b in zip(fixed.wire, second.wire, strict=True)])
+    got = []
+    for use_kernels in (True, False):
+        if not use_kernels:
+            eager()
+        out = torch.linspace(-1, 1, g.numel())
+        method.aggregate_(out, stacked, 1 / 3)
+        residual = g.clone()
+        method.residual_(residual, fixed)
+        got.append((method.compress(g, 32), method.decompress(fixed), out, residual))
+    (fast, *fast_decoded), (slow, *slow_decoded) = got
+    assert torch.equal(fast.wire[0], slow.wire[0])  # the signs
+    # The means: summed in float64 by the kernel, in float32 by torch.
+    assert torch.allclose(fast.wire[1], slow.wire[1], rtol=1e-5, atol=1e-7)
+    assert float(fast.sent) == pytest.approx(float(slow.sent), rel=1e-5)
+    for a, b in zip(fast_decoded, slow_decoded, strict=True):  # decoding the same payloads: bit for bit
+        assert torch.equal(a, b)

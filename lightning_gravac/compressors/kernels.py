@@ -1,10 +1,13 @@
-"""Compiled CPU kernels for block selection, built on first use by the system's C compiler, with eager fallback.
+"""Compiled CPU kernels for selection and quantization, built on first use by the system's C compiler, with eager
+fallback.
 
-On CPU the selection of a sparsifier is bound by memory traffic, and eager PyTorch reads the gradient more often than
-the work needs: a block's peak takes two row reductions (``amax``, ``amin``) and the entries above a threshold a full
-``hardshrink`` plus ``nonzero``. The two kernels in ``_blocks.c`` do each in one read, on all of torch's threads,
-with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager path). A third fuses
-DGC's momentum and velocity update with the peaks and the squared norm of the velocity.
+On CPU compression is bound by memory traffic, and eager PyTorch reads the gradient more often than the work needs: a
+block's peak takes two row reductions (``amax``, ``amin``), the entries above a threshold a full ``hardshrink`` plus
+``nonzero``, a packed code a gradient-sized temporary per shift. The kernels in ``_blocks.c`` do each in one read, on
+all of torch's threads, with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager
+path): block peaks and scans (the sparsifiers), DGC's momentum and velocity update, sign packing, decoding and the
+majority vote, counter-based draws, QSGD's and TernGrad's codes and their decode, the codes' exact integer energy (the
+statistics header), and 1-bit SGD's column sums (in float64: close to the eager float32 sums, not equal) and decode.
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
@@ -161,6 +164,29 @@ def codes_sq(packed: Tensor, numel: int, bits: int, offset: int, group: int) -> 
     return sums
 
 
+def onebit_sums(matrix: Tensor) -> Tensor:
+    """Per column of the contiguous fp32 ``[rows, cols]`` ``matrix``: the count of entries ``>= 0``, their sum and the
+    sum of all, as a float64 ``[3, cols]`` tensor (summed in float64, in an order the thread count does not change)."""
+    rows, cols = matrix.shape
+    scratch = torch.empty((-(-rows // 256)) * 3 * cols, dtype=torch.float64)
+    out = torch.empty(3, cols, dtype=torch.float64)
+    _loaded().lg_onebit_sums(
+        matrix.data_ptr(), rows, cols, scratch.data_ptr(), out.data_ptr(), torch.get_num_threads()
+    )  # fmt: skip
+    return out
+
+
+def onebit_add_(out: Tensor, bits: Tensor, means: Tensor, alpha: float) -> None:
+    """``out[r, c] += (bit set ? means[0, c] : means[1, c]) * alpha`` (the product rounded to fp32 first) for the
+    contiguous fp32 ``[rows, cols]`` ``out``, the sign bits ``bits`` of its entries in order and fp32 ``means``."""
+    rows, cols = out.shape
+    scaled = (means.float() * alpha).contiguous()  # fp32 products, as the kernel would round them
+    _loaded().lg_onebit_add(
+        bits.data_ptr(), rows, cols, scaled[0].data_ptr(), scaled[1].data_ptr(), out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+
+
 def _loaded() -> ctypes.CDLL:
     lib = _library()
     assert lib is not None, "a kernel called without the kernels: check usable() first"
@@ -220,6 +246,17 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
     ]  # fmt: skip
     lib.lg_codes_sq.restype = None
+    lib.lg_onebit_sums.argtypes = [
+        floats,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    lib.lg_onebit_sums.restype = None
+    lib.lg_onebit_add.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, floats, floats, floats, ctypes.c_int]
+    lib.lg_onebit_add.restype = None
     return lib
 
 
