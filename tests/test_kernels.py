@@ -219,6 +219,14 @@ def test_sign_methods_give_the_same_bits_with_and_without_the_kernels(name, eage
     rows = torch.stack([method.compress(g, 32).wire[0], method.compress(-g.flip(0), 32).wire[0]])
     payload = method.compress(g, 32)
     stacked = payload.with_wire([rows, *(torch.stack([w, w * 2]) for w in payload.wire[1:])])
+    (fast, *fast_decoded), (slow, *slow_decoded) = _decoded_both_ways(method, g, payload, stacked, eager)
+    assert all(torch.equal(a, b) for a, b in zip(fast.wire, slow.wire, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fast_decoded, slow_decoded, strict=True))
+
+
+def _decoded_both_ways(method, g, payload, stacked, eager):
+    """With the kernels, then on eager PyTorch: ``method``'s payload of ``g``, ``payload`` decoded, ``stacked`` (two
+    ranks) aggregated into a ramp, and the residual of ``g`` after ``payload``."""
     got = []
     for use_kernels in (True, False):
         if not use_kernels:
@@ -226,10 +234,9 @@ def test_sign_methods_give_the_same_bits_with_and_without_the_kernels(name, eage
         out = torch.linspace(-1, 1, g.numel())
         method.aggregate_(out, stacked, 1 / 3)
         residual = g.clone()
-        method.residual_(residual, method.compress(g, 32))
-        got.append((method.compress(g, 32).wire[0], method.decompress(payload), out, residual))
-    for fast, slow in zip(*got, strict=True):
-        assert torch.equal(fast, slow)
+        method.residual_(residual, payload)
+        got.append((method.compress(g, 32), method.decompress(payload), out, residual))
+    return got
 
 
 def test_counter_based_draws_are_the_eager_hash_and_uniform(threads):
@@ -311,15 +318,7 @@ def test_onebit_kernels_send_the_eager_bits_and_decode_them_bit_for_bit(shape, e
     fixed = method.compress(g, 32)  # one payload (the kernel's), decoded both ways below
     second = method.compress(-g.flip(0) * 2, 32)
     stacked = fixed.with_wire([torch.stack([a, b]) for a, b in zip(fixed.wire, second.wire, strict=True)])
-    got = []
-    for use_kernels in (True, False):
-        if not use_kernels:
-            eager()
-        out = torch.linspace(-1, 1, g.numel())
-        method.aggregate_(out, stacked, 1 / 3)
-        residual = g.clone()
-        method.residual_(residual, fixed)
-        got.append((method.compress(g, 32), method.decompress(fixed), out, residual))
+    got = _decoded_both_ways(method, g, fixed, stacked, eager)
     (fast, *fast_decoded), (slow, *slow_decoded) = got
     assert torch.equal(fast.wire[0], slow.wire[0])  # the signs
     # The means: summed in float64 by the kernel, in float32 by torch.
