@@ -3,8 +3,9 @@
     python benchmarks/compressors.py [--numel 25000000] [--cfs 100 1000] [--rounds 5] [--methods topk dgc ...]
 
 One process, the gradient as one fp32 tensor of ``--numel`` entries (default 25M, 100 MB), drawn from a Student-t
-with 3 degrees of freedom (gradients are heavy-tailed). For each method and factor one iteration is what the hook
-does to one segment on one rank, in its order:
+with 3 degrees of freedom (gradients are heavy-tailed); PowerSGD and 1-bit SGD get it as a ``[numel / 5000, 5000]``
+matrix, the shape of a layer's weight (a 1-D tensor PowerSGD sends dense). For each method and factor one iteration is
+what the hook does to one segment on one rank, in its order:
 
 1. error feedback: the gradient plus the stored residual, into a buffer the memory recycles;
 2. compress to the factor, the squared norm of what was compressed and of what is sent (the header's, for the
@@ -38,6 +39,14 @@ from lightning_gravac.compressors import ErrorFeedback, get_compressor, list_com
 from lightning_gravac.compressors.memory import encode
 
 SPARSIFIERS = ("topk", "dgc", "redsync", "sidco", "threshold", "randomk")
+#: Methods whose work depends on a weight's shape, given the gradient as a ``[rows, 5000]`` matrix (a 1-D tensor is
+#: sent dense by PowerSGD, and is a single column to 1-bit SGD): the same entries, the shape of a layer's weight.
+MATRIX_METHODS = ("powersgd", "onebit")
+
+
+def shaped(name: str, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as ``name`` sees it in the benchmark: a ``[rows, 5000]`` matrix for :data:`MATRIX_METHODS`."""
+    return grad.view(-1, 5000) if name in MATRIX_METHODS and grad.numel() % 5000 == 0 else grad
 
 
 def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
@@ -59,7 +68,9 @@ def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
         if encoded.residual is not None:
             memory.set("g", encoded.residual)
         compressor.commit(["g"])
-        compressor.decode_(work, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
+        compressor.decode_(
+            work.view(-1), payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0
+        )  # a flat bucket
         run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
 
     run.kept = lambda: kept_bytes(compressor, memory)  # type: ignore[attr-defined]
@@ -161,9 +172,9 @@ def main() -> None:
     for cf in args.cfs:
         rows[("naive topk", cf)] = _naive(cf, grad)
         for name in args.methods:
-            rows[(name, cf)] = _pipeline(name, cf, grad)
+            rows[(name, cf)] = _pipeline(name, cf, shaped(name, grad))
             if args.standalone:
-                rows[(f"{name} (on its own)", cf)] = _standalone(name, cf, grad)
+                rows[(f"{name} (on its own)", cf)] = _standalone(name, cf, shaped(name, grad))
 
     times: dict[tuple[str, float], list[float]] = {key: [] for key in rows}
     for run in rows.values():  # warm-up: allocations, first-touch page faults

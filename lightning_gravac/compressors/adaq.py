@@ -47,6 +47,14 @@ class AdaQ(Compressor):
         out.index_fill_(0, top.long(), means[0])
         return out.view(payload.shape)
 
+    def sent_sq_norm(self, payload: Payload) -> Tensor:
+        # The top group at its mean, the rest of the bottom group at its own (decoding writes the top group last; the
+        # groups share a position only on ties, e.g. an all-zero tensor).
+        means, top, bottom = payload.wire
+        overlap = int(torch.isin(bottom, top).sum()) if top.numel() and bottom.numel() else 0
+        counts = torch.tensor([top.numel(), bottom.numel() - overlap], dtype=torch.float64, device=means.device)
+        return (counts * means.to(payload.dtype).double().square()).sum()
+
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         means, top, bottom = stacked.wire  # [ranks, 2], [ranks, high], [ranks, low]
         for rank in range(means.shape[0]):  # rank order, as the decoded sum would run

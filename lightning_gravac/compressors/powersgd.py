@@ -97,6 +97,22 @@ class PowerSGD(Compressor):
         p, q = payload.wire
         return (p @ q.T).to(payload.dtype).view(payload.shape)
 
+    def residual_(self, tensor: Tensor, payload: Payload) -> None:
+        matrix = as_matrix(tensor)
+        if len(payload.wire) == 2 and matrix.data_ptr() == tensor.data_ptr() and matrix.is_contiguous():
+            p, q = payload.wire
+            matrix.addmm_(p, q.T, alpha=-1)  # M - P Q^T in place: no decoded matrix allocated
+        else:
+            super().residual_(tensor, payload)
+
+    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
+        if len(stacked.wire) == 1 or out.dtype != torch.float32 or not out.is_contiguous():
+            super().aggregate_(out, stacked, scale)
+            return
+        matrix = out.view(stacked.shape[0], -1)
+        for p, q in zip(*stacked.wire, strict=True):  # rank order, each P Q^T added in place
+            matrix.addmm_(p, q.T, alpha=scale)
+
     def sent_sq_norm(self, payload: Payload) -> Tensor:
         if len(payload.wire) == 1:
             return sq_norm(payload.wire[0])

@@ -294,7 +294,10 @@ class LowRank(Communicator):
                 q_sum = second[offset : offset + q.numel()].view_as(q)
                 offset += q.numel()
                 method.keep(s.key, q_sum)
-                s.out.copy_((p @ q_sum.T).div_(world).view_as(s.out))
+                if s.out.dtype == p.dtype and s.out.is_contiguous():  # P Q^T written into the bucket, then averaged
+                    torch.mm(p, q_sum.T, out=s.out.view(p.shape[0], -1)).div_(world)
+                else:
+                    s.out.copy_((p @ q_sum.T).div_(world).view_as(s.out))
             offset = first.numel() - sum(s.tensor.numel() for s in full)
             for s in full:
                 s.out.view(-1).copy_(summed[offset : offset + s.tensor.numel()])
@@ -348,7 +351,7 @@ def _right_factors(
         method.orthonormalize_(p)
         q = m.T @ p
         if work.state.error_feedback:
-            m.sub_(p @ q.T)
+            m.addmm_(p, q.T, alpha=-1)  # M - P Q^T in place: no decoded matrix allocated
             if m.data_ptr() != s.tensor.data_ptr():  # not fp32: `m` was a copy
                 s.tensor.copy_(m.view_as(s.tensor))
             work.pending[s.key] = s.tensor
