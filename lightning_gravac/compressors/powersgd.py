@@ -19,6 +19,12 @@ def as_matrix(tensor: Tensor) -> Tensor:
     return tensor.reshape(tensor.shape[0], -1).float()
 
 
+def right_factor(matrix: Tensor, p: Tensor) -> Tensor:
+    """``Q = M^T P``, computed as ``(P^T M)^T`` (contiguous): BLAS runs the transposed product of a wide matrix with a
+    few columns as a slow matrix-vector loop (25M entries at rank 2: 90 ms against 11 ms here); the same sums."""
+    return (p.T @ matrix).T.contiguous()
+
+
 @register_compressor
 class PowerSGD(Compressor):
     """Rank-``r`` approximation ``P Q^T`` of each weight's gradient matrix ``M`` (``[rows, rest]``), warm-started Q.
@@ -89,7 +95,7 @@ class PowerSGD(Compressor):
             return Payload((tensor.reshape(-1).clone(),), tensor.shape, tensor.dtype)
         matrix = as_matrix(tensor)
         p = self.orthonormalize_(self.project(matrix, self.rank_for(tensor.shape, cf), key))
-        return Payload((p, matrix.T @ p), tensor.shape, tensor.dtype)
+        return Payload((p, right_factor(matrix, p)), tensor.shape, tensor.dtype)
 
     def decompress(self, payload: Payload) -> Tensor:
         if len(payload.wire) == 1:

@@ -38,7 +38,7 @@ from torch.futures import Future
 from lightning_gravac.compressors.base import Communication, Compressor, Payload, sq_norm
 from lightning_gravac.compressors.memory import Feedback, encode
 from lightning_gravac.compressors.packing import Layout
-from lightning_gravac.compressors.powersgd import PowerSGD, as_matrix
+from lightning_gravac.compressors.powersgd import PowerSGD, as_matrix, right_factor
 from lightning_gravac.state import GATHER, REDUCE, BucketRecord, Collective, CompressionState, gathers
 
 
@@ -349,7 +349,7 @@ def _right_factors(
         p.copy_(summed[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
         method.orthonormalize_(p)
-        q = m.T @ p
+        q = right_factor(m, p)
         if work.state.error_feedback:
             m.addmm_(p, q.T, alpha=-1)  # M - P Q^T in place: no decoded matrix allocated
             if m.data_ptr() != s.tensor.data_ptr():  # not fp32: `m` was a copy
