@@ -98,8 +98,9 @@ class StepStats:
 
     @property
     def compressed(self) -> bool:
-        """Whether the step sent fewer bytes than dense (a step that only carried probes for the controller did not)."""
-        return self.bytes_sent < self.bytes_dense
+        """Whether the step sent fewer bytes than dense, and some (a step that only carried probes for the controller
+        sent more; a local SGD step sends none)."""
+        return 0 < self.bytes_sent < self.bytes_dense
 
     @property
     def gain(self) -> float:

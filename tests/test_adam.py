@@ -102,4 +102,12 @@ def test_the_fp16_rung_of_an_adam_fit_does_not_outlive_it():
     controller.adaptive_optimizer = False  # the next fit, under SGD
     controller._check_rung(module)
     assert not controller.fp16_rung
-    assert GraVAC(fp16_rung=True).fp16_rung  # asked for: kept
+    asked = GraVAC(fp16_rung=True)  # asked for: kept under SGD too
+    asked._state = controller._state
+    asked._check_rung(module)
+    assert asked.fp16_rung
+    held = GraVAC(adam="dense", fp16_rung=True)  # asked to hold dense under Adam: the rung is not used for the hold
+    held._state, held.adaptive_optimizer, held.probed = controller._state, True, (0.0, 1e-6)
+    held._check_rung(module)
+    held.half_per_byte = 1e-7  # fp16 modelled far cheaper than fp32: the hold still sends dense
+    assert held.rungs and held._choose() == 1.0

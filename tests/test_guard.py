@@ -127,7 +127,8 @@ def test_the_loss_is_taken_on_compressed_steps_only_not_on_dense_steps_that_carr
     controller, state, _ = _guarded_static("topk", cooldown=2)
     connector = SimpleNamespace(should_update_logs=False)
     trainer = SimpleNamespace(global_step=0, current_epoch=0, callback_metrics={}, _logger_connector=connector)
-    for sent in (100, 1100, 100, 1000):  # compressed, dense with a probe header (more than dense), compressed, dense
+    # Compressed, dense with a probe header (more than dense), compressed, dense, a local SGD step (nothing sent).
+    for sent in (100, 1100, 100, 1000, 0):
         state.record(BucketRecord(bytes_sent=sent, bytes_dense=1000, collective=GATHER, sq_norm=1.0))
         state.end_step()
         controller.on_train_batch_end(trainer, None, {"loss": torch.tensor(0.5)}, None, 0)

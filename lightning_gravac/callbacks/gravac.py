@@ -638,7 +638,7 @@ class GraVAC(Controller):
 
     def _say_hold(self) -> None:
         """Say, on rank 0, what an Adam-like optimizer gets: dense or fp16 by the link, or dense and why."""
-        if self.rungs:
+        if self.rungs and self.adam == "fp16":
             sending = "sending each step dense or whole in fp16, whichever the measured link makes faster"
         else:
             sending = f"sending dense (factor 1): {self._why_no_half()}"
@@ -656,8 +656,8 @@ class GraVAC(Controller):
             return "the sequential search has no cost model to weigh fp16 against dense"
         if not self.fp16_rung:
             return (
-                f"fp16 cannot be sent here (16-bit parameters, or {self.state.compressor.name!r} keeps an accumulation "
-                "of its own or sends one fixed factor)"
+                f"fp16 cannot be sent here (parameters not in fp32, or {self.state.compressor.name!r} keeps an "
+                "accumulation of its own or sends one fixed factor)"
             )
         return "the link was not measured (one rank, or `link_probe=False`), so fp16 cannot be shown to pay"
 
@@ -788,7 +788,7 @@ class GraVAC(Controller):
         dense (before the first window ends, from the fit-start probe alone: the rest of the step is the same for
         both), else dense. The same on every rank."""
         link = self.link if self.link is not None else self._probed_link()
-        if not self.rungs or link is None:
+        if self.adam == "dense" or not self.rungs or link is None:
             return DENSE
         dense_bytes = self._bytes_dense or self._model_bytes
         half = self._predicted_seconds(link, HALF, dense_bytes)

@@ -68,11 +68,11 @@ class DivergenceGuard:
 
     @property
     def watches_loss(self) -> bool:
-        """Whether :meth:`check` wants the ranks' mean loss (on steps with a header)."""
+        """Whether :meth:`check` wants the ranks' mean loss (on compressed steps)."""
         return self.loss_ratio is not None
 
     def check(self, stats: StepStats, loss: float | None = None) -> bool:
-        """Take a finite step's statistics and, on steps with a header, the ranks' mean training loss (the same on
+        """Take a finite step's statistics and, on compressed steps, the ranks' mean training loss (the same on
         every rank; ``None``: not known); whether the guard triggers now."""
         if self.holding:
             self.holding -= 1

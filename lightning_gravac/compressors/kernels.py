@@ -7,7 +7,8 @@ block's peak takes two row reductions (``amax``, ``amin``), the entries above a 
 all of torch's threads, with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager
 path): block peaks and scans (the sparsifiers), DGC's momentum and velocity update, sign packing, decoding and the
 majority vote, counter-based draws, QSGD's and TernGrad's codes and their decode, the codes' exact integer energy (the
-statistics header), and 1-bit SGD's column sums (in float64: close to the eager float32 sums, not equal) and decode.
+statistics header), and 1-bit SGD's column sums (in float64, a single column in float32 lanes of 32 entries first:
+close to the eager float32 sums, not equal) and decode.
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
@@ -166,7 +167,8 @@ def codes_sq(packed: Tensor, numel: int, bits: int, offset: int, group: int) -> 
 
 def onebit_sums(matrix: Tensor) -> Tensor:
     """Per column of the contiguous fp32 ``[rows, cols]`` ``matrix``: the count of entries ``>= 0``, their sum and the
-    sum of all, as a float64 ``[3, cols]`` tensor (summed in float64, in an order the thread count does not change)."""
+    sum of all, as a float64 ``[3, cols]`` tensor (summed in float64, a single column in float32 lanes of 32 entries
+    first, in an order the thread count does not change)."""
     rows, cols = matrix.shape
     scratch = torch.empty((-(-rows // 256)) * 3 * cols, dtype=torch.float64)
     out = torch.empty(3, cols, dtype=torch.float64)

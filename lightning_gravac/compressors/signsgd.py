@@ -61,7 +61,7 @@ class SignSGD(Compressor):
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
         # Every decoded entry is +1 or -1.
-        return torch.tensor(float(payload.shape.numel()), dtype=torch.float64)
+        return torch.tensor(float(payload.shape.numel()), dtype=torch.float64, device=payload.wire[0].device)
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         # Majority vote: the sign of the summed signs, weighted so that the hook's 1/N averaging leaves it at +-1.

@@ -73,9 +73,9 @@ class TernGrad(Compressor):
     def sent_sq_norm(self, payload: Payload) -> Tensor:
         # The non-zero codes, each decoded to +-scale (in the payload's dtype): counted from the packed codes alone.
         packed, scale = payload.wire
-        if not (kernels.available() and packed.device.type == "cpu" and packed.is_contiguous()):
-            return super().sent_sq_norm(payload)
         numel = payload.shape.numel()
+        if numel == 0 or not (kernels.usable(scale) and packed.is_contiguous()):
+            return super().sent_sq_norm(payload)
         count = kernels.codes_sq(packed, numel, 2, 1, numel)
         step = scale.float().to(payload.dtype).double()
         return (count.double() * step.square()).reshape(())
