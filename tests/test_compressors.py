@@ -543,3 +543,16 @@ def test_casts_decode_add_and_keep_the_rounding_exactly_as_their_eager_definitio
     method.residual_(residual, payload)
     assert torch.equal(residual, g - wire.float())
     assert residual.abs().max() > 0 and residual.abs().max() <= g.abs().max() * 2**-7
+
+
+@pytest.mark.parametrize(
+    "g", [torch.zeros(1000), torch.ones(1000), torch.full((1000,), -2.0)], ids=["zero", "one", "neg"]
+)
+def test_adaq_groups_never_share_a_position_so_decoding_and_summing_ranks_agree(g):
+    c = get_compressor("adaq")
+    payload = c.compress(g, cf=10)
+    _, top, bottom = payload.wire
+    assert not torch.isin(bottom, top).any()
+    out = torch.zeros(g.numel())
+    c.aggregate_(out, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
+    assert torch.equal(out, c.decompress(payload))

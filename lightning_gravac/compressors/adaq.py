@@ -33,6 +33,9 @@ class AdaQ(Compressor):
         top = exact_topk(flat, high, out, seeded_generator(0, step, key), signed=True)
         if low:
             negated = torch.neg(flat, out=self.scratch.like(flat, slot=1))
+            # The top group's positions out of the bottom's reach: on ties (an all-zero tensor) the groups could
+            # otherwise share a position, which decoding would write once and summing ranks add twice.
+            negated.index_fill_(0, top, -math.inf)
             bottom = exact_topk(negated, low, out, seeded_generator(1, step, key), signed=True)
         else:
             bottom = top.new_zeros(0)
@@ -48,11 +51,9 @@ class AdaQ(Compressor):
         return out.view(payload.shape)
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
-        # The top group at its mean, the rest of the bottom group at its own (decoding writes the top group last; the
-        # groups share a position only on ties, e.g. an all-zero tensor).
+        # Each group's positions at its mean (the groups never share a position).
         means, top, bottom = payload.wire
-        overlap = int(torch.isin(bottom, top).sum()) if top.numel() and bottom.numel() else 0
-        counts = torch.tensor([top.numel(), bottom.numel() - overlap], dtype=torch.float64, device=means.device)
+        counts = torch.tensor([top.numel(), bottom.numel()], dtype=torch.float64, device=means.device)
         return (counts * means.to(payload.dtype).double().square()).sum()
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
