@@ -326,3 +326,19 @@ def test_onebit_kernels_send_the_eager_bits_and_decode_them_bit_for_bit(shape, e
     assert float(fast.sent) == pytest.approx(float(slow.sent), rel=1e-5)
     for a, b in zip(fast_decoded, slow_decoded, strict=True):  # decoding the same payloads: bit for bit
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_the_energy_of_16_bit_values_widens_every_value_exactly(dtype, threads):
+    # Every 16-bit pattern (normal, subnormal, zero, inf; NaN aside), in blocks that cut the pattern list.
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = every[torch.isfinite(every.float())]
+    for values in (finite, finite[:1000], finite[:7], finite.flip(0)[:3001]):
+        expected = values.double().square().sum()
+        assert float(kernels.half_sq(values.contiguous())) == pytest.approx(float(expected), rel=1e-6)
+    # The widening itself, exactly: one value at a time (squared in float64: exact).
+    for value in (finite[0], finite[len(finite) // 2], finite[-1], finite[100], finite[20000]):
+        one = value.reshape(1).contiguous()
+        assert float(kernels.half_sq(one)) == float(value.double()) ** 2
+    infinite = torch.tensor([1.0, float("inf")], dtype=dtype)
+    assert math.isinf(float(kernels.half_sq(infinite)))

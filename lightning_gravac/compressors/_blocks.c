@@ -643,3 +643,73 @@ void lg_onebit_add(const uint8_t *restrict bits, int64_t rows, int64_t cols, con
         }
     }
 }
+
+/*
+ * The squared L2 norm of 16-bit floats (the casts' payload, for the statistics header), in float64: a norm read
+ * straight from 16-bit values is about 10x slower in eager PyTorch. Each value widened to float32 exactly (fp16 by its
+ * bits: normal, subnormal, inf and NaN; bf16 by a shift), squared and summed in float64 (a bf16 value's square can
+ * overflow float32) in eight lanes a block of HALF_BLOCK entries, the blocks in block order: the thread count does not
+ * change the result.
+ */
+#define HALF_BLOCK 1024
+
+static inline float half_to_float(uint16_t h)
+{
+    /* Without branches: exponent and mantissa moved into place and rebiased; inf/NaN rebiased once more; zero and
+     * subnormals built as 2^-14 (1 + m 2^-10) and 2^-14 subtracted, exactly. */
+    uint32_t o = (uint32_t)(h & 0x7fffu) << 13, exp = o & 0x0f800000u, magic_bits = 113u << 23, bits;
+    o += 112u << 23;
+    o += exp == 0x0f800000u ? 112u << 23 : 0u;
+    o += exp == 0u ? 1u << 23 : 0u;
+    float f, magic;
+    memcpy(&f, &o, sizeof f);
+    memcpy(&magic, &magic_bits, sizeof magic);
+    f = exp == 0u ? f - magic : f;
+    memcpy(&bits, &f, sizeof bits);
+    bits |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float bf16_to_float(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+double lg_half_sq(const uint16_t *x, int64_t n, int is_bf16, double *scratch, int threads)
+{
+    int64_t blocks = (n + HALF_BLOCK - 1) / HALF_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t i = b * HALF_BLOCK, end = i + HALF_BLOCK < n ? i + HALF_BLOCK : n;
+        double lanes[8] = {0};
+        if (is_bf16) {
+            for (; i + 8 <= end; i += 8)
+                for (int k = 0; k < 8; k++) {
+                    double v = bf16_to_float(x[i + k]);
+                    lanes[k] += v * v;
+                }
+        } else {
+            for (; i + 8 <= end; i += 8)
+                for (int k = 0; k < 8; k++) {
+                    double v = half_to_float(x[i + k]);
+                    lanes[k] += v * v;
+                }
+        }
+        double sum = 0.0;
+        for (int k = 0; k < 8; k++)
+            sum += lanes[k];
+        for (; i < end; i++) {
+            float v = is_bf16 ? bf16_to_float(x[i]) : half_to_float(x[i]);
+            sum += (double)v * v;
+        }
+        scratch[b] = sum;
+    }
+    double total = 0.0;
+    for (int64_t b = 0; b < blocks; b++)
+        total += scratch[b];
+    return total;
+}

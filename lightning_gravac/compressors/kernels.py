@@ -189,6 +189,26 @@ def onebit_add_(out: Tensor, bits: Tensor, means: Tensor, alpha: float) -> None:
     )  # fmt: skip
 
 
+def half_sq(values: Tensor) -> Tensor:
+    """``||values||^2`` (float64, 0-d) of a contiguous fp16 or bf16 CPU tensor, each value widened to fp32 exactly."""
+    scratch = torch.empty(-(-values.numel() // 1024), dtype=torch.float64)
+    total = _loaded().lg_half_sq(
+        values.data_ptr(), values.numel(), int(values.dtype == torch.bfloat16), scratch.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return torch.tensor(total, dtype=torch.float64)
+
+
+def half_usable(values: Tensor) -> bool:
+    """Whether :func:`half_sq` can take ``values``: a contiguous fp16 or bf16 CPU tensor."""
+    return (
+        values.device.type == "cpu"
+        and values.dtype in (torch.float16, torch.bfloat16)
+        and values.is_contiguous()
+        and available()
+    )
+
+
 def _loaded() -> ctypes.CDLL:
     lib = _library()
     assert lib is not None, "a kernel called without the kernels: check usable() first"
@@ -259,6 +279,8 @@ def _library() -> ctypes.CDLL | None:
     lib.lg_onebit_sums.restype = None
     lib.lg_onebit_add.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, floats, floats, floats, ctypes.c_int]
     lib.lg_onebit_add.restype = None
+    lib.lg_half_sq.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.lg_half_sq.restype = ctypes.c_double
     return lib
 
 
