@@ -178,13 +178,7 @@ class Controller(Callback):
         # The ranks' mean loss, on compressed steps only: whether a step was is the same on every rank (its byte counts
         # are), so every rank joins this all-reduce or none does. Dense steps, probed or not, pay nothing.
         watch = guard.watches_loss and stats.compressed and not guard.holding
-        loss = (
-            _mean_loss(
-                outputs, self.state.process_group, getattr(getattr(trainer, "strategy", None), "root_device", None)
-            )
-            if watch
-            else None
-        )
+        loss = self._mean_loss(trainer, outputs) if watch else None
         if guard.check(stats, loss):
             # Identical on every rank (the norms and losses crossed the network); said on rank 0.
             rank_zero_warn(
@@ -238,21 +232,27 @@ class Controller(Callback):
         if self._state is not None:
             self._hand_over(self._state)
 
+    def _all_reduce(
+        self, trainer: "pl.Trainer", values: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
+        """``values`` reduced over the compression's process group, returned on the CPU: the same on every rank, which
+        must all call it on the same step. Reduced on the strategy's device (NCCL reduces device tensors only), by a
+        plain all-reduce rather than ``strategy.reduce``, which puts a barrier (a second collective) before it."""
+        shared = values.to(trainer.strategy.root_device)
+        dist.all_reduce(shared, op=op, group=self.state.process_group)
+        return shared.cpu()
+
+    def _mean_loss(self, trainer: "pl.Trainer", outputs: Any) -> float | None:
+        """The ranks' mean training loss of this step (an all-reduce of one float64), or ``None`` where a rank has none
+        to give (``training_step`` returned no loss: manual optimization). Every rank calls it on the same steps."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else math.nan
+        if not hasattr(trainer, "strategy") or not dist.is_available() or not dist.is_initialized():
+            return None if math.isnan(value) else value  # one process (a test's stand-in trainer): its own
+        # NaN where a rank has no loss: the mean is NaN on every rank, and the loss test skips the step everywhere.
+        total = self._all_reduce(trainer, torch.tensor([value], dtype=torch.float64))
+        mean = float(total.item()) / dist.get_world_size(self.state.process_group)
+        return None if math.isnan(mean) else mean
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cf={self.cf})"
-
-
-def _mean_loss(outputs: Any, group: dist.ProcessGroup | None, device: torch.device | None) -> float | None:
-    """The ranks' mean training loss of this step (an all-reduce of one float64 on ``device``, the strategy's: NCCL
-    reduces CUDA tensors only), or ``None`` where a rank has none to give (``training_step`` returned no loss: manual
-    optimization). Every rank calls it on the same steps. A plain all-reduce on the compression's process group, not
-    ``strategy.reduce``: Lightning's adds a barrier before it, a second collective a step for nothing."""
-    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-    value = float(loss.detach()) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else math.nan
-    if device is None or not dist.is_available() or not dist.is_initialized():  # one process: this rank's own
-        return None if math.isnan(value) else value
-    # NaN where a rank has no loss: the mean is NaN on every rank, and the loss test skips the step everywhere.
-    shared = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(shared, group=group)
-    mean = float(shared.item()) / dist.get_world_size(group)
-    return None if math.isnan(mean) else mean

@@ -626,9 +626,7 @@ class GraVAC(Controller):
 
     def _slowest(self, trainer: "pl.Trainer", seconds: float) -> float:
         """The largest of every rank's ``seconds`` (a MAX all-reduce): the same number on every rank."""
-        slowest = torch.tensor([seconds], dtype=torch.float64, device=trainer.strategy.root_device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.state.process_group)
-        return float(slowest.item())
+        return float(self._all_reduce(trainer, torch.tensor([seconds], dtype=torch.float64), dist.ReduceOp.MAX).item())
 
     @override
     def _on_adaptive_optimizer(self) -> None:
@@ -805,11 +803,8 @@ class GraVAC(Controller):
             dtype=torch.float64,
         )  # fmt: skip
         # Step times are this rank's own: the slowest rank sets the pace, and every rank must see the same value.
-        if trainer is not None:  # on the strategy's device: NCCL reduces device tensors only
-            local = local.to(trainer.strategy.root_device)
-            # Not `strategy.reduce`: Lightning's puts a barrier before the all-reduce, a second collective for nothing.
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.state.process_group)
-            local = local.cpu()
+        if trainer is not None:
+            local = self._all_reduce(trainer, local, dist.ReduceOp.MAX)
         slowest = local
         measured, compress, plain = {}, [0.0, 0], [0.0, 0]
         for f, (seconds, comm_seconds, compress_s, plain_s) in zip(factors, slowest.tolist(), strict=True):

@@ -39,6 +39,8 @@ _SOURCE = Path(__file__).with_name("_blocks.c")
 # No contraction of a * b + c into a fused multiply-add (explicit fmaf only): the kernels give the eager path's bits,
 # whichever compiler `cc` is.
 _FLAGS = ("-O3", "-march=native", "-fno-strict-aliasing", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
+#: The 16-bit types :func:`half_sq` takes.
+HALVES = (torch.float16, torch.bfloat16)
 #: Entries a block; the C file's BLOCK.
 BLOCK = 32
 
@@ -48,11 +50,12 @@ def available() -> bool:
     return _library() is not None
 
 
-def usable(values: Tensor) -> bool:
-    """Whether the kernels can take ``values``: a contiguous fp32 CPU tensor with int32-addressable entries."""
+def usable(values: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether the kernels can take ``values``: a contiguous CPU tensor of one of ``dtypes`` (fp32 unless said) with
+    int32-addressable entries."""
     return (
         values.device.type == "cpu"
-        and values.dtype == torch.float32
+        and values.dtype in dtypes
         and values.is_contiguous()
         and values.numel() < 2**31
         and available()
@@ -190,23 +193,14 @@ def onebit_add_(out: Tensor, bits: Tensor, means: Tensor, alpha: float) -> None:
 
 
 def half_sq(values: Tensor) -> Tensor:
-    """``||values||^2`` (float64, 0-d) of a contiguous fp16 or bf16 CPU tensor, each value widened to fp32 exactly."""
+    """``||values||^2`` (float64, 0-d) of a contiguous fp16 or bf16 CPU tensor (:func:`usable` with
+    :data:`HALVES`), each value widened to fp32 exactly."""
     scratch = torch.empty(-(-values.numel() // 1024), dtype=torch.float64)
     total = _loaded().lg_half_sq(
         values.data_ptr(), values.numel(), int(values.dtype == torch.bfloat16), scratch.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return torch.tensor(total, dtype=torch.float64)
-
-
-def half_usable(values: Tensor) -> bool:
-    """Whether :func:`half_sq` can take ``values``: a contiguous fp16 or bf16 CPU tensor."""
-    return (
-        values.device.type == "cpu"
-        and values.dtype in (torch.float16, torch.bfloat16)
-        and values.is_contiguous()
-        and available()
-    )
 
 
 def _loaded() -> ctypes.CDLL:
