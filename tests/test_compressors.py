@@ -354,9 +354,10 @@ def test_natural_compression_is_unbiased_within_its_variance_bound_and_exact_on_
     magnitude = one[one != 0].abs()
     assert torch.equal(magnitude, torch.exp2(torch.log2(magnitude).round())), "every value sent is a power of two"
     assert torch.equal(one.sign(), g.sign())
-    # Powers of two are sent as they are, down to 2^-126 of the largest (here 8 = 2^3); below, as 0.
-    exact = torch.tensor([0.0, 1.0, -0.5, 2.0**-20, 8.0, -(2.0**-123), 2.0**-124])
-    sent = torch.tensor([0.0, 1.0, -0.5, 2.0**-20, 8.0, -(2.0**-123), 0.0])
+    # Powers of two are sent as they are, down to 2^-126 of the largest (here 8 = 2^3); below, as 0 (of either sign:
+    # a negative one was sent as the sign with code 0, which is NaN's byte, and poisoned the step).
+    exact = torch.tensor([0.0, 1.0, -0.5, 2.0**-20, 8.0, -(2.0**-123), 2.0**-124, -(2.0**-124), -1e-45])
+    sent = torch.tensor([0.0, 1.0, -0.5, 2.0**-20, 8.0, -(2.0**-123), 0.0, 0.0, 0.0])
     assert torch.equal(c.decompress(c.compress(exact, cf=4, key="p")), sent)
     (codes, top) = c.compress(g, cf=4).wire
     assert codes.dtype == torch.uint8 and codes.numel() == g.numel() and top.numel() == 1

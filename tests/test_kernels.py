@@ -19,7 +19,7 @@ def eager(monkeypatch):
     """Within the test, selection runs on eager PyTorch whatever the kernels' state."""
 
     def use() -> None:
-        monkeypatch.setattr(kernels, "usable", lambda values: False)
+        monkeypatch.setattr(kernels, "usable", lambda values, dtypes=None: False)
 
     return use
 
@@ -286,6 +286,53 @@ def test_terngrad_kernel_packs_and_decodes_the_eager_bits(clip_std, eager, threa
     method = get_compressor("terngrad", clip_std=clip_std)
     for fast, slow in zip(*_quantized_both_ways(method, g, 16, g * 2, eager), strict=True):
         _same(fast, slow)
+
+
+def _natural_input(numel: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Finite values over ``dtype``'s whole range (subnormals, the largest values, zeros of both signs) in ``dtype``."""
+    info = torch.finfo(dtype)
+    low, high = math.log10(info.smallest_normal * info.eps), math.log10(info.max) - 3  # Student's t reaches ~100
+    g = _student(numel, seed) * torch.logspace(low, high, numel).roll(seed * 1000)
+    g[::97] = 0.0
+    g[5], g[11], g[13], g[17] = -0.0, info.smallest_normal * info.eps, -info.smallest_normal / 3, -info.max
+    return g.to(dtype)
+
+
+@pytest.mark.parametrize("special", ["finite", "nan", "inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_natural_kernel_codes_and_decodes_the_eager_bits(special, dtype, eager, threads):
+    g = _natural_input(50_003, 4, dtype)
+    g[1000] = {"finite": 1.0, "nan": math.nan, "inf": -math.inf}[special]
+    method = get_compressor("natural")
+    for fast, slow in zip(*_quantized_both_ways(method, g, 4, g.flip(0) / 3, eager), strict=True):
+        if fast.dtype == torch.float64 and fast.dim() == 0:  # the energy: summed in another order
+            assert math.isnan(slow) if special != "finite" else float(fast) == pytest.approx(float(slow), rel=1e-12)
+            assert math.isnan(fast) == math.isnan(slow)
+        else:
+            assert torch.equal(fast, slow) or (special != "finite" and torch.allclose(fast, slow, 0, 0, equal_nan=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_natural_rounds_every_exponent_and_the_top_by_the_same_draws(dtype, threads):
+    """The kernel's largest exponent draws only where it can be reached: one that every entry but the largest rounds
+    past, a tensor of subnormals only, one with no finite non-zero entry."""
+    from lightning_gravac.compressors import natural
+
+    info = torch.finfo(dtype)
+    maxexp, smallest = math.floor(math.log2(info.max)), round(math.log2(info.smallest_normal * info.eps))
+    cases = [
+        _natural_input(20_011, 5, dtype).float(),
+        torch.rand(4099) * 1e-39,  # subnormal fp32 only
+        torch.tensor([0.0, -0.0, math.nan, math.inf] * 300),
+        torch.full((300,), 1.999) * torch.tensor([1.0] * 299 + [2.0]),  # the largest field's entries round up or not
+    ]
+    for x in cases:
+        for stream in (1, 2**62 + 7):
+            codes, top, energy = kernels.natural_encode(x, maxexp, smallest, stream)
+            slow_codes, slow_top = natural._encode(x, maxexp, stream)
+            assert torch.equal(codes, slow_codes) and top == int(slow_top)
+            slow_energy = natural._energy(torch.bincount(slow_codes, minlength=256), slow_top, smallest)
+            assert torch.allclose(energy, slow_energy, rtol=1e-12, atol=0, equal_nan=True)
 
 
 def _same(fast, slow):

@@ -203,6 +203,27 @@ def half_sq(values: Tensor) -> Tensor:
     return torch.tensor(total, dtype=torch.float64)
 
 
+def natural_encode(values: Tensor, maxexp: int, smallest: int, stream: int) -> tuple[Tensor, int, Tensor]:
+    """Natural compression's bytes of the flat fp32 ``values``, the largest rounded exponent ``top`` (0 when no entry
+    is finite and non-zero) and the squared norm (float64, 0-d) of what the bytes decode to in a dtype whose smallest
+    subnormal is ``2^smallest`` (NaN if an entry is not finite); the rounding drawn from ``stream``, exponents capped
+    at ``maxexp``."""
+    n, lib, threads = values.numel(), _loaded(), torch.get_num_threads()
+    top = lib.lg_natural_top(values.data_ptr(), n, stream, maxexp, threads)
+    top = 0 if top == -(2**31) else top
+    out, scratch = torch.empty(n, dtype=torch.uint8), torch.empty(-(-n // 4096), dtype=torch.float64)
+    energy = lib.lg_natural_encode(
+        values.data_ptr(), n, stream, maxexp, top, smallest, out.data_ptr(), scratch.data_ptr(), threads
+    )  # fmt: skip
+    return out, top, torch.tensor(energy, dtype=torch.float64)
+
+
+def natural_add_(out: Tensor, codes: Tensor, table: Tensor) -> None:
+    """``out[i] += table[codes[i]]`` for the contiguous fp32 ``out``, its bytes ``codes`` and a 256-entry fp32
+    ``table``."""
+    _loaded().lg_natural_add(codes.data_ptr(), out.numel(), table.data_ptr(), out.data_ptr(), torch.get_num_threads())
+
+
 def _loaded() -> ctypes.CDLL:
     lib = _library()
     assert lib is not None, "a kernel called without the kernels: check usable() first"
@@ -275,6 +296,15 @@ def _library() -> ctypes.CDLL | None:
     lib.lg_onebit_add.restype = None
     lib.lg_half_sq.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.lg_half_sq.restype = ctypes.c_double
+    lib.lg_natural_top.argtypes = [floats, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
+    lib.lg_natural_top.restype = ctypes.c_int
+    lib.lg_natural_encode.argtypes = [
+        floats, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_int, bytes_, ctypes.c_void_p,
+        ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_natural_encode.restype = ctypes.c_double
+    lib.lg_natural_add.argtypes = [bytes_, ctypes.c_int64, floats, floats, ctypes.c_int]
+    lib.lg_natural_add.restype = None
     return lib
 
 
