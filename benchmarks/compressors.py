@@ -8,7 +8,8 @@ matrix, the shape of a layer's weight (a 1-D tensor PowerSGD sends dense). For e
 what the hook does to one segment on one rank, in its order:
 
 1. error feedback: the gradient plus the stored residual, into a buffer the memory recycles;
-2. compress to the factor, the squared norm of what was compressed and of what is sent (the header's, for the
+2. compress to the factor (the casts into the bucket's recycled buffer, as the hook's all-reduce path writes them),
+   the squared norm of what was compressed and of what is sent (the header's, for the
    gain: ``sent_sq_norm``, which the hook computes beside every payload);
 3. the new residual, in place in that buffer, stored (1-3 are the hook's own ``encode``);
 4. decode into the bucket (``decode_`` of this rank's payload, as the hook decodes every rank's: written in one
@@ -55,6 +56,8 @@ def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
     memory = ErrorFeedback()
     work = grad.clone()
     memory.set("g", torch.zeros_like(grad))
+    # The casts write their payload into the bucket's recycled buffer, as the hook's summed path does.
+    wire = None if compressor.wire_dtype is None else torch.empty(grad.numel(), dtype=compressor.wire_dtype)
 
     def run() -> None:
         work.copy_(grad)  # the fresh gradient in the bucket: not part of the method, not timed
@@ -62,7 +65,7 @@ def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
         # As the strategy does: error feedback for biased methods that keep no residual of their own (DGC keeps its
         # accumulation instead; unbiased methods and signSGD go without), through the hook's own `encode`.
         feedback = "recycle" if compressor.error_feedback_default else "off"
-        encoded = encode(compressor, work, cf, key="g", feedback=feedback, memory=memory)
+        encoded = encode(compressor, work, cf, key="g", feedback=feedback, memory=memory, out=wire)
         payload = encoded.payload
         compressor.sent_sq_norm(payload)  # the header's ||C(g)||^2, which the hook sends beside every payload
         if encoded.residual is not None:
@@ -73,7 +76,7 @@ def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
         )  # a flat bucket
         run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
 
-    run.kept = lambda: kept_bytes(compressor, memory)  # type: ignore[attr-defined]
+    run.kept = lambda: kept_bytes(compressor, memory, wire)  # type: ignore[attr-defined]
     return run
 
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Literal
 
+import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.compressors.cast import FP16
@@ -168,6 +169,7 @@ class CompressionState:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     identity: Compressor = field(default_factory=NoCompression)
     cast: Compressor = field(default_factory=FP16)  # what a ``half`` step sends with
+    _wires: dict[str, Tensor] = field(default_factory=dict)  # summed payloads' buffers by bucket, recycled each step
 
     def bind(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         """Name the parameters of ``module`` (the unwrapped model) and remember the group."""
@@ -181,6 +183,15 @@ class CompressionState:
         if self.compressor.passthrough:
             return 1.0
         return self.param_cf.get(name, self.cf)
+
+    def wire_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A flat buffer for bucket ``key``'s summed payloads, the same one step after step while its size and type
+        stay (a bucket's collectives end before the next step's hook for it starts): a payload-sized allocation and
+        its page faults saved a step, at the price of keeping it between steps."""
+        buffer = self._wires.get(key)
+        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._wires[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer
 
     def record(self, record: BucketRecord) -> None:
         # Records arrive from the hook's future callbacks, which may run on the backend's thread.

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_gravac.compressors import get_compressor, kernels
+from lightning_gravac.compressors.memory import encode
 from lightning_gravac.compressors.select import Blocks
 
 _COMPILER = shlex.split(sysconfig.get_config_var("CC") or "cc")[0]
@@ -389,3 +390,40 @@ def test_the_energy_of_16_bit_values_widens_every_value_exactly(dtype, threads):
         assert float(kernels.half_sq(one)) == float(value.double()) ** 2
     infinite = torch.tensor([1.0, float("inf")], dtype=dtype)
     assert math.isinf(float(kernels.half_sq(infinite)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_the_cast_kernel_rounds_as_torch_and_finds_both_norms(dtype, threads):
+    # Every exponent and sign of fp32 (random bit patterns: overflow to inf, subnormal results, ties) and the edges
+    # of the 16-bit range; a length that leaves a tail after the blocks of 8 and of 1024.
+    patterns = torch.randint(-(2**31), 2**31 - 1, (300_007,), generator=torch.Generator().manual_seed(0))
+    info = torch.finfo(dtype)
+    edges = [info.max, -info.max, info.max * 1.001, info.tiny, info.tiny * info.eps, info.tiny * info.eps / 2, 65520.0]
+    x = torch.cat([patterns.to(torch.int32).view(torch.float32), torch.tensor(edges), torch.randn(20_001)])
+    x = torch.cat([x, torch.tensor([math.nan, math.inf, -math.inf, -0.0])])
+    out = torch.empty(x.numel(), dtype=dtype)
+    kernels.cast_half(x, out)
+    expected = x.to(dtype)
+    nan = expected.isnan()
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16)) and out[nan].isnan().all()
+    # The norms, on the entries whose 16-bit value is finite: the input's against torch in float64, what is sent
+    # exactly as the 16-bit norm kernel sums it (the same blocks and lanes); neither depends on the thread count.
+    keep = x[expected.isfinite() & x.isfinite()].contiguous()
+    wire = torch.empty(keep.numel(), dtype=dtype)
+    given, sent = kernels.cast_half(keep, wire)
+    assert float(given) == pytest.approx(float(keep.double().square().sum()), rel=1e-12)
+    assert float(sent) == float(kernels.half_sq(wire))
+    torch.set_num_threads(1)
+    assert [float(given), float(sent)] == [float(v) for v in kernels.cast_half(keep, torch.empty_like(wire))]
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_the_casts_send_the_same_payload_and_header_with_and_without_the_kernel(name, eager):
+    g = _student(100_003, seed=5)
+    method = get_compressor(name)
+    fast = encode(method, g, 2, key="w", out=torch.empty(g.numel(), dtype=method.wire_dtype))
+    eager()
+    slow = encode(method, g, 2, key="w")
+    assert torch.equal(fast.payload.wire[0], slow.payload.wire[0])
+    assert float(fast.basis) == pytest.approx(float(slow.basis), rel=1e-6)  # sq_norm: fp32 chunks, then float64
+    assert float(method.sent_sq_norm(fast.payload)) == pytest.approx(float(method.sent_sq_norm(slow.payload)), rel=1e-6)

@@ -833,3 +833,107 @@ void lg_natural_add(const uint8_t *restrict bytes, int64_t n, const float *restr
     for (int64_t i = 0; i < n; i++)
         out[i] = out[i] + table[bytes[i]];
 }
+
+/*
+ * The casts (compressors/cast.py) in one pass: each fp32 entry rounded to fp16 or bf16 (to nearest, ties to even, as
+ * torch rounds; NaN as a quiet NaN), written to `out`, with the two norms the statistics header needs: ||x||^2 of the
+ * input and ||wire||^2 of the 16-bit values (each widened exactly), both in float64, eight lanes a block of HALF_BLOCK
+ * entries, the blocks in block order (the thread count does not change them).
+ */
+static inline float from_bits(uint32_t bits)
+{
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_half(float f)
+{
+    /* Without branches. The float addition does the rounding: |f| scaled up and down by powers of two (so that an
+     * overflow becomes inf and the exponent is kept), then added to a power of two whose exponent places fp16's last
+     * mantissa bit at fp32's last, so the sum is rounded to nearest even exactly where fp16 would round; a subnormal
+     * result takes the smallest such bias (2^-14's). The fp16 bits are then the sum's low bits. */
+    uint32_t w, twice, bias, bits;
+    memcpy(&w, &f, sizeof w);
+    twice = w + w; /* the sign shifted out */
+    bias = twice & 0xff000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    float base = (fabsf(f) * 0x1p112f) * 0x1p-110f;
+    base = from_bits((bias >> 1) + 0x07800000u) + base;
+    memcpy(&bits, &base, sizeof bits);
+    uint32_t magnitude = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+    return (uint16_t)(((w & 0x80000000u) >> 16) | (twice > 0xff000000u ? 0x7e00u : magnitude));
+}
+
+static inline uint16_t float_to_bf16(float f)
+{
+    uint32_t w;
+    memcpy(&w, &f, sizeof w);
+    uint32_t rounded = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16; /* to nearest, ties to even */
+    return (uint16_t)((w & MAGNITUDE) > INF_BITS ? 0x7fc0u : rounded);
+}
+
+double lg_cast_half(const float *x, int64_t n, int is_bf16, uint16_t *out, double *scratch, double *sent, int threads)
+{
+    int64_t blocks = (n + HALF_BLOCK - 1) / HALF_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t start = b * HALF_BLOCK, end = start + HALF_BLOCK < n ? start + HALF_BLOCK : n, i;
+        /* The block cast first (a loop of its own vectorizes), then both norms from cache. */
+        if (is_bf16)
+            for (i = start; i < end; i++)
+                out[i] = float_to_bf16(x[i]);
+        else {
+            i = start;
+#ifdef __F16C__ /* the hardware's conversion (to nearest even; a NaN keeps its payload's top bits, quieted) */
+            for (; i + 8 <= end; i += 8)
+                _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+            for (; i < end; i++)
+                out[i] = float_to_half(x[i]);
+        }
+        double given[8] = {0}, wired[8] = {0};
+        for (i = start; i + 8 <= end; i += 8)
+            for (int k = 0; k < 8; k++) {
+                double v = x[i + k];
+                given[k] += v * v;
+            }
+        if (is_bf16)
+            for (i = start; i + 8 <= end; i += 8)
+                for (int k = 0; k < 8; k++) {
+                    double w = bf16_to_float(out[i + k]);
+                    wired[k] += w * w;
+                }
+        else
+            for (i = start; i + 8 <= end; i += 8) {
+                float widened[8];
+#ifdef __F16C__
+                _mm256_storeu_ps(widened, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(out + i))));
+#else
+                for (int k = 0; k < 8; k++)
+                    widened[k] = half_to_float(out[i + k]);
+#endif
+                for (int k = 0; k < 8; k++)
+                    wired[k] += (double)widened[k] * widened[k];
+            }
+        double g = 0.0, s = 0.0;
+        for (int k = 0; k < 8; k++) {
+            g += given[k];
+            s += wired[k];
+        }
+        for (; i < end; i++) {
+            double v = x[i], w = is_bf16 ? bf16_to_float(out[i]) : half_to_float(out[i]);
+            g += v * v;
+            s += w * w;
+        }
+        scratch[2 * b] = g;
+        scratch[2 * b + 1] = s;
+    }
+    double total = 0.0, total_sent = 0.0;
+    for (int64_t b = 0; b < blocks; b++) {
+        total += scratch[2 * b];
+        total_sent += scratch[2 * b + 1];
+    }
+    *sent = total_sent;
+    return total;
+}

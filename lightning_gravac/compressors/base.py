@@ -94,6 +94,8 @@ class Compressor(ABC):
             no factor to search.
         near_lossless: whether what is sent is the gradient up to rounding (a 16-bit cast, or nothing done), so that
             an optimizer that scales each coordinate (Adam) trains as with dense gradients.
+        wire_dtype: for a method whose payload is one tensor of the input's numel in this dtype (the casts), which
+            :meth:`compress_into` writes into a buffer the caller keeps; ``None`` for every other method.
     """
 
     name: ClassVar[str]
@@ -105,6 +107,7 @@ class Compressor(ABC):
     layerwise: ClassVar[bool] = False
     fixed_cf: ClassVar[float | None] = None
     near_lossless: ClassVar[bool] = False
+    wire_dtype: ClassVar[torch.dtype | None] = None
 
     @property
     def summable(self) -> bool:
@@ -132,6 +135,12 @@ class Compressor(ABC):
     @abstractmethod
     def decompress(self, payload: Payload) -> Tensor:
         """Decode ``payload`` to a dense tensor of the original shape and dtype."""
+
+    def compress_into(self, tensor: Tensor, cf: float, out: Tensor, *, key: str = "", step: int = 0) -> Payload:
+        """:meth:`compress`, the payload's one wire tensor written into ``out`` (flat, ``tensor.numel()`` entries of
+        :attr:`wire_dtype`): a buffer the caller recycles, so that no payload-sized tensor is allocated a step. Only
+        for a method with a :attr:`wire_dtype`."""
+        raise NotImplementedError(f"{self.name} has no payload of a fixed dtype to write into a buffer")
 
     def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
         """``||C_cf(tensor)||^2`` for each factor in ``cfs``, as a float64 tensor; no side effects.

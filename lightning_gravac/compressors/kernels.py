@@ -224,6 +224,19 @@ def natural_add_(out: Tensor, codes: Tensor, table: Tensor) -> None:
     _loaded().lg_natural_add(codes.data_ptr(), out.numel(), table.data_ptr(), out.data_ptr(), torch.get_num_threads())
 
 
+def cast_half(values: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+    """``out.copy_(values)`` for the flat contiguous fp32 ``values`` and an fp16 or bf16 ``out`` (rounded as torch
+    rounds; a NaN may come out with other payload bits), in one pass with ``||values||^2`` and ``||out||^2`` (each
+    float64, 0-d)."""
+    n = values.numel()
+    scratch, sent = torch.empty(2 * -(-n // 1024), dtype=torch.float64), ctypes.c_double()
+    given = _loaded().lg_cast_half(
+        values.data_ptr(), n, int(out.dtype == torch.bfloat16), out.data_ptr(), scratch.data_ptr(),
+        ctypes.byref(sent), torch.get_num_threads(),
+    )  # fmt: skip
+    return torch.tensor(given, dtype=torch.float64), torch.tensor(sent.value, dtype=torch.float64)
+
+
 def _loaded() -> ctypes.CDLL:
     lib = _library()
     assert lib is not None, "a kernel called without the kernels: check usable() first"
@@ -296,6 +309,11 @@ def _library() -> ctypes.CDLL | None:
     lib.lg_onebit_add.restype = None
     lib.lg_half_sq.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.lg_half_sq.restype = ctypes.c_double
+    lib.lg_cast_half.argtypes = [
+        floats, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_double),
+        ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_cast_half.restype = ctypes.c_double
     lib.lg_natural_top.argtypes = [floats, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
     lib.lg_natural_top.restype = ctypes.c_int
     lib.lg_natural_encode.argtypes = [

@@ -128,6 +128,7 @@ def encode(
     memory: ErrorFeedback | None = None,
     probe_cfs: Sequence[float] = (),
     prober: Compressor | None = None,
+    out: Tensor | None = None,
 ) -> Encoded:
     """Error feedback, compression and the new residual of one tensor, in that order.
 
@@ -141,6 +142,9 @@ def encode(
     ``probe_cfs`` asks for the kept norms at other factors too, measured by ``prober`` (default: ``compressor``, in
     one multi-level selection where the method nests them; another method when ``compressor`` only stands in for it
     this step, as a layer sent dense inside a compressed bucket).
+
+    ``out``, for a method with a ``wire_dtype`` (the casts), is where its payload is written
+    (:meth:`~lightning_gravac.compressors.base.Compressor.compress_into`); other methods ignore it.
     """
     if feedback == "recycle":
         if memory is None:
@@ -150,7 +154,11 @@ def encode(
         x = tensor
     prober = compressor if prober is None else prober
     probes = None
-    if probe_cfs and prober is compressor:
+    if out is not None and compressor.wire_dtype is not None:
+        payload = compressor.compress_into(x, cf, out, key=key, step=step)
+        if probe_cfs:
+            probes = prober.probe(x, probe_cfs, key=key, step=step)
+    elif probe_cfs and prober is compressor:
         payload, probes = compressor.compress_and_probe(x, cf, probe_cfs, key=key, step=step)
     else:
         payload = compressor.compress(x, cf, key=key, step=step)

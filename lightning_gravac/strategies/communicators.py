@@ -118,6 +118,7 @@ class Work:
     fresh: tuple[Tensor, Tensor] | None = None  # the probes of the step's own gradient and its ||grad||^2
     start: float = field(default_factory=time.perf_counter)
     payloads: list[Payload] = field(default_factory=list)
+    wire: Tensor | None = None  # the recycled buffer that holds every segment's payload in order (summed casts)
     header: Tensor | None = None
     pending: dict[str, Tensor | None] = field(default_factory=dict)
 
@@ -151,10 +152,11 @@ class _Encoded(Communicator):
     def send(self, work: Work) -> Future[Tensor]:
         state, probe_cfs = work.state, work.probe_cfs
         basis, sent, probes = [], [], []
-        for s in work.segments:
+        outs = self.wire_views(work)
+        for s, out in zip(work.segments, outs, strict=True):
             encoded = encode(
                 s.compressor, s.tensor, s.cf, key=s.key, step=state.step, feedback=work.feedback,
-                memory=state.memory, probe_cfs=probe_cfs, prober=state.compressor,
+                memory=state.memory, probe_cfs=probe_cfs, prober=state.compressor, out=out,
             )  # fmt: skip
             work.payloads.append(encoded.payload)
             basis.append(encoded.basis)
@@ -167,6 +169,10 @@ class _Encoded(Communicator):
         if state.error_feedback and state.momentum:
             state.momentum.mask_(work.pending)
         return self.exchange(work)
+
+    def wire_views(self, work: Work) -> list[Tensor | None]:
+        """Where each segment's payload is written (``None``: the method allocates it)."""
+        return [None] * len(work.segments)
 
     @abstractmethod
     def exchange(self, work: Work) -> Future[Tensor]:
@@ -204,9 +210,23 @@ class Summed(_Encoded):
     """Payloads that share support across ranks, summed by one all-reduce (with the header beside it) and decoded
     once."""
 
+    def wire_views(self, work: Work) -> list[Tensor | None]:
+        # Payloads of one dtype written straight into the bucket's recycled buffer (the casts): no payload is
+        # allocated and none is copied into the buffer the all-reduce sends.
+        dtypes = {s.compressor.wire_dtype for s in work.segments}
+        dtype = dtypes.pop() if len(dtypes) == 1 else None
+        if dtype is None:
+            return super().wire_views(work)
+        sizes = [s.tensor.numel() for s in work.segments]
+        work.wire = work.state.wire_buffer(work.names[0], sum(sizes), dtype, work.buffer.device)
+        return list(work.wire.split(sizes))
+
     def exchange(self, work: Work) -> Future[Tensor]:
         # Divide before summing: a half-precision sum of N undivided gradients can overflow.
-        flat = torch.cat([w.reshape(-1) for p in work.payloads for w in p.wire]).div_(work.state.world_size)
+        if work.wire is not None:
+            flat = work.wire.div_(work.state.world_size)
+        else:
+            flat = torch.cat([w.reshape(-1) for p in work.payloads for w in p.wire]).div_(work.state.world_size)
 
         def decode() -> Tensor:
             summed, offset = [], 0
