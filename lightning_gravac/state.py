@@ -170,6 +170,7 @@ class CompressionState:
     identity: Compressor = field(default_factory=NoCompression)
     cast: Compressor = field(default_factory=FP16)  # what a ``half`` step sends with
     _wires: dict[str, Tensor] = field(default_factory=dict)  # summed payloads' buffers by bucket, recycled each step
+    _wires_used: set[str] = field(default_factory=set)  # the buckets whose buffer this step wrote
 
     def bind(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         """Name the parameters of ``module`` (the unwrapped model) and remember the group."""
@@ -187,7 +188,9 @@ class CompressionState:
     def wire_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A flat buffer for bucket ``key``'s summed payloads, the same one step after step while its size and type
         stay (a bucket's collectives end before the next step's hook for it starts): a payload-sized allocation and
-        its page faults saved a step, at the price of keeping it between steps."""
+        its page faults saved a step, at the price of keeping it between steps. A step that wrote any drops those of
+        buckets it did not write (DDP's rebuilt buckets leave the first step's behind: :meth:`end_step`)."""
+        self._wires_used.add(key)
         buffer = self._wires.get(key)
         if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
             buffer = self._wires[key] = torch.empty(numel, dtype=dtype, device=device)
@@ -210,6 +213,9 @@ class CompressionState:
         is a step; :attr:`step` advances and its buckets wait for :meth:`take_stats`."""
         with self._lock:
             records, self._records = self._records, []
+        if self._wires_used:
+            self._wires = {key: buffer for key, buffer in self._wires.items() if key in self._wires_used}
+            self._wires_used = set()
         if records:
             self.step += 1
             self._done += records
@@ -229,6 +235,7 @@ class CompressionState:
         state = self.__dict__.copy()
         state.pop("_lock")
         state["process_group"] = None
+        state["_wires"], state["_wires_used"] = {}, set()  # scratch: recycled buffers, not state
         return state
 
     def __setstate__(self, state: dict) -> None:

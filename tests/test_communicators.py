@@ -170,3 +170,19 @@ def test_low_rank_is_the_communicator_of_powersgd_only():
     state.half = True
     half = Work(state, g.view(-1), [Segment("w", g, 2.0, state.cast, g)], ["w"], [g])
     assert isinstance(communicator_for(half), Summed)  # a half step is a cast, whatever the method
+
+
+def test_the_wire_buffers_are_recycled_and_a_step_drops_those_it_did_not_write():
+    import pickle
+
+    state = CompressionState(get_compressor("fp16"), error_feedback=False)
+    first = state.wire_buffer("a", 100, torch.float16, torch.device("cpu"))
+    state.wire_buffer("b", 50, torch.float16, torch.device("cpu"))
+    state.end_step()
+    assert state.wire_buffer("a", 100, torch.float16, torch.device("cpu")) is first  # recycled
+    state.end_step()  # a step that wrote only "a" (DDP rebuilt its buckets): "b" goes
+    assert set(state._wires) == {"a"}
+    state.end_step()  # a step that wrote none (a sparsifier's step) drops nothing
+    assert set(state._wires) == {"a"}
+    assert state.wire_buffer("a", 100, torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16  # re-made
+    assert pickle.loads(pickle.dumps(state))._wires == {}  # scratch, not state

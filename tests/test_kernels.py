@@ -299,10 +299,11 @@ def _natural_input(numel: int, seed: int, dtype: torch.dtype = torch.float32) ->
     return g.to(dtype)
 
 
+@needs_kernels
 @pytest.mark.parametrize("special", ["finite", "nan", "inf"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_natural_kernel_codes_and_decodes_the_eager_bits(special, dtype, eager, threads):
-    g = _natural_input(50_003, 4, dtype)
+    g = _natural_input(200_003, 4, dtype)  # above the kernels' threshold for more than one thread
     g[1000] = {"finite": 1.0, "nan": math.nan, "inf": -math.inf}[special]
     method = get_compressor("natural")
     for fast, slow in zip(*_quantized_both_ways(method, g, 4, g.flip(0) / 3, eager), strict=True):
@@ -313,6 +314,7 @@ def test_natural_kernel_codes_and_decodes_the_eager_bits(special, dtype, eager, 
             assert torch.equal(fast, slow) or (special != "finite" and torch.allclose(fast, slow, 0, 0, equal_nan=True))
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_natural_rounds_every_exponent_and_the_top_by_the_same_draws(dtype, threads):
     """The kernel's largest exponent draws only where it can be reached: one that every entry but the largest rounds
@@ -326,6 +328,9 @@ def test_natural_rounds_every_exponent_and_the_top_by_the_same_draws(dtype, thre
         torch.rand(4099) * 1e-39,  # subnormal fp32 only
         torch.tensor([0.0, -0.0, math.nan, math.inf] * 300),
         torch.full((300,), 1.999) * torch.tensor([1.0] * 299 + [2.0]),  # the largest field's entries round up or not
+        # Over threads: one exponent field throughout, and only the last thread's entries (1.75) may round up.
+        torch.cat([torch.full((150_000,), 1.75), torch.full((150_001,), 1.0)]).flip(0),
+        _natural_input(300_007, 6, dtype).float(),
     ]
     for x in cases:
         for stream in (1, 2**62 + 7):
@@ -392,6 +397,7 @@ def test_the_energy_of_16_bit_values_widens_every_value_exactly(dtype, threads):
     assert math.isinf(float(kernels.half_sq(infinite)))
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_the_cast_kernel_rounds_as_torch_and_finds_both_norms(dtype, threads):
     # Every exponent and sign of fp32 (random bit patterns: overflow to inf, subnormal results, ties) and the edges
@@ -417,6 +423,7 @@ def test_the_cast_kernel_rounds_as_torch_and_finds_both_norms(dtype, threads):
     assert [float(given), float(sent)] == [float(v) for v in kernels.cast_half(keep, torch.empty_like(wire))]
 
 
+@needs_kernels
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_the_casts_send_the_same_payload_and_header_with_and_without_the_kernel(name, eager):
     g = _student(100_003, seed=5)
@@ -427,3 +434,16 @@ def test_the_casts_send_the_same_payload_and_header_with_and_without_the_kernel(
     assert torch.equal(fast.payload.wire[0], slow.payload.wire[0])
     assert float(fast.basis) == pytest.approx(float(slow.basis), rel=1e-6)  # sq_norm: fp32 chunks, then float64
     assert float(method.sent_sq_norm(fast.payload)) == pytest.approx(float(method.sent_sq_norm(slow.payload)), rel=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_the_portable_16_bit_conversion_rounds_as_torch(dtype):
+    # The path CPUs without F16C take (this one has it, so cast_half never runs it on whole groups of 8).
+    patterns = torch.randint(-(2**31), 2**31 - 1, (300_007,), generator=torch.Generator().manual_seed(1))
+    x = torch.cat([patterns.to(torch.int32).view(torch.float32), torch.randn(10_000), torch.tensor([-0.0, math.inf])])
+    out = torch.empty(x.numel(), dtype=dtype)
+    kernels.half_bits(x, out)
+    expected = x.to(dtype)
+    nan = expected.isnan()
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16)) and out[nan].isnan().all()

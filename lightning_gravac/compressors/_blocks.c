@@ -873,6 +873,13 @@ static inline uint16_t float_to_bf16(float f)
     return (uint16_t)((w & MAGNITUDE) > INF_BITS ? 0x7fc0u : rounded);
 }
 
+/* The portable conversions alone (the cast's path on CPUs without F16C, and bf16's everywhere): for the tests. */
+void lg_half_bits(const float *x, int64_t n, int is_bf16, uint16_t *out)
+{
+    for (int64_t i = 0; i < n; i++)
+        out[i] = is_bf16 ? float_to_bf16(x[i]) : float_to_half(x[i]);
+}
+
 double lg_cast_half(const float *x, int64_t n, int is_bf16, uint16_t *out, double *scratch, double *sent, int threads)
 {
     int64_t blocks = (n + HALF_BLOCK - 1) / HALF_BLOCK;

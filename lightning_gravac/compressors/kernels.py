@@ -7,8 +7,9 @@ block's peak takes two row reductions (``amax``, ``amin``), the entries above a 
 all of torch's threads, with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager
 path): block peaks and scans (the sparsifiers), DGC's momentum and velocity update, sign packing, decoding and the
 majority vote, counter-based draws, QSGD's and TernGrad's codes and their decode, the codes' exact integer energy (the
-statistics header), and 1-bit SGD's column sums (in float64, a single column in float32 lanes of 32 entries first:
-close to the eager float32 sums, not equal) and decode.
+statistics header), 1-bit SGD's column sums (in float64, a single column in float32 lanes of 32 entries first:
+close to the eager float32 sums, not equal) and decode, natural compression's bytes and decode, and the 16-bit casts
+with both header norms in the same pass.
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
@@ -237,6 +238,12 @@ def cast_half(values: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
     return torch.tensor(given, dtype=torch.float64), torch.tensor(sent.value, dtype=torch.float64)
 
 
+def half_bits(values: Tensor, out: Tensor) -> None:
+    """``out.copy_(values)`` by the portable round-to-nearest-even conversions alone (no F16C), one thread: the path
+    :func:`cast_half` takes on CPUs without F16C, exposed for its tests."""
+    _loaded().lg_half_bits(values.data_ptr(), values.numel(), int(out.dtype == torch.bfloat16), out.data_ptr())
+
+
 def _loaded() -> ctypes.CDLL:
     lib = _library()
     assert lib is not None, "a kernel called without the kernels: check usable() first"
@@ -314,6 +321,8 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_int,
     ]  # fmt: skip
     lib.lg_cast_half.restype = ctypes.c_double
+    lib.lg_half_bits.argtypes = [floats, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.lg_half_bits.restype = None
     lib.lg_natural_top.argtypes = [floats, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
     lib.lg_natural_top.restype = ctypes.c_int
     lib.lg_natural_encode.argtypes = [

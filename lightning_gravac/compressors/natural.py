@@ -36,8 +36,9 @@ class Natural(Compressor):
     past the largest power of two their dtype holds round down. A NaN or Inf entry is sent as such (it decodes as
     NaN). Unbiased, so error feedback is off by default. The draws are counter-based, streamed by ``(seed, step,
     tensor, rank)`` as QSGD's. With the compiled kernel an fp32 gradient is read twice (the largest rounded exponent,
-    then the bytes, the same draws both times) and decoded by a 256-entry table; the header's ``||C(g)||^2`` comes
-    from the count of each byte.
+    then the bytes, the same draws both times) and decoded by a 256-entry table; the header's ``||C(g)||^2`` is the
+    sum of the squares of the powers sent (by the kernel from a table of the 256 bytes' squares, by the eager path from
+    the count of each byte).
 
     Args:
         seed: seed of the rounding draws.
