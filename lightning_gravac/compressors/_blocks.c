@@ -679,34 +679,44 @@ static inline float bf16_to_float(uint16_t h)
     return f;
 }
 
+/* The squared norm of x[start, end) widened exactly, in float64: eight lanes, then the tail (the order both the norm
+ * kernel and the cast keep, so they give the same bits). */
+static inline double half_block_sq(const uint16_t *x, int64_t start, int64_t end, int is_bf16)
+{
+    double lanes[8] = {0}, sum = 0.0;
+    int64_t i = start;
+    for (; i + 8 <= end; i += 8) {
+        float widened[8];
+        if (is_bf16)
+            for (int k = 0; k < 8; k++)
+                widened[k] = bf16_to_float(x[i + k]);
+        else {
+#ifdef __F16C__
+            _mm256_storeu_ps(widened, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+#else
+            for (int k = 0; k < 8; k++)
+                widened[k] = half_to_float(x[i + k]);
+#endif
+        }
+        for (int k = 0; k < 8; k++)
+            lanes[k] += (double)widened[k] * widened[k];
+    }
+    for (int k = 0; k < 8; k++)
+        sum += lanes[k];
+    for (; i < end; i++) {
+        double v = is_bf16 ? bf16_to_float(x[i]) : half_to_float(x[i]);
+        sum += v * v;
+    }
+    return sum;
+}
+
 double lg_half_sq(const uint16_t *x, int64_t n, int is_bf16, double *scratch, int threads)
 {
     int64_t blocks = (n + HALF_BLOCK - 1) / HALF_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t i = b * HALF_BLOCK, end = i + HALF_BLOCK < n ? i + HALF_BLOCK : n;
-        double lanes[8] = {0};
-        if (is_bf16) {
-            for (; i + 8 <= end; i += 8)
-                for (int k = 0; k < 8; k++) {
-                    double v = bf16_to_float(x[i + k]);
-                    lanes[k] += v * v;
-                }
-        } else {
-            for (; i + 8 <= end; i += 8)
-                for (int k = 0; k < 8; k++) {
-                    double v = half_to_float(x[i + k]);
-                    lanes[k] += v * v;
-                }
-        }
-        double sum = 0.0;
-        for (int k = 0; k < 8; k++)
-            sum += lanes[k];
-        for (; i < end; i++) {
-            float v = is_bf16 ? bf16_to_float(x[i]) : half_to_float(x[i]);
-            sum += (double)v * v;
-        }
-        scratch[b] = sum;
+        int64_t start = b * HALF_BLOCK, end = start + HALF_BLOCK < n ? start + HALF_BLOCK : n;
+        scratch[b] = half_block_sq(x, start, end, is_bf16);
     }
     double total = 0.0;
     for (int64_t b = 0; b < blocks; b++)
@@ -737,41 +747,25 @@ static inline int natural_exponent(uint32_t bits, float u, int maxexp)
     return r < maxexp ? r : maxexp;
 }
 
-/* The largest rounded exponent of the finite non-zero entries (INT32_MIN when there are none). Only entries in the
- * largest exponent field seen so far can hold it, so only theirs are drawn (a branch rarely taken after the first few
- * entries); a tensor with no normal entry draws every one. */
+/* The largest rounded exponent of the finite non-zero entries (INT32_MIN when there are none). An entry in a lower
+ * exponent field than one already seen cannot round above it, so only the others are drawn (a branch rarely taken
+ * after the first few entries). */
 int lg_natural_top(const float *x, int64_t n, uint64_t stream, int maxexp, int threads)
 {
     const uint32_t *bits = (const uint32_t *)x;
     int top = INT32_MIN;
-#pragma omp parallel num_threads(threads) if (n > PARALLEL_BLOCKS * 32)
+#pragma omp parallel num_threads(threads) reduction(max : top) if (n > PARALLEL_BLOCKS * 32)
     {
-        uint32_t field = 0; /* the largest finite exponent field of this thread's entries, and whether one rounds up */
-        int up = 0;
+        uint32_t field = 0; /* the largest exponent field of this thread's finite non-zero entries so far */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
-            uint32_t e = (bits[i] >> 23) & 0xffu;
-            if (e >= field && e != 0xffu && e != 0u) {
-                if (e > field)
-                    field = e, up = 0;
-                up |= uniform_at(stream, i) < (float)(bits[i] & 0x7fffffu) * 0x1p-23f;
+            uint32_t magnitude = bits[i] & MAGNITUDE;
+            if (magnitude >> 23 >= field && magnitude != 0u && magnitude < INF_BITS) {
+                field = magnitude >> 23;
+                int r = natural_exponent(bits[i], uniform_at(stream, i), maxexp);
+                top = r > top ? r : top;
             }
         }
-        int mine = INT32_MIN;
-        if (field != 0u) {
-            int r = (int)field - 127 + up;
-            mine = r < maxexp ? r : maxexp;
-        }
-#pragma omp critical
-        top = mine > top ? mine : top;
-    }
-    if (top != INT32_MIN)
-        return top;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : top) if (n > PARALLEL_BLOCKS * 32)
-    for (int64_t i = 0; i < n; i++) { /* no normal entry: the subnormals' own exponents */
-        uint32_t magnitude = bits[i] & MAGNITUDE;
-        int r = natural_exponent(bits[i], uniform_at(stream, i), maxexp);
-        top = magnitude != 0u && magnitude < INF_BITS && r > top ? r : top;
     }
     return top;
 }
@@ -899,42 +893,18 @@ double lg_cast_half(const float *x, int64_t n, int is_bf16, uint16_t *out, doubl
             for (; i < end; i++)
                 out[i] = float_to_half(x[i]);
         }
-        double given[8] = {0}, wired[8] = {0};
+        double given[8] = {0}, g = 0.0;
         for (i = start; i + 8 <= end; i += 8)
             for (int k = 0; k < 8; k++) {
                 double v = x[i + k];
                 given[k] += v * v;
             }
-        if (is_bf16)
-            for (i = start; i + 8 <= end; i += 8)
-                for (int k = 0; k < 8; k++) {
-                    double w = bf16_to_float(out[i + k]);
-                    wired[k] += w * w;
-                }
-        else
-            for (i = start; i + 8 <= end; i += 8) {
-                float widened[8];
-#ifdef __F16C__
-                _mm256_storeu_ps(widened, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(out + i))));
-#else
-                for (int k = 0; k < 8; k++)
-                    widened[k] = half_to_float(out[i + k]);
-#endif
-                for (int k = 0; k < 8; k++)
-                    wired[k] += (double)widened[k] * widened[k];
-            }
-        double g = 0.0, s = 0.0;
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < 8; k++)
             g += given[k];
-            s += wired[k];
-        }
-        for (; i < end; i++) {
-            double v = x[i], w = is_bf16 ? bf16_to_float(out[i]) : half_to_float(out[i]);
-            g += v * v;
-            s += w * w;
-        }
+        for (; i < end; i++)
+            g += (double)x[i] * x[i];
         scratch[2 * b] = g;
-        scratch[2 * b + 1] = s;
+        scratch[2 * b + 1] = half_block_sq(out, start, end, is_bf16);
     }
     double total = 0.0, total_sent = 0.0;
     for (int64_t b = 0; b < blocks; b++) {
