@@ -276,8 +276,11 @@ def test_qsgd_kernel_packs_and_decodes_the_eager_bits(levels, bucket_size, eager
     g[:bucket_size] = 0.0  # a zero bucket: its norm is clamped, every level 0
     g[200] = -0.0
     method = get_compressor("qsgd", levels=levels, bucket_size=bucket_size)
-    for fast, slow in zip(*_quantized_both_ways(method, g, 10, -g.flip(0), eager), strict=True):
+    got = _quantized_both_ways(method, g, 10, -g.flip(0), eager)
+    for fast, slow in zip(*got, strict=True):
         _same(fast, slow)
+    for *_, decoded, _ in got:  # level 0 (code s), not -s times a step of 0 (-0.0): s / tiny is inf from s = 4
+        assert not decoded[:bucket_size].signbit().any()
 
 
 @pytest.mark.parametrize("clip_std", [2.5, None])

@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -353,23 +354,23 @@ static inline int code_at(const uint8_t *packed, int64_t nbytes, int bits, int64
     return (int)((window >> (16 - (int)(at & 7) - bits)) & ((1u << bits) - 1));
 }
 
-/* Packs codes made by `code_of(i)` for entries [0, n): groups of 8 entries fill `bits` whole bytes; the last group is
- * zero-padded (its bytes past the packed size are not written). Whole groups in a loop of their own, whose 8 codes
- * the compiler unrolls. */
-#define PACK_CODES(code_of)                                                                                           \
+/* Packs the codes made by `code_of(i)` of groups [first, last) of 8 entries, each group into `bits` whole bytes. */
+#define PACK_GROUPS(first, last, code_of)                                                                             \
+    for (int64_t grp = (first); grp < (last); grp++) {                                                                \
+        uint8_t codes[8];                                                                                             \
+        for (int k = 0; k < 8; k++) {                                                                                 \
+            int64_t i = grp * 8 + k;                                                                                  \
+            codes[k] = (code_of);                                                                                     \
+        }                                                                                                             \
+        put_codes(out + grp * bits, codes, bits);                                                                     \
+    }
+
+/* Packs the last, short group of 8 (entries [n / 8 * 8, n)), zero-padded; its bytes past the packed size are not
+ * written. */
+#define PACK_TAIL(code_of)                                                                                            \
     do {                                                                                                              \
         int64_t full = n / 8, nbytes = (n * bits + 7) / 8;                                                            \
-        _Pragma("omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)")              \
-        for (int64_t grp = 0; grp < full; grp++) {                                                                    \
-            uint8_t codes[8];                                                                                         \
-            for (int k = 0; k < 8; k++) {                                                                             \
-                int64_t i = grp * 8 + k;                                                                              \
-                codes[k] = (code_of);                                                                                 \
-            }                                                                                                         \
-            put_codes(out + grp * bits, codes, bits);                                                                 \
-        }                                                                                                             \
         if (full * 8 < n) {                                                                                           \
-            int64_t grp = full;                                                                                       \
             uint8_t codes[8] = {0}, bytes[8];                                                                         \
             for (int64_t i = full * 8; i < n; i++)                                                                    \
                 codes[i - full * 8] = (code_of);                                                                      \
@@ -379,23 +380,54 @@ static inline int code_at(const uint8_t *packed, int64_t nbytes, int bits, int64
         }                                                                                                             \
     } while (0)
 
+/* Packs codes made by `code_of(i)` for entries [0, n): groups of 8 entries fill `bits` whole bytes, on every thread;
+ * then the last group. */
+#define PACK_CODES(code_of)                                                                                           \
+    do {                                                                                                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)")              \
+        PACK_GROUPS(0, n / 8, code_of);                                                                               \
+        PACK_TAIL(code_of);                                                                                           \
+    } while (0)
+
+/* Runs `call`, in which `bits` is then the compile-time constant 1..8 it equals. */
+#define CONSTANT_BITS(call)                                                                                           \
+    switch (bits) {                                                                                                   \
+    case 1: { const int bits = 1; call; } break;                                                                      \
+    case 2: { const int bits = 2; call; } break;                                                                      \
+    case 3: { const int bits = 3; call; } break;                                                                      \
+    case 4: { const int bits = 4; call; } break;                                                                      \
+    case 5: { const int bits = 5; call; } break;                                                                      \
+    case 6: { const int bits = 6; call; } break;                                                                      \
+    case 7: { const int bits = 7; call; } break;                                                                      \
+    default: { const int bits = 8; call; } break;                                                                     \
+    }
+
 /* QSGD's level of one entry: min(floor(|x| * scale + u), s) with the sign of x, offset by s (a code in [0, 2s]). */
 static inline uint8_t qsgd_code(float x, float scale, float u, int s)
 {
-    float level = floorf(fabsf(x) * scale + u);
-    if (level > (float)s)
-        level = (float)s;
-    return (uint8_t)(int)(copysignf(level, x) + (float)s);
+    float y = fabsf(x) * scale + u;
+    y = y >= 0.0f ? y : 0.0f; /* NaN (0 times a zero bucket's infinite scale): level 0, as the eager path */
+    int level = y < (float)s ? (int)y : s; /* y >= 0, so truncation is the floor */
+    return (uint8_t)(signbit(x) ? s - level : s + level);
 }
 
 /* QSGD: `scales[b]` is s / max(norm of bucket b, FLT_MIN) as float32 (computed by the caller, as the eager path). */
 void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits, uint64_t stream,
                     uint8_t *out, int threads)
 {
-    if (bucket % 8 == 0) /* a group of 8 within one bucket: its scale looked up once */
-        PACK_CODES(qsgd_code(x[i], scales[grp * 8 / bucket], uniform_at(stream, i), s));
-    else
-        PACK_CODES(qsgd_code(x[i], scales[i / bucket], uniform_at(stream, i), s));
+    /* The width made a constant (CONSTANT_BITS): packing then compiles to fixed shifts. */
+    if (bucket % 8 == 0) { /* groups of 8 within one bucket: a bucket's groups together, its scale read once */
+        int64_t per = bucket / 8, full = n / 8;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+        for (int64_t b = 0; b < (full + per - 1) / per; b++) {
+            float scale = scales[b];
+            int64_t first = b * per, last = first + per < full ? first + per : full;
+            CONSTANT_BITS(PACK_GROUPS(first, last, qsgd_code(x[i], scale, uniform_at(stream, i), s)));
+        }
+        CONSTANT_BITS(PACK_TAIL(qsgd_code(x[i], scales[i / bucket], uniform_at(stream, i), s)));
+    } else {
+        CONSTANT_BITS(PACK_CODES(qsgd_code(x[i], scales[i / bucket], uniform_at(stream, i), s)));
+    }
 }
 
 /* TernGrad's code of one entry: 1 + sign(c) if u * scale < |c| else 1, c = x clipped to [-bound, bound]. */
@@ -442,19 +474,6 @@ static inline __attribute__((always_inline)) void codes_add_packs(const uint8_t 
     }
 }
 
-/* Runs `call`, in which `bits` is then the compile-time constant 1..8 it equals. */
-#define CONSTANT_BITS(call)                                                                                           \
-    switch (bits) {                                                                                                   \
-    case 1: { const int bits = 1; call; } break;                                                                      \
-    case 2: { const int bits = 2; call; } break;                                                                      \
-    case 3: { const int bits = 3; call; } break;                                                                      \
-    case 4: { const int bits = 4; call; } break;                                                                      \
-    case 5: { const int bits = 5; call; } break;                                                                      \
-    case 6: { const int bits = 6; call; } break;                                                                      \
-    case 7: { const int bits = 7; call; } break;                                                                      \
-    default: { const int bits = 8; call; } break;                                                                     \
-    }
-
 /* Packs of 8 entries a thread takes at a time. */
 #define PACKS 512
 
@@ -475,9 +494,20 @@ void lg_codes_add(const uint8_t *packed, int64_t n, int bits, int offset, const 
  * each, the last one short) of (code_i - offset)^2, as an integer: exact, so the same whatever the thread count and
  * order. The caller weighs each by its step^2 in float64. */
 static inline __attribute__((always_inline)) int64_t codes_sq_packs(const uint8_t *packed, int64_t i, int64_t hi,
-                                                                     int bits, int offset)
+                                                                     int bits, int offset, const int32_t *table)
 {
     int64_t sum = 0;
+    if (table != NULL) { /* bits <= 4: each half of a pack (4 codes, 4 x bits bits) indexes their sum of squares */
+        unsigned half = 4 * bits, mask = (1u << half) - 1;
+        for (; i + 8 <= hi; i += 8) {
+            const uint8_t *in = packed + (i / 8) * bits;
+            uint32_t word = 0;
+            for (int b = 0; b < bits; b++)
+                word = word << 8 | in[b];
+            sum += table[word >> half] + table[word & mask];
+        }
+        return sum;
+    }
     for (; i + 8 <= hi; i += 8) {
         int codes[8];
         get_codes(packed + (i / 8) * bits, codes, bits);
@@ -488,7 +518,7 @@ static inline __attribute__((always_inline)) int64_t codes_sq_packs(const uint8_
 }
 
 static inline int64_t codes_sq_range(const uint8_t *packed, int64_t nbytes, int bits, int offset, int64_t lo,
-                                     int64_t hi)
+                                     int64_t hi, const int32_t *table)
 {
     int64_t sum = 0, i = lo;
     for (; i < hi && (i & 7); i++) {
@@ -496,7 +526,7 @@ static inline int64_t codes_sq_range(const uint8_t *packed, int64_t nbytes, int 
         sum += v * v;
     }
     int64_t packs = (hi - i) / 8 * 8;
-    CONSTANT_BITS(sum += codes_sq_packs(packed, i, i + packs, bits, offset));
+    CONSTANT_BITS(sum += codes_sq_packs(packed, i, i + packs, bits, offset, table));
     i += packs;
     for (; i < hi; i++) {
         int v = code_at(packed, nbytes, bits, i) - offset;
@@ -508,17 +538,32 @@ static inline int64_t codes_sq_range(const uint8_t *packed, int64_t nbytes, int 
 void lg_codes_sq(const uint8_t *packed, int64_t n, int bits, int offset, int64_t group, int64_t *sums, int threads)
 {
     int64_t nbytes = (n * bits + 7) / 8, groups = (n + group - 1) / group;
+    /* Codes of up to 4 bits: a table of the sum of squares of every 4 codes (16 to 65536 entries), worth building
+     * where the codes outnumber its entries 4 to 1. Sums of integers: the same result either way. */
+    int32_t *table = NULL;
+    if (bits <= 4 && n >= (int64_t)4 << (4 * bits) && (table = malloc(sizeof(int32_t) << (4 * bits))) != NULL)
+        for (uint32_t h = 0; h < 1u << (4 * bits); h++) {
+            int32_t sum = 0;
+            for (int k = 0; k < 4; k++) {
+                int v = (int)((h >> (bits * k)) & ((1u << bits) - 1)) - offset;
+                sum += v * v;
+            }
+            table[h] = sum;
+        }
     if (groups == 1) { /* one group (a tensor-wide step): its entries shared out, the integer sums added */
         int64_t sum = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : sum) if (n > PARALLEL_BLOCKS * 32)
         for (int64_t c = 0; c < (n + 4095) / 4096; c++)
-            sum += codes_sq_range(packed, nbytes, bits, offset, c * 4096, (c + 1) * 4096 < n ? (c + 1) * 4096 : n);
+            sum += codes_sq_range(packed, nbytes, bits, offset, c * 4096, (c + 1) * 4096 < n ? (c + 1) * 4096 : n,
+                                  table);
         sums[0] = sum;
-        return;
-    }
+    } else {
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
-    for (int64_t g = 0; g < groups; g++)
-        sums[g] = codes_sq_range(packed, nbytes, bits, offset, g * group, (g + 1) * group < n ? (g + 1) * group : n);
+        for (int64_t g = 0; g < groups; g++)
+            sums[g] = codes_sq_range(packed, nbytes, bits, offset, g * group, (g + 1) * group < n ? (g + 1) * group : n,
+                                     table);
+    }
+    free(table);
 }
 
 /*

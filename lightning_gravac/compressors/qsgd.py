@@ -71,6 +71,7 @@ class QSGD(Compressor):
             buckets = F.pad(flat, (0, -flat.numel() % self.bucket_size)).view(-1, self.bucket_size)
             noise = uniforms(stream, buckets.numel(), flat.device).view_as(buckets)
             level = buckets.abs().mul_(scales.unsqueeze(1)).add_(noise).floor_().clamp_(max=s)
+            level.nan_to_num_(nan=0.0)  # 0 times a zero bucket's infinite scale (s / tiny overflows for s >= 4)
             packed = pack_bits(level.copysign_(buckets).add_(s).view(-1)[: flat.numel()], _bits(s))
         # `s` is derived from `cf` identically on every rank: it decodes locally and never crosses the network.
         levels = torch.tensor(s)
