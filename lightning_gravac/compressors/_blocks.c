@@ -251,11 +251,25 @@ void lg_pack_signs(const float *x, int64_t n, uint8_t *out, int threads)
 
 /* out[i] = out[i] + (bit i set ? pos : neg): the decoded signs of one payload, added in one pass, a byte (8 entries)
  * at a time so that the bit of an entry is a constant shift. */
+/* The 32 bits of 4 packed bytes, the first byte's most significant bit highest: entry k of them is bit 31 - k. Read a
+ * word at a time, the 32 entries' picks compile to vector shifts and blends (a byte at a time ran at half the speed
+ * of a copy). */
+static inline uint32_t word_at(const uint8_t *bytes)
+{
+    return (uint32_t)bytes[0] << 24 | (uint32_t)bytes[1] << 16 | (uint32_t)bytes[2] << 8 | bytes[3];
+}
+
 void lg_add_signs(const uint8_t *bits, int64_t n, float pos, float neg, float *out, int threads)
 {
-    int64_t full = n / 8;
+    int64_t words = n / 32, full = n / 8;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
-    for (int64_t j = 0; j < full; j++) {
+    for (int64_t j = 0; j < words; j++) {
+        uint32_t word = word_at(bits + j * 4);
+        float *o = out + j * 32;
+        for (int k = 0; k < 32; k++)
+            o[k] = o[k] + ((word >> (31 - k)) & 1u ? pos : neg);
+    }
+    for (int64_t j = words * 4; j < full; j++) {
         unsigned b = bits[j];
         float *o = out + j * 8;
         for (int k = 0; k < 8; k++)
@@ -676,7 +690,14 @@ void lg_onebit_add(const uint8_t *restrict bits, int64_t rows, int64_t cols, con
     for (int64_t r = 0; r < rows; r++) {
         float *restrict row = out + r * cols;
         int64_t first = r * cols, c = 0;
-        if (!(first & 7)) /* a row that starts a byte: eight entries a byte */
+        if (!(first & 7)) { /* a row that starts a byte: 32 entries (4 bytes, most significant bit first) a step */
+            for (; c + 32 <= cols; c += 32) {
+                uint32_t word = word_at(bits + ((first + c) >> 3));
+                for (int k = 0; k < 32; k++)
+                    row[c + k] = row[c + k] + pick((word >> (31 - k)) & 1u, pos[c + k], neg[c + k]);
+            }
+        }
+        if (!(first & 7)) /* then eight entries a byte */
             for (; c + 8 <= cols; c += 8) {
                 unsigned b = bits[(first + c) >> 3];
                 for (int k = 0; k < 8; k++)
