@@ -292,6 +292,24 @@ def test_terngrad_kernel_packs_and_decodes_the_eager_bits(clip_std, eager, threa
         _same(fast, slow)
 
 
+@needs_kernels
+@pytest.mark.parametrize("offset", [0.0, 1e4])  # a mean far above the spread: the deviations must not cancel
+def test_terngrad_statistics_in_one_read_are_the_float64_deviation_and_the_exact_extremes(offset, threads):
+    g = _student(300_007, 5) + offset  # above the kernels' multi-thread threshold, a short last block
+    deviation, low, high = kernels.moments(g)
+    assert deviation == pytest.approx(float(g.double().std()), rel=1e-12)
+    assert (low, high) == (float(g.min()), float(g.max()))
+    torch.set_num_threads(1)  # blocks combined in their order: the same bits on one thread
+    assert kernels.moments(g) == (deviation, low, high)
+    if not offset:  # on a gradient-like tensor, the fp32 rounding is torch's std's
+        assert torch.tensor(deviation, dtype=torch.float32) == g.std()
+    for special in (math.nan, math.inf):
+        h = g.clone()
+        h[200_000] = special
+        assert math.isnan(kernels.moments(h)[0])
+        assert all(math.isnan(v) for v in kernels.moments(h)[1:]) == math.isnan(special)
+
+
 def _natural_input(numel: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Finite values over ``dtype``'s whole range (subnormals, the largest values, zeros of both signs) in ``dtype``."""
     info = torch.finfo(dtype)

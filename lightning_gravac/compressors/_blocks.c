@@ -444,6 +444,78 @@ void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t buck
     }
 }
 
+/* TernGrad's statistics in one read: the standard deviation (n - 1 in the denominator) and the smallest and largest
+ * entry. Blocks of MOMENT_BLOCK entries: a block's sum, then (from cache) its squared deviations from its own mean,
+ * in float64, and its min and max (NaN propagates, as torch.aminmax); the blocks are then combined in block order,
+ * M2 = sum of (m2_b + n_b (mean_b - mean)^2), which does not cancel when the mean is large against the spread (as
+ * sum x^2 - n mean^2 would). `scratch` holds 4 doubles a block; out = {std, min, max} (std in float64). */
+#define MOMENT_BLOCK 4096
+#define MOMENT_LANES 16
+
+void lg_moments(const float *x, int64_t n, double *scratch, double *out, int threads)
+{
+    int64_t blocks = (n + MOMENT_BLOCK - 1) / MOMENT_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t start = b * MOMENT_BLOCK, end = start + MOMENT_BLOCK < n ? start + MOMENT_BLOCK : n;
+        /* MOMENT_LANES independent sums (a vector's worth, no chain of dependent adds), added in lane order. */
+        double sums[MOMENT_LANES] = {0}, m2s[MOMENT_LANES] = {0}, sum = 0.0, m2 = 0.0;
+        float los[MOMENT_LANES], his[MOMENT_LANES], lo = x[start], hi = x[start];
+        int nans[MOMENT_LANES] = {0}, nan = 0;
+        int64_t i = start;
+        for (int k = 0; k < MOMENT_LANES; k++)
+            los[k] = his[k] = x[start];
+        for (; i + MOMENT_LANES <= end; i += MOMENT_LANES)
+            for (int k = 0; k < MOMENT_LANES; k++) {
+                float v = x[i + k];
+                sums[k] += v;
+                los[k] = v < los[k] ? v : los[k];
+                his[k] = v > his[k] ? v : his[k];
+                nans[k] |= v != v;
+            }
+        for (int k = 0; k < MOMENT_LANES; k++) {
+            sum += sums[k];
+            lo = los[k] < lo ? los[k] : lo;
+            hi = his[k] > hi ? his[k] : hi;
+            nan |= nans[k];
+        }
+        for (; i < end; i++) {
+            sum += x[i];
+            lo = x[i] < lo ? x[i] : lo;
+            hi = x[i] > hi ? x[i] : hi;
+            nan |= x[i] != x[i];
+        }
+        double mean = sum / (double)(end - start);
+        for (i = start; i + MOMENT_LANES <= end; i += MOMENT_LANES)
+            for (int k = 0; k < MOMENT_LANES; k++) {
+                double d = (double)x[i + k] - mean;
+                m2s[k] += d * d;
+            }
+        for (int k = 0; k < MOMENT_LANES; k++)
+            m2 += m2s[k];
+        for (; i < end; i++) {
+            double d = (double)x[i] - mean;
+            m2 += d * d;
+        }
+        scratch[4 * b] = sum, scratch[4 * b + 1] = m2;
+        scratch[4 * b + 2] = nan ? NAN : lo, scratch[4 * b + 3] = nan ? NAN : hi;
+    }
+    double sum = 0.0, m2 = 0.0, lo = scratch[2], hi = scratch[3];
+    for (int64_t b = 0; b < blocks; b++)
+        sum += scratch[4 * b];
+    double mean = sum / (double)n;
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t size = b + 1 < blocks ? MOMENT_BLOCK : n - b * MOMENT_BLOCK;
+        double d = scratch[4 * b] / (double)size - mean;
+        m2 += scratch[4 * b + 1] + (double)size * d * d;
+        double blo = scratch[4 * b + 2], bhi = scratch[4 * b + 3];
+        lo = blo != blo || blo < lo ? blo : lo;
+        hi = bhi != bhi || bhi > hi ? bhi : hi;
+    }
+    out[0] = sqrt(m2 / (double)(n - 1));
+    out[1] = lo, out[2] = hi;
+}
+
 /* TernGrad's code of one entry: 1 + sign(c) if u * scale < |c| else 1, c = x clipped to [-bound, bound]. */
 static inline uint8_t terngrad_code(float x, float bound, float scale, float u)
 {

@@ -143,6 +143,18 @@ def qsgd_encode(values: Tensor, scales: Tensor, bucket: int, levels: int, bits: 
     return out
 
 
+def moments(values: Tensor) -> tuple[float, float, float]:
+    """The standard deviation (``n - 1`` in the denominator, float64) and the smallest and largest entry of the flat
+    fp32 ``values`` (at least 2 entries) in one read; a NaN entry makes all three NaN. The same statistics as
+    ``std()`` and ``aminmax()``; the deviation summed another way (float64, by blocks), so its fp32 rounding can differ
+    from ``std()``'s in the last bit."""
+    n = values.numel()
+    scratch = torch.empty(4 * -(-n // 4096), dtype=torch.float64)
+    out = (ctypes.c_double * 3)()
+    _loaded().lg_moments(values.data_ptr(), n, scratch.data_ptr(), out, torch.get_num_threads())
+    return out[0], out[1], out[2]
+
+
 def terngrad_encode(values: Tensor, bound: float, scale: float, stream: int) -> Tensor:
     """TernGrad's packed 2-bit codes of the flat fp32 ``values`` in one pass: ``c`` the entry clipped to
     ``[-bound, bound]``, the code is ``1 + sign(c)`` where ``u_i scale < |c|``, else 1."""
@@ -294,6 +306,8 @@ def _library() -> ctypes.CDLL | None:
         floats, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_uint64, bytes_, ctypes.c_int,
     ]  # fmt: skip
     lib.lg_terngrad_encode.restype = None
+    lib.lg_moments.argtypes = [floats, ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
+    lib.lg_moments.restype = None
     lib.lg_codes_add.argtypes = [
         bytes_, ctypes.c_int64, ctypes.c_int, ctypes.c_int, floats, ctypes.c_int64, ctypes.c_float, floats,
         ctypes.c_int,

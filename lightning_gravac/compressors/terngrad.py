@@ -20,7 +20,10 @@ class TernGrad(Compressor):
     ``s`` and so the variance; unbiased for the clipped gradient). Each entry travels as the code ``sign b + 1`` in
     2 bits, 4 a byte, with one fp32 scale a tensor. The factor is fixed (about 16 from fp32); a requested ``cf`` is
     clamped to it. Unbiased, so error feedback is off by default. Draws come from a counter-based generator whose
-    stream is ``(seed, step, tensor, rank)``; with the compiled kernel (std and peak aside) the gradient is read once.
+    stream is ``(seed, step, tensor, rank)``. With the compiled kernels the gradient is read twice: once for the
+    standard deviation and the peak (the deviation in float64, by blocks: on a tensor whose mean is far above its
+    spread it is the exact one where ``torch.std`` in fp32 is not, so the two paths can clip differently there), once
+    to clip, draw, round and pack.
 
     Args:
         clip_std: clipping bound in standard deviations of the tensor; ``None`` turns clipping off.
@@ -41,11 +44,18 @@ class TernGrad(Compressor):
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         flat = tensor.reshape(-1).float()
-        bound = None
-        if self.clip_std is not None and flat.numel() > 1:
-            bound = (self.clip_std * flat.std()).float()
-        # max |clip(x)| = min(max |x|, bound): one reduction, no clipped copy (nor the copy `abs` would make).
-        low, high = flat.aminmax()
+        # max |clip(x)| = min(max |x|, bound): the extremes, no clipped copy (nor the copy `abs` would make).
+        bound, std = None, None
+        if kernels.usable(flat) and flat.numel() > 1:  # the deviation and the extremes in one read
+            deviation, *extremes = kernels.moments(flat)
+            std = torch.tensor(deviation, dtype=torch.float32)
+            low, high = torch.tensor(extremes, dtype=torch.float32)
+        else:
+            if flat.numel() > 1:
+                std = flat.std()
+            low, high = flat.aminmax()
+        if self.clip_std is not None and std is not None:
+            bound = (self.clip_std * std).float()
         peak = torch.maximum(-low, high).abs()  # abs: +0.0 for an all-zero tensor, as max |x| gives
         scale = peak if bound is None else torch.minimum(peak, bound)
         stream = stream_key(self.seed, step, key, self.rank)
