@@ -24,10 +24,17 @@ Top-K (``topk(|g|)`` sorted, int64 indices, gather, ``zeros`` + ``scatter_``, ``
 milliseconds, GB/s of gradient (``4 numel / t``), the ratios to the copy and to the naive Top-K, and the bytes a method
 keeps between steps per parameter (residuals and their recycled buffers, DGC's u and v, PowerSGD's Q, scratch) beside
 stock DDP's none (its buckets, which every row has as well, aside).
+
+With ``--standalone`` a ``fresh tensor`` row times ``torch.zeros_like(gradient)``: the floor of every "on its own" row,
+whose ``decompress`` returns a new tensor (memory this large comes fresh from the system each time, every 4 KB page
+faulted in on first touch; the hook's path decodes into the bucket and pays none of it). PyTorch's
+``THP_MEM_ALLOC_ENABLE=1`` backs large CPU tensors with 2 MB pages, which cuts that floor several times over; the
+header line says whether it was set.
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -158,6 +165,18 @@ def _copy(grad: torch.Tensor) -> Callable[[], None]:
     return run
 
 
+def _fresh(grad: torch.Tensor) -> Callable[[], None]:
+    """A new zeroed tensor of the gradient's size: what a method on its own pays for ``decompress``'s output before any
+    decoding (an allocation this large is fresh memory each time, its pages faulted in on first touch)."""
+
+    def run() -> None:
+        start = time.perf_counter()
+        torch.zeros_like(grad)
+        run.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=int, default=25_000_000)
@@ -172,6 +191,8 @@ def main() -> None:
 
     grad = torch.distributions.StudentT(3.0).sample((args.numel,)).float()
     rows: dict[tuple[str, float], Callable[[], None]] = {("copy", 1.0): _copy(grad)}
+    if args.standalone:
+        rows[("fresh tensor", 1.0)] = _fresh(grad)
     for cf in args.cfs:
         rows[("naive topk", cf)] = _naive(cf, grad)
         for name in args.methods:
@@ -192,14 +213,14 @@ def main() -> None:
     print(
         f"{args.numel / 1e6:g}M fp32 entries ({gigabytes * 1e3:.0f} MB), torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; median of {args.rounds} "
-        "interleaved rounds\n"
+        f"interleaved rounds; THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}\n"
     )
     print("| method | cf | ms | GB/s | ratio to copy | speed-up over naive Top-K | bytes kept a parameter |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     results = []
     for (name, cf), samples in times.items():
         seconds = statistics.median(samples)
-        naive = statistics.median(times[("naive topk", cf)]) if name != "copy" else float("nan")
+        naive = statistics.median(times[("naive topk", cf)]) if ("naive topk", cf) in times else float("nan")
         row = {
             "method": name,
             "cf": cf,
@@ -213,7 +234,7 @@ def main() -> None:
             else (4.0 if name == "naive topk" else 0.0),
         }
         results.append(row)
-        speedup = "" if name in ("copy", "naive topk") else f"{row['speedup_over_naive']:.1f}x"
+        speedup = "" if name in ("copy", "naive topk", "fresh tensor") else f"{row['speedup_over_naive']:.1f}x"
         print(
             f"| {name} | {cf:g} | {row['ms']:.1f} | {row['gb_per_s']:.2f} | {row['ratio_to_copy']:.3f} | {speedup} "
             f"| {row['kept_bytes_per_parameter']:.2f} |"
