@@ -9,7 +9,8 @@ path): block peaks and scans (the sparsifiers), DGC's momentum and velocity upda
 majority vote, counter-based draws, QSGD's and TernGrad's codes and their decode, the codes' exact integer energy (the
 statistics header), 1-bit SGD's column sums (in float64, a single column in float32 lanes of 32 entries first:
 close to the eager float32 sums, not equal) and decode, natural compression's bytes and decode, and the 16-bit casts
-with both header norms in the same pass.
+with both header norms in the same pass. Not bit for bit by design: TernGrad's standard deviation and extremes in one
+read (the deviation in float64, exact where the eager fp32 ``std`` is not).
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
