@@ -283,6 +283,20 @@ def test_qsgd_kernel_packs_and_decodes_the_eager_bits(levels, bucket_size, eager
         assert not decoded[:bucket_size].signbit().any()
 
 
+@pytest.mark.parametrize("bucket_size", [512, 96, 200_000])  # 200_000: fewer buckets than threads
+def test_qsgd_kernel_on_threads_with_nan_and_inf_buckets_packs_the_eager_bits(bucket_size, eager, threads):
+    # Above the kernels' multi-thread threshold (chunks of groups cut by bucket edges), with a bucket holding an inf
+    # (its scale 0, inf * 0 a NaN level, sent as 0) and one holding a NaN (every level NaN, sent as 0).
+    g = _student(300_003, 6)
+    g[1000], g[5000] = math.inf, math.nan
+    method = get_compressor("qsgd", levels=7, bucket_size=bucket_size)
+    for fast, slow in zip(*_quantized_both_ways(method, g, 10, g.flip(0), eager), strict=True):
+        if fast.dtype == torch.float64 and fast.dim() == 0:  # the energy: NaN both ways
+            assert math.isnan(fast) == math.isnan(slow)
+        else:
+            assert torch.equal(fast.nan_to_num(), slow.nan_to_num())
+
+
 @pytest.mark.parametrize("clip_std", [2.5, None])
 def test_terngrad_kernel_packs_and_decodes_the_eager_bits(clip_std, eager, threads):
     g = _student(50_003, 3)
@@ -301,13 +315,23 @@ def test_terngrad_statistics_in_one_read_are_the_float64_deviation_and_the_exact
     assert (low, high) == (float(g.min()), float(g.max()))
     torch.set_num_threads(1)  # blocks combined in their order: the same bits on one thread
     assert kernels.moments(g) == (deviation, low, high)
-    if not offset:  # on a gradient-like tensor, the fp32 rounding is torch's std's
+    if not offset:  # on a gradient-like tensor the fp32 rounding agrees with torch's std (the TernGrad kernel test
+        # compares codes with the eager path's bit for bit and relies on it: should torch's std change, that test says)
         assert torch.tensor(deviation, dtype=torch.float32) == g.std()
-    for special in (math.nan, math.inf):
+    for special, at in [(math.nan, 200_000), (math.nan, 4096), (math.inf, 200_000)]:  # (4096: a block's first)
         h = g.clone()
-        h[200_000] = special
-        assert math.isnan(kernels.moments(h)[0])
-        assert all(math.isnan(v) for v in kernels.moments(h)[1:]) == math.isnan(special)
+        h[at] = special
+        deviation, low, high = kernels.moments(h)
+        assert math.isnan(deviation)
+        assert (math.isnan(low), math.isnan(high)) == (math.isnan(special),) * 2
+        assert math.isnan(special) or high == math.inf
+    # Blocks shorter than the 16 lanes, two entries, exactly one and two whole blocks.
+    for n in (2, 15, 17, 4096, 8192, 8195):
+        h = g[:n]
+        assert kernels.moments(h)[0] == pytest.approx(float(h.double().std()), rel=1e-12), n
+        assert kernels.moments(h)[1:] == (float(h.min()), float(h.max())), n
+    with pytest.raises(ValueError, match="at least 2"):
+        kernels.moments(g[:1])
 
 
 def _natural_input(numel: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

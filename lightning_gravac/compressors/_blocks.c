@@ -249,8 +249,6 @@ void lg_pack_signs(const float *x, int64_t n, uint8_t *out, int threads)
     }
 }
 
-/* out[i] = out[i] + (bit i set ? pos : neg): the decoded signs of one payload, added in one pass, a byte (8 entries)
- * at a time so that the bit of an entry is a constant shift. */
 /* The 32 bits of 4 packed bytes, the first byte's most significant bit highest: entry k of them is bit 31 - k. Read a
  * word at a time, the 32 entries' picks compile to vector shifts and blends (a byte at a time ran at half the speed
  * of a copy). */
@@ -259,6 +257,8 @@ static inline uint32_t word_at(const uint8_t *bytes)
     return (uint32_t)bytes[0] << 24 | (uint32_t)bytes[1] << 16 | (uint32_t)bytes[2] << 8 | bytes[3];
 }
 
+/* out[i] = out[i] + (bit i set ? pos : neg): the decoded signs of one payload, added in one pass, 32 entries (a word)
+ * at a time, then a byte at a time, then the last entries one by one. */
 void lg_add_signs(const uint8_t *bits, int64_t n, float pos, float neg, float *out, int threads)
 {
     int64_t words = n / 32, full = n / 8;
@@ -368,6 +368,9 @@ static inline int code_at(const uint8_t *packed, int64_t nbytes, int bits, int64
     return (int)((window >> (16 - (int)(at & 7) - bits)) & ((1u << bits) - 1));
 }
 
+/* Packs of 8 entries a thread takes at a time. */
+#define PACKS 512
+
 /* Packs the codes made by `code_of(i)` of groups [first, last) of 8 entries, each group into `bits` whole bytes. */
 #define PACK_GROUPS(first, last, code_of)                                                                             \
     for (int64_t grp = (first); grp < (last); grp++) {                                                                \
@@ -430,13 +433,17 @@ void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t buck
                     uint8_t *out, int threads)
 {
     /* The width made a constant (CONSTANT_BITS): packing then compiles to fixed shifts. */
-    if (bucket % 8 == 0) { /* groups of 8 within one bucket: a bucket's groups together, its scale read once */
+    if (bucket % 8 == 0) { /* groups of 8 within one bucket: a chunk's groups a bucket at a time, its scale read once */
         int64_t per = bucket / 8, full = n / 8;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
-        for (int64_t b = 0; b < (full + per - 1) / per; b++) {
-            float scale = scales[b];
-            int64_t first = b * per, last = first + per < full ? first + per : full;
-            CONSTANT_BITS(PACK_GROUPS(first, last, qsgd_code(x[i], scale, uniform_at(stream, i), s)));
+        for (int64_t chunk = 0; chunk < (full + PACKS - 1) / PACKS; chunk++) {
+            int64_t end = (chunk + 1) * PACKS < full ? (chunk + 1) * PACKS : full;
+            for (int64_t first = chunk * PACKS, last; first < end; first = last) {
+                int64_t b = first / per;
+                float scale = scales[b];
+                last = (b + 1) * per < end ? (b + 1) * per : end;
+                CONSTANT_BITS(PACK_GROUPS(first, last, qsgd_code(x[i], scale, uniform_at(stream, i), s)));
+            }
         }
         CONSTANT_BITS(PACK_TAIL(qsgd_code(x[i], scales[i / bucket], uniform_at(stream, i), s)));
     } else {
@@ -454,6 +461,10 @@ void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t buck
 
 void lg_moments(const float *x, int64_t n, double *scratch, double *out, int threads)
 {
+    if (n < 2) { /* no deviation (the wrapper refuses these) */
+        out[0] = out[1] = out[2] = NAN;
+        return;
+    }
     int64_t blocks = (n + MOMENT_BLOCK - 1) / MOMENT_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
     for (int64_t b = 0; b < blocks; b++) {
@@ -560,9 +571,6 @@ static inline __attribute__((always_inline)) void codes_add_packs(const uint8_t 
     }
 }
 
-/* Packs of 8 entries a thread takes at a time. */
-#define PACKS 512
-
 void lg_codes_add(const uint8_t *packed, int64_t n, int bits, int offset, const float *steps, int64_t group, float alpha,
                   float *out, int threads)
 {
@@ -583,7 +591,7 @@ static inline __attribute__((always_inline)) int64_t codes_sq_packs(const uint8_
                                                                      int bits, int offset, const int32_t *table)
 {
     int64_t sum = 0;
-    if (table != NULL) { /* bits <= 4: each half of a pack (4 codes, 4 x bits bits) indexes their sum of squares */
+    if (bits <= 4 && table != NULL) { /* each half of a pack (4 codes, 4 x bits bits) indexes their sum of squares */
         unsigned half = 4 * bits, mask = (1u << half) - 1;
         for (; i + 8 <= hi; i += 8) {
             const uint8_t *in = packed + (i / 8) * bits;

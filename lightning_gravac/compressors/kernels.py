@@ -10,7 +10,7 @@ majority vote, counter-based draws, QSGD's and TernGrad's codes and their decode
 statistics header), 1-bit SGD's column sums (in float64, a single column in float32 lanes of 32 entries first:
 close to the eager float32 sums, not equal) and decode, natural compression's bytes and decode, and the 16-bit casts
 with both header norms in the same pass. Not bit for bit by design: TernGrad's standard deviation and extremes in one
-read (the deviation in float64, exact where the eager fp32 ``std`` is not).
+read (the deviation in float64, accurate where the eager fp32 ``std`` is not).
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
@@ -135,7 +135,8 @@ def uniforms(stream: int, numel: int) -> Tensor:
 def qsgd_encode(values: Tensor, scales: Tensor, bucket: int, levels: int, bits: int, stream: int) -> Tensor:
     """QSGD's packed codes of the flat fp32 ``values`` in one pass: entry ``i`` of bucket ``b`` gets
     ``min(floor(|x| scales[b] + u_i), levels)`` with ``x``'s sign, plus ``levels``, in ``bits`` bits, ``u_i`` the
-    stream's draw ``i``; ``scales`` (fp32) is ``levels / max(norm_b, tiny)`` per bucket."""
+    stream's draw ``i``; ``scales`` (fp32) is ``levels / max(norm_b, tiny)`` per bucket. A NaN level (0 times a zero
+    bucket's infinite scale, or a NaN entry) is 0, as the eager path's."""
     n = values.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
     _loaded().lg_qsgd_encode(
@@ -150,6 +151,8 @@ def moments(values: Tensor) -> tuple[float, float, float]:
     ``std()`` and ``aminmax()``; the deviation summed another way (float64, by blocks), so its fp32 rounding can differ
     from ``std()``'s in the last bit."""
     n = values.numel()
+    if n < 2:
+        raise ValueError(f"a standard deviation needs at least 2 entries, got {n}")
     scratch = torch.empty(4 * -(-n // 4096), dtype=torch.float64)
     out = (ctypes.c_double * 3)()
     _loaded().lg_moments(values.data_ptr(), n, scratch.data_ptr(), out, torch.get_num_threads())

@@ -22,8 +22,8 @@ class TernGrad(Compressor):
     clamped to it. Unbiased, so error feedback is off by default. Draws come from a counter-based generator whose
     stream is ``(seed, step, tensor, rank)``. With the compiled kernels the gradient is read twice: once for the
     standard deviation and the peak (the deviation in float64, by blocks: on a tensor whose mean is far above its
-    spread it is the exact one where ``torch.std`` in fp32 is not, so the two paths can clip differently there), once
-    to clip, draw, round and pack.
+    spread it is accurate where ``torch.std`` in fp32 is not, so the two paths can clip differently there), once to
+    clip, draw, round and pack.
 
     Args:
         clip_std: clipping bound in standard deviations of the tensor; ``None`` turns clipping off.
@@ -51,7 +51,7 @@ class TernGrad(Compressor):
             std = torch.tensor(deviation, dtype=torch.float32)
             low, high = torch.tensor(extremes, dtype=torch.float32)
         else:
-            if flat.numel() > 1:
+            if self.clip_std is not None and flat.numel() > 1:
                 std = flat.std()
             low, high = flat.aminmax()
         if self.clip_std is not None and std is not None:
