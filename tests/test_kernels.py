@@ -334,6 +334,41 @@ def test_terngrad_statistics_in_one_read_are_the_float64_deviation_and_the_exact
         kernels.moments(g[:1])
 
 
+skinny = pytest.mark.skipif(
+    not (kernels.available() and kernels._loaded().lg_skinny_available()), reason="no AVX-512 product kernels here"
+)
+
+
+@skinny
+@pytest.mark.parametrize("shape", [(300, 700), (1031, 517), (5, 3), (4, 16)])  # rows cut by 4, columns by 16
+def test_powersgds_products_are_the_float64_products_to_blas_accuracy_on_any_thread_count(shape, threads):
+    rows, cols = shape
+    generator = torch.Generator().manual_seed(rows)
+    matrix = torch.randn(rows, cols, generator=generator)
+    for rank in (1, 7, 8, 9, 16, 17, 25, 32):
+        q, p = torch.randn(cols, rank, generator=generator), torch.randn(rows, rank, generator=generator)
+        left, right = kernels.skinny_mq(matrix, q), kernels.skinny_mtp(matrix, p)
+        for got, exact in ((left, matrix.double() @ q.double()), (right, matrix.double().T @ p.double())):
+            assert got.shape == exact.shape and got.is_contiguous()
+            assert float((got - exact).abs().max() / exact.abs().max()) < 2e-6, (shape, rank)
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)  # one thread an output, in a fixed order: the same bits
+        try:
+            assert torch.equal(kernels.skinny_mq(matrix, q), left)
+            assert torch.equal(kernels.skinny_mtp(matrix, p), right)
+        finally:
+            torch.set_num_threads(before)
+    assert not kernels.skinny_usable(matrix, torch.randn(cols, 33))  # past the rank the kernels take: torch's
+
+
+@skinny
+def test_the_products_run_above_the_thread_threshold():
+    matrix = torch.randn(600, 500)  # 300k entries: more than one thread
+    q, p = torch.randn(500, 25), torch.randn(600, 25)
+    assert torch.allclose(kernels.skinny_mq(matrix, q), matrix @ q, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(kernels.skinny_mtp(matrix, p), matrix.T @ p, rtol=1e-4, atol=1e-4)
+
+
 def _natural_input(numel: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Finite values over ``dtype``'s whole range (subnormals, the largest values, zeros of both signs) in ``dtype``."""
     info = torch.finfo(dtype)
