@@ -16,7 +16,7 @@ these sum in another order, to about BLAS's accuracy).
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
-a plain C file, built by ``cc`` in under a second and loaded with ``ctypes`` (which releases the GIL during the call),
+a plain C file, built by ``cc`` in a few seconds and loaded with ``ctypes`` (which releases the GIL during the call),
 serves. The library is cached under ``$LIGHTNING_GRAVAC_CACHE`` (default ``~/.cache/lightning_gravac``), keyed by the
 source, the flags, the compiler and the CPU (it is built for the CPU it runs on). ``LIGHTNING_GRAVAC_NATIVE=0``
 turns the kernels off; a machine without a compiler, or a failed build, falls back to eager PyTorch and logs why once.
