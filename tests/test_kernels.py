@@ -340,33 +340,23 @@ skinny = pytest.mark.skipif(
 
 
 @skinny
-@pytest.mark.parametrize("shape", [(300, 700), (1031, 517), (5, 3), (4, 16)])  # rows cut by 4, columns by 16
-def test_powersgds_products_are_the_float64_products_to_blas_accuracy_on_any_thread_count(shape, threads):
+@pytest.mark.parametrize("shape", [(300, 700), (1031, 517), (5, 3), (4, 16), (600, 500)])  # rows cut by 4; 300k
+def test_powersgds_left_product_is_the_float64_product_to_blas_accuracy_on_any_thread_count(shape, threads):
     rows, cols = shape
     generator = torch.Generator().manual_seed(rows)
     matrix = torch.randn(rows, cols, generator=generator)
     for rank in (1, 7, 8, 9, 16, 17, 25, 32):
-        q, p = torch.randn(cols, rank, generator=generator), torch.randn(rows, rank, generator=generator)
-        left, right = kernels.skinny_mq(matrix, q), kernels.skinny_mtp(matrix, p)
-        for got, exact in ((left, matrix.double() @ q.double()), (right, matrix.double().T @ p.double())):
-            assert got.shape == exact.shape and got.is_contiguous()
-            assert float((got - exact).abs().max() / exact.abs().max()) < 2e-6, (shape, rank)
+        q = torch.randn(cols, rank, generator=generator)
+        got, exact = kernels.skinny_mq(matrix, q), matrix.double() @ q.double()
+        assert got.shape == exact.shape and got.is_contiguous()
+        assert float((got - exact).abs().max() / exact.abs().max()) < 2e-6, (shape, rank)
         before = torch.get_num_threads()
         torch.set_num_threads(1)  # one thread an output, in a fixed order: the same bits
         try:
-            assert torch.equal(kernels.skinny_mq(matrix, q), left)
-            assert torch.equal(kernels.skinny_mtp(matrix, p), right)
+            assert torch.equal(kernels.skinny_mq(matrix, q), got)
         finally:
             torch.set_num_threads(before)
-    assert not kernels.skinny_usable(matrix, torch.randn(cols, 33))  # past the rank the kernels take: torch's
-
-
-@skinny
-def test_the_products_run_above_the_thread_threshold():
-    matrix = torch.randn(600, 500)  # 300k entries: more than one thread
-    q, p = torch.randn(500, 25), torch.randn(600, 25)
-    assert torch.allclose(kernels.skinny_mq(matrix, q), matrix @ q, rtol=1e-4, atol=1e-4)
-    assert torch.allclose(kernels.skinny_mtp(matrix, p), matrix.T @ p, rtol=1e-4, atol=1e-4)
+    assert not kernels.skinny_usable(matrix, torch.randn(cols, 33))  # past the rank the kernel takes: torch's
 
 
 def _natural_input(numel: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1074,14 +1074,14 @@ double lg_cast_half(const float *x, int64_t n, int is_bf16, uint16_t *out, doubl
 }
 
 /*
- * PowerSGD's two products with the gradient matrix M [rows, cols] (row-major) at a rank r <= SKINNY_RANK:
- * lg_skinny_mq gives P = M Q (Q [cols, r]) and lg_skinny_mtp gives Q = M^T P (P [rows, r]), both row-major fp32.
- * BLAS runs these tall-skinny products at 2.5-4x a copy's time on some CPUs (MKL on AMD: 17-28 ms for 5000 x 5000 at
- * rank 25, where reading M once takes 7); here each holds its partial sums in AVX-512 registers and reads M once per
- * 4 rows (M Q) or per strip of 16 columns (M^T P), which stays in cache across the rank's groups of 8. Sums run
- * along M in blocks of SKINNY_BLOCK terms added into a total, so the rounding error grows with the blocks, not the
- * terms (about BLAS's accuracy); each output is one thread's, in a fixed order: the thread count does not change the
- * bits. Built only where the compiler targets AVX-512 (lg_skinny_available); elsewhere the caller uses torch.
+ * PowerSGD's P = M Q for the gradient matrix M [rows, cols] and Q [cols, r], r <= SKINNY_RANK, row-major fp32. BLAS
+ * runs this tall-skinny product at 2.5-4x a copy's time on some CPUs (MKL on AMD: 17-28 ms for 5000 x 5000 at rank
+ * 25, where reading M once takes 7); here 4 rows of M at a time against Q's two 16-lane halves, the partial sums in
+ * AVX-512 registers, M read once (9.5 ms). Sums run along each row in blocks of SKINNY_BLOCK terms added into a
+ * total, so the rounding error grows with the blocks, not the terms (about BLAS's accuracy); each output is one
+ * thread's, in a fixed order: the thread count does not change the bits. Built only where the compiler targets
+ * AVX-512 (lg_skinny_available); elsewhere the caller uses torch. (Q = M^T P the same way, a strip of M's columns
+ * against P, ran no faster than MKL here: walking a strip down the rows is bound by memory latency.)
  */
 #define SKINNY_RANK 32
 #define SKINNY_BLOCK 256
@@ -1143,45 +1143,5 @@ void lg_skinny_mq(const float *restrict m, int64_t rows, int64_t cols, const flo
         SKINNY_MQ_ROWS(1);
 #else
     (void)m, (void)rows, (void)cols, (void)q, (void)r, (void)p, (void)threads;
-#endif
-}
-
-void lg_skinny_mtp(const float *restrict m, int64_t rows, int64_t cols, const float *restrict p, int64_t r,
-                   float *restrict q, int threads)
-{
-#ifdef __AVX512F__
-    int64_t strips = (cols + 15) / 16;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols > PARALLEL_BLOCKS * 32)
-    for (int64_t s = 0; s < strips; s++) {
-        int64_t c0 = s * 16;
-        __mmask16 in = lanes_mask(cols - c0);
-        for (int64_t j0 = 0; j0 < r; j0 += 8) { /* Q[c0 .. c0 + 16, j0 .. j0 + 8]: lane l of total[j] is Q[c0 + l, j0 + j] */
-            int width = r - j0 < 8 ? (int)(r - j0) : 8;
-            __m512 total[8], part[8];
-            for (int j = 0; j < 8; j++)
-                total[j] = _mm512_setzero_ps();
-            for (int64_t i0 = 0; i0 < rows; i0 += SKINNY_BLOCK) {
-                int64_t i1 = i0 + SKINNY_BLOCK < rows ? i0 + SKINNY_BLOCK : rows;
-                for (int j = 0; j < 8; j++)
-                    part[j] = _mm512_setzero_ps();
-                for (int64_t i = i0; i < i1; i++) {
-                    __m512 row = _mm512_maskz_loadu_ps(in, m + i * cols + c0);
-                    const float *pi = p + i * r + j0;
-                    for (int j = 0; j < 8; j++) /* columns past the rank take 0, and are never stored */
-                        part[j] = _mm512_fmadd_ps(row, _mm512_set1_ps(j < width ? pi[j] : 0.0f), part[j]);
-                }
-                for (int j = 0; j < 8; j++)
-                    total[j] = _mm512_add_ps(total[j], part[j]);
-            }
-            float out[8][16];
-            for (int j = 0; j < 8; j++)
-                _mm512_storeu_ps(out[j], total[j]);
-            for (int64_t l = 0; l < 16 && c0 + l < cols; l++)
-                for (int j = 0; j < width; j++)
-                    q[(c0 + l) * r + j0 + j] = out[j][l];
-        }
-    }
-#else
-    (void)m, (void)rows, (void)cols, (void)p, (void)r, (void)q, (void)threads;
 #endif
 }

@@ -10,9 +10,9 @@ majority vote, counter-based draws, QSGD's and TernGrad's codes and their decode
 statistics header), 1-bit SGD's column sums (in float64, a single column in float32 lanes of 32 entries first:
 close to the eager float32 sums, not equal) and decode, natural compression's bytes and decode, and the 16-bit casts
 with both header norms in the same pass. Not bit for bit by design: TernGrad's standard deviation and extremes in one
-read (the deviation in float64, accurate where the eager fp32 ``std`` is not), and PowerSGD's two products with the
-gradient matrix at ranks up to 32 where the CPU has AVX-512 (BLAS's tall-skinny products ran at 2.5-4x a copy's time;
-these sum in another order, to about BLAS's accuracy).
+read (the deviation in float64, accurate where the eager fp32 ``std`` is not), and PowerSGD's ``M Q`` at ranks up to 32
+where the CPU has AVX-512 (BLAS's tall-skinny product ran at 2.5-4x a copy's time; this one sums in another order, to
+about BLAS's accuracy).
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
@@ -262,13 +262,13 @@ def half_bits(values: Tensor, out: Tensor) -> None:
     _loaded().lg_half_bits(values.data_ptr(), values.numel(), int(out.dtype == torch.bfloat16), out.data_ptr())
 
 
-#: The largest rank PowerSGD's product kernels take.
+#: The largest rank PowerSGD's product kernel takes.
 SKINNY_RANK = 32
 
 
 def skinny_usable(matrix: Tensor, factor: Tensor) -> bool:
-    """Whether :func:`skinny_mq` and :func:`skinny_mtp` take ``matrix`` and a ``[*, r]`` ``factor``: both
-    :func:`usable`, ``r <= SKINNY_RANK``, and kernels built for AVX-512 (elsewhere torch's matmul serves)."""
+    """Whether :func:`skinny_mq` takes ``matrix`` and a ``[*, r]`` ``factor``: both :func:`usable`,
+    ``r <= SKINNY_RANK``, and kernels built for AVX-512 (elsewhere torch's matmul serves)."""
     return (
         factor.dim() == 2
         and 0 < factor.shape[1] <= SKINNY_RANK
@@ -289,17 +289,6 @@ def skinny_mq(matrix: Tensor, q: Tensor) -> Tensor:
     return out
 
 
-def skinny_mtp(matrix: Tensor, p: Tensor) -> Tensor:
-    """``matrix.T @ p`` (contiguous, ``[cols, r]``) for a contiguous fp32 ``[rows, cols]`` ``matrix`` and ``[rows, r]``
-    ``p`` (:func:`skinny_usable`), summed in blocks of 256 rows, the same bits whatever the thread count."""
-    rows, cols = matrix.shape
-    out = torch.empty(cols, p.shape[1], dtype=torch.float32)
-    _loaded().lg_skinny_mtp(
-        matrix.data_ptr(), rows, cols, p.data_ptr(), p.shape[1], out.data_ptr(), torch.get_num_threads()
-    )
-    return out
-
-
 def _loaded() -> ctypes.CDLL:
     lib = _library()
     assert lib is not None, "a kernel called without the kernels: check usable() first"
@@ -311,17 +300,14 @@ def _pointer(tensor: Tensor | None) -> int | None:
 
 
 def _declare_statistics_and_products(lib: ctypes.CDLL) -> None:
-    """The argument types of TernGrad's statistics and PowerSGD's products (apart: one function would be too long)."""
+    """The argument types of TernGrad's statistics and PowerSGD's product (apart: one function would be too long)."""
     floats = ctypes.c_void_p
     lib.lg_moments.argtypes = [floats, ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
     lib.lg_moments.restype = None
     lib.lg_skinny_available.argtypes = []
     lib.lg_skinny_available.restype = ctypes.c_int
-    for name in ("lg_skinny_mq", "lg_skinny_mtp"):
-        getattr(lib, name).argtypes = [
-            floats, ctypes.c_int64, ctypes.c_int64, floats, ctypes.c_int64, floats, ctypes.c_int,
-        ]  # fmt: skip
-        getattr(lib, name).restype = None
+    lib.lg_skinny_mq.argtypes = [floats, ctypes.c_int64, ctypes.c_int64, floats, ctypes.c_int64, floats, ctypes.c_int]
+    lib.lg_skinny_mq.restype = None
 
 
 @functools.cache

@@ -21,11 +21,8 @@ def as_matrix(tensor: Tensor) -> Tensor:
 
 
 def right_factor(matrix: Tensor, p: Tensor) -> Tensor:
-    """``Q = M^T P`` (contiguous): by the compiled kernel where it applies (:func:`kernels.skinny_mtp`), else as
-    ``(P^T M)^T``: BLAS runs the transposed product of a wide matrix with a few columns as a slow matrix-vector loop
-    (25M entries at rank 2: 90 ms against 11 ms here); the same sums."""
-    if kernels.skinny_usable(matrix, p):
-        return kernels.skinny_mtp(matrix, p)
+    """``Q = M^T P``, computed as ``(P^T M)^T`` (contiguous): BLAS runs the transposed product of a wide matrix with a
+    few columns as a slow matrix-vector loop (25M entries at rank 2: 90 ms against 11 ms here); the same sums."""
     return (p.T @ matrix).T.contiguous()
 
 
