@@ -270,7 +270,7 @@ def _quantized_both_ways(method, g, cf, other, eager):
 
 
 @pytest.mark.parametrize("bucket_size", [96, 100])  # whole groups of 8 codes a bucket, and groups cut by buckets
-@pytest.mark.parametrize("levels", [1, 3, 7, 15, 127])
+@pytest.mark.parametrize("levels", [1, 3, 7, 15, 31, 63, 127])  # every code width, 2 to 8 bits
 def test_qsgd_kernel_packs_and_decodes_the_eager_bits(levels, bucket_size, eager, threads):
     g = _student(50_003, 2)
     g[:bucket_size] = 0.0  # a zero bucket: its norm is clamped, every level 0
@@ -356,7 +356,23 @@ def test_powersgds_left_product_is_the_float64_product_to_blas_accuracy_on_any_t
             assert torch.equal(kernels.skinny_mq(matrix, q), got)
         finally:
             torch.set_num_threads(before)
-    assert not kernels.skinny_usable(matrix, torch.randn(cols, 33))  # past the rank the kernel takes: torch's
+    from lightning_gravac.compressors.powersgd import left_factor
+
+    q = torch.randn(cols, 25, generator=generator)
+    assert torch.allclose(left_factor(matrix, q), matrix @ q, rtol=1e-4, atol=1e-4)  # PowerSGD's P = M Q
+
+
+def test_powersgds_left_product_falls_back_to_torch_where_the_kernel_does_not_apply():
+    from lightning_gravac.compressors.powersgd import left_factor
+
+    matrix = torch.randn(40, 30)
+    for q in (torch.randn(30, 33), torch.randn(30, 5, dtype=torch.float64), torch.randn(5, 30).T):
+        assert not kernels.skinny_usable(matrix if q.dtype == torch.float32 else matrix.double(), q)
+        m = matrix.to(q.dtype)
+        assert torch.equal(left_factor(m, q), m @ q)  # past the rank, another dtype, a transposed view: torch's
+    assert not kernels.skinny_usable(matrix, torch.randn(31, 5))  # mismatched shapes: torch's (which raises)
+    with pytest.raises(RuntimeError):
+        left_factor(matrix, torch.randn(31, 5))
 
 
 def _natural_input(numel: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

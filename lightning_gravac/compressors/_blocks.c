@@ -428,13 +428,13 @@ static inline uint8_t qsgd_code(float x, float scale, float u, int s)
     return (uint8_t)(signbit(x) ? s - level : s + level);
 }
 
-/* QSGD: `scales[b]` is s / max(norm of bucket b, FLT_MIN) as float32 (computed by the caller, as the eager path). */
 /* Packs `groups` groups of 8 codes (one byte each) into `bits` bytes each, the width a compile-time constant. */
 static void pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t *out)
 {
     CONSTANT_BITS(for (int64_t g = 0; g < groups; g++) put_codes(out + g * bits, codes + g * 8, bits));
 }
 
+/* QSGD: `scales[b]` is s / max(norm of bucket b, FLT_MIN) as float32 (computed by the caller, as the eager path). */
 void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits, uint64_t stream,
                     uint8_t *out, int threads)
 {
@@ -1112,7 +1112,8 @@ static inline __mmask16 lanes_mask(int64_t n)
             for (int a = 0; a < ROWS; a++)                                                                            \
                 part[a][0] = part[a][1] = _mm512_setzero_ps();                                                        \
             for (int64_t k = k0; k < k1; k++) {                                                                       \
-                __m512 q0 = _mm512_maskz_loadu_ps(low, q + k * r), q1 = _mm512_maskz_loadu_ps(high, q + k * r + 16); \
+                __m512 q0 = _mm512_maskz_loadu_ps(low, q + k * r);                                                    \
+                __m512 q1 = r > 16 ? _mm512_maskz_loadu_ps(high, q + k * r + 16) : _mm512_setzero_ps();              \
                 for (int a = 0; a < ROWS; a++) {                                                                      \
                     __m512 b = _mm512_set1_ps(m[(i + a) * cols + k]);                                                 \
                     part[a][0] = _mm512_fmadd_ps(b, q0, part[a][0]);                                                  \
@@ -1126,22 +1127,27 @@ static inline __mmask16 lanes_mask(int64_t n)
         }                                                                                                             \
         for (int a = 0; a < ROWS; a++) {                                                                              \
             _mm512_mask_storeu_ps(p + (i + a) * r, low, total[a][0]);                                                 \
-            _mm512_mask_storeu_ps(p + (i + a) * r + 16, high, total[a][1]);                                           \
+            if (r > 16)                                                                                               \
+                _mm512_mask_storeu_ps(p + (i + a) * r + 16, high, total[a][1]);                                       \
         }                                                                                                             \
     } while (0)
 #endif
 
-void lg_skinny_mq(const float *restrict m, int64_t rows, int64_t cols, const float *restrict q, int64_t r,
-                  float *restrict p, int threads)
+int lg_skinny_mq(const float *restrict m, int64_t rows, int64_t cols, const float *restrict q, int64_t r,
+                 float *restrict p, int threads)
 {
 #ifdef __AVX512F__
+    if (r < 1 || r > SKINNY_RANK || rows < 0 || cols < 0)
+        return 0;
     __mmask16 low = lanes_mask(r), high = lanes_mask(r - 16);
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols > PARALLEL_BLOCKS * 32)
     for (int64_t i = 0; i < rows - rows % 4; i += 4)
         SKINNY_MQ_ROWS(4);
     for (int64_t i = rows - rows % 4; i < rows; i++)
         SKINNY_MQ_ROWS(1);
+    return 1;
 #else
     (void)m, (void)rows, (void)cols, (void)q, (void)r, (void)p, (void)threads;
+    return 0;
 #endif
 }

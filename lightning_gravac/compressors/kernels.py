@@ -270,7 +270,9 @@ def skinny_usable(matrix: Tensor, factor: Tensor) -> bool:
     """Whether :func:`skinny_mq` takes ``matrix`` and a ``[*, r]`` ``factor``: both :func:`usable`,
     ``r <= SKINNY_RANK``, and kernels built for AVX-512 (elsewhere torch's matmul serves)."""
     return (
-        factor.dim() == 2
+        matrix.dim() == 2
+        and factor.dim() == 2
+        and factor.shape[0] == matrix.shape[1]
         and 0 < factor.shape[1] <= SKINNY_RANK
         and usable(matrix)
         and usable(factor)
@@ -283,9 +285,10 @@ def skinny_mq(matrix: Tensor, q: Tensor) -> Tensor:
     summed in blocks of 256 terms along each row, the same bits whatever the thread count."""
     rows, cols = matrix.shape
     out = torch.empty(rows, q.shape[1], dtype=torch.float32)
-    _loaded().lg_skinny_mq(
+    done = _loaded().lg_skinny_mq(
         matrix.data_ptr(), rows, cols, q.data_ptr(), q.shape[1], out.data_ptr(), torch.get_num_threads()
     )
+    assert done, "skinny_mq called where skinny_usable() is False"
     return out
 
 
@@ -307,7 +310,7 @@ def _declare_statistics_and_products(lib: ctypes.CDLL) -> None:
     lib.lg_skinny_available.argtypes = []
     lib.lg_skinny_available.restype = ctypes.c_int
     lib.lg_skinny_mq.argtypes = [floats, ctypes.c_int64, ctypes.c_int64, floats, ctypes.c_int64, floats, ctypes.c_int]
-    lib.lg_skinny_mq.restype = None
+    lib.lg_skinny_mq.restype = ctypes.c_int
 
 
 @functools.cache
