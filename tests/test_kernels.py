@@ -334,9 +334,7 @@ def test_terngrad_statistics_in_one_read_are_the_float64_deviation_and_the_exact
         kernels.moments(g[:1])
 
 
-skinny = pytest.mark.skipif(
-    not (kernels.available() and kernels._loaded().lg_skinny_available()), reason="no AVX-512 product kernels here"
-)
+skinny = pytest.mark.skipif(not kernels.skinny_available(), reason="no AVX-512 product kernel here")
 
 
 @skinny

@@ -249,22 +249,25 @@ void lg_pack_signs(const float *x, int64_t n, uint8_t *out, int threads)
     }
 }
 
-/* The 32 bits of 4 packed bytes, the first byte's most significant bit highest: entry k of them is bit 31 - k. Read a
- * word at a time, the 32 entries' picks compile to vector shifts and blends (a byte at a time ran at half the speed
- * of a copy). */
-static inline uint32_t word_at(const uint8_t *bytes)
+/* The `count` (at most 8) bytes at `in` as one big-endian word: the first byte's most significant bit highest, as
+ * packed codes and sign bits are laid out. */
+static inline uint64_t packed_word(const uint8_t *in, int count)
 {
-    return (uint32_t)bytes[0] << 24 | (uint32_t)bytes[1] << 16 | (uint32_t)bytes[2] << 8 | bytes[3];
+    uint64_t word = 0;
+    for (int b = 0; b < count; b++)
+        word = word << 8 | in[b];
+    return word;
 }
 
 /* out[i] = out[i] + (bit i set ? pos : neg): the decoded signs of one payload, added in one pass, 32 entries (a word)
- * at a time, then a byte at a time, then the last entries one by one. */
+ * at a time, then a byte at a time, then the last entries one by one. The 32 picks of a word compile to vector shifts
+ * and blends (a byte at a time ran at half a copy's speed). */
 void lg_add_signs(const uint8_t *bits, int64_t n, float pos, float neg, float *out, int threads)
 {
     int64_t words = n / 32, full = n / 8;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
     for (int64_t j = 0; j < words; j++) {
-        uint32_t word = word_at(bits + j * 4);
+        uint32_t word = (uint32_t)packed_word(bits + j * 4, 4); /* entry k of the 32 is bit 31 - k */
         float *o = out + j * 32;
         for (int k = 0; k < 32; k++)
             o[k] = o[k] + ((word >> (31 - k)) & 1u ? pos : neg);
@@ -350,9 +353,7 @@ static inline void put_codes(uint8_t *out, const uint8_t *codes, int bits)
 /* Reads the 8 codes of `bits` bits that `bits` bytes hold, most significant first (put_codes's inverse). */
 static inline void get_codes(const uint8_t *in, int *codes, int bits)
 {
-    uint64_t word = 0;
-    for (int b = 0; b < bits; b++)
-        word = (word << 8) | in[b];
+    uint64_t word = packed_word(in, bits);
     unsigned mask = (1u << bits) - 1;
     for (int k = 7; k >= 0; k--) {
         codes[k] = (int)(word & mask);
@@ -606,10 +607,7 @@ static inline __attribute__((always_inline)) int64_t codes_sq_packs(const uint8_
     if (bits <= 4 && table != NULL) { /* each half of a pack (4 codes, 4 x bits bits) indexes their sum of squares */
         unsigned half = 4 * bits, mask = (1u << half) - 1;
         for (; i + 8 <= hi; i += 8) {
-            const uint8_t *in = packed + (i / 8) * bits;
-            uint32_t word = 0;
-            for (int b = 0; b < bits; b++)
-                word = word << 8 | in[b];
+            uint32_t word = (uint32_t)packed_word(packed + (i / 8) * bits, bits);
             sum += table[word >> half] + table[word & mask];
         }
         return sum;
@@ -784,7 +782,7 @@ void lg_onebit_add(const uint8_t *restrict bits, int64_t rows, int64_t cols, con
         int64_t first = r * cols, c = 0;
         if (!(first & 7)) { /* a row that starts a byte: 32 entries (4 bytes, most significant bit first) a step */
             for (; c + 32 <= cols; c += 32) {
-                uint32_t word = word_at(bits + ((first + c) >> 3));
+                uint32_t word = (uint32_t)packed_word(bits + ((first + c) >> 3), 4);
                 for (int k = 0; k < 32; k++)
                     row[c + k] = row[c + k] + pick((word >> (31 - k)) & 1u, pos[c + k], neg[c + k]);
             }

@@ -276,8 +276,15 @@ def skinny_usable(matrix: Tensor, factor: Tensor) -> bool:
         and 0 < factor.shape[1] <= SKINNY_RANK
         and usable(matrix)
         and usable(factor)
-        and bool(_loaded().lg_skinny_available())
+        and skinny_available()
     )
+
+
+@functools.cache
+def skinny_available() -> bool:
+    """Whether the kernels were built for AVX-512, which :func:`skinny_mq` needs (asked once: the hook asks for every
+    PowerSGD layer of every step)."""
+    return available() and bool(_loaded().lg_skinny_available())
 
 
 def skinny_mq(matrix: Tensor, q: Tensor) -> Tensor:

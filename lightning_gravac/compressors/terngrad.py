@@ -45,17 +45,15 @@ class TernGrad(Compressor):
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         flat = tensor.reshape(-1).float()
         # max |clip(x)| = min(max |x|, bound): the extremes, no clipped copy (nor the copy `abs` would make).
-        bound, std = None, None
+        std: Tensor | None = None  # (none for a single entry)
         if kernels.usable(flat) and flat.numel() > 1:  # the deviation and the extremes in one read
             deviation, *extremes = kernels.moments(flat)
             std = torch.tensor(deviation, dtype=torch.float32)
             low, high = torch.tensor(extremes, dtype=torch.float32)
         else:
-            if self.clip_std is not None and flat.numel() > 1:
-                std = flat.std()
+            std = flat.std() if self.clip_std is not None and flat.numel() > 1 else None
             low, high = flat.aminmax()
-        if self.clip_std is not None and std is not None:
-            bound = (self.clip_std * std).float()
+        bound = None if self.clip_std is None or std is None else (self.clip_std * std).float()
         peak = torch.maximum(-low, high).abs()  # abs: +0.0 for an all-zero tensor, as max |x| gives
         scale = peak if bound is None else torch.minimum(peak, bound)
         stream = stream_key(self.seed, step, key, self.rank)
