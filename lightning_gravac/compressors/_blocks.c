@@ -804,10 +804,13 @@ void lg_onebit_add(const uint8_t *restrict bits, int64_t rows, int64_t cols, con
  * The squared L2 norm of 16-bit floats (the casts' payload, for the statistics header), in float64: a norm read
  * straight from 16-bit values is about 10x slower in eager PyTorch. Each value widened to float32 exactly (fp16 by its
  * bits: normal, subnormal, inf and NaN; bf16 by a shift), squared and summed in float64 (a bf16 value's square can
- * overflow float32) in eight lanes a block of HALF_BLOCK entries, the blocks in block order: the thread count does not
- * change the result.
+ * overflow float32) in SQ_LANES lanes a block of HALF_BLOCK entries, the lanes folded in order, then the block's
+ * tail, the blocks in block order: the thread count does not change the result. Thirty-two lanes are four
+ * independent chains of eight-wide additions: eight lanes (one chain) left the sum bound by the addition's latency,
+ * at twice a copy's time for half a copy's bytes.
  */
 #define HALF_BLOCK 1024
+#define SQ_LANES 32
 
 static inline float half_to_float(uint16_t h)
 {
@@ -835,30 +838,44 @@ static inline float bf16_to_float(uint16_t h)
     return f;
 }
 
-/* The squared norm of x[start, end) widened exactly, in float64: eight lanes, then the tail (the order both the norm
- * kernel and the cast keep, so they give the same bits). */
+/* SQ_LANES 16-bit values widened exactly to float32. */
+static inline void widen_lanes(const uint16_t *x, float *widened, int is_bf16)
+{
+    if (is_bf16)
+        for (int k = 0; k < SQ_LANES; k++)
+            widened[k] = bf16_to_float(x[k]);
+    else {
+#ifdef __F16C__
+        for (int k = 0; k < SQ_LANES; k += 8)
+            _mm256_storeu_ps(widened + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + k))));
+#else
+        for (int k = 0; k < SQ_LANES; k++)
+            widened[k] = half_to_float(x[k]);
+#endif
+    }
+}
+
+static inline double fold_lanes(const double *lanes)
+{
+    double sum = 0.0;
+    for (int k = 0; k < SQ_LANES; k++)
+        sum += lanes[k];
+    return sum;
+}
+
+/* The squared norm of x[start, end) widened exactly, in float64: SQ_LANES lanes folded in order, then the tail (the
+ * order both the norm kernel and the cast keep, so they give the same bits). */
 static inline double half_block_sq(const uint16_t *x, int64_t start, int64_t end, int is_bf16)
 {
-    double lanes[8] = {0}, sum = 0.0;
+    double lanes[SQ_LANES] = {0};
     int64_t i = start;
-    for (; i + 8 <= end; i += 8) {
-        float widened[8];
-        if (is_bf16)
-            for (int k = 0; k < 8; k++)
-                widened[k] = bf16_to_float(x[i + k]);
-        else {
-#ifdef __F16C__
-            _mm256_storeu_ps(widened, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
-#else
-            for (int k = 0; k < 8; k++)
-                widened[k] = half_to_float(x[i + k]);
-#endif
-        }
-        for (int k = 0; k < 8; k++)
+    for (; i + SQ_LANES <= end; i += SQ_LANES) {
+        float widened[SQ_LANES];
+        widen_lanes(x + i, widened, is_bf16);
+        for (int k = 0; k < SQ_LANES; k++)
             lanes[k] += (double)widened[k] * widened[k];
     }
-    for (int k = 0; k < 8; k++)
-        sum += lanes[k];
+    double sum = fold_lanes(lanes);
     for (; i < end; i++) {
         double v = is_bf16 ? bf16_to_float(x[i]) : half_to_float(x[i]);
         sum += v * v;
@@ -987,8 +1004,8 @@ void lg_natural_add(const uint8_t *restrict bytes, int64_t n, const float *restr
 /*
  * The casts (compressors/cast.py) in one pass: each fp32 entry rounded to fp16 or bf16 (to nearest, ties to even, as
  * torch rounds; NaN as a quiet NaN), written to `out`, with the two norms the statistics header needs: ||x||^2 of the
- * input and ||wire||^2 of the 16-bit values (each widened exactly), both in float64, eight lanes a block of HALF_BLOCK
- * entries, the blocks in block order (the thread count does not change them).
+ * input and ||wire||^2 of the 16-bit values (each widened exactly), both in float64, SQ_LANES lanes a block of
+ * HALF_BLOCK entries, the blocks in block order (the thread count does not change them).
  */
 static inline float from_bits(uint32_t bits)
 {
@@ -1030,37 +1047,51 @@ void lg_half_bits(const float *x, int64_t n, int is_bf16, uint16_t *out)
         out[i] = is_bf16 ? float_to_bf16(x[i]) : float_to_half(x[i]);
 }
 
+/* SQ_LANES fp32 values rounded to 16 bits. */
+static inline void narrow_lanes(const float *x, uint16_t *out, int is_bf16)
+{
+    if (is_bf16)
+        for (int k = 0; k < SQ_LANES; k++)
+            out[k] = float_to_bf16(x[k]);
+    else {
+#ifdef __F16C__ /* the hardware's conversion (to nearest even; a NaN keeps its payload's top bits, quieted) */
+        for (int k = 0; k < SQ_LANES; k += 8)
+            _mm_storeu_si128((__m128i *)(out + k), _mm256_cvtps_ph(_mm256_loadu_ps(x + k), _MM_FROUND_TO_NEAREST_INT));
+#else
+        for (int k = 0; k < SQ_LANES; k++)
+            out[k] = float_to_half(x[k]);
+#endif
+    }
+}
+
 double lg_cast_half(const float *x, int64_t n, int is_bf16, uint16_t *out, double *scratch, double *sent, int threads)
 {
     int64_t blocks = (n + HALF_BLOCK - 1) / HALF_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t start = b * HALF_BLOCK, end = start + HALF_BLOCK < n ? start + HALF_BLOCK : n, i;
-        /* The block cast first (a loop of its own vectorizes), then both norms from cache. */
-        if (is_bf16)
-            for (i = start; i < end; i++)
-                out[i] = float_to_bf16(x[i]);
-        else {
-            i = start;
-#ifdef __F16C__ /* the hardware's conversion (to nearest even; a NaN keeps its payload's top bits, quieted) */
-            for (; i + 8 <= end; i += 8)
-                _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-#endif
-            for (; i < end; i++)
-                out[i] = float_to_half(x[i]);
-        }
-        double given[8] = {0}, g = 0.0;
-        for (i = start; i + 8 <= end; i += 8)
-            for (int k = 0; k < 8; k++) {
-                double v = x[i + k];
+        int64_t start = b * HALF_BLOCK, end = start + HALF_BLOCK < n ? start + HALF_BLOCK : n, i = start;
+        /* Cast, widen back and both squares in one pass, from registers: the sent norm's lanes and tail as
+         * half_block_sq sums them. */
+        double given[SQ_LANES] = {0}, wired[SQ_LANES] = {0};
+        for (; i + SQ_LANES <= end; i += SQ_LANES) {
+            float widened[SQ_LANES];
+            narrow_lanes(x + i, out + i, is_bf16);
+            widen_lanes(out + i, widened, is_bf16);
+            for (int k = 0; k < SQ_LANES; k++) {
+                double v = x[i + k], w = widened[k];
                 given[k] += v * v;
+                wired[k] += w * w;
             }
-        for (int k = 0; k < 8; k++)
-            g += given[k];
-        for (; i < end; i++)
-            g += (double)x[i] * x[i];
+        }
+        double g = fold_lanes(given), s = fold_lanes(wired);
+        for (; i < end; i++) {
+            out[i] = is_bf16 ? float_to_bf16(x[i]) : float_to_half(x[i]);
+            double v = x[i], w = is_bf16 ? bf16_to_float(out[i]) : half_to_float(out[i]);
+            g += v * v;
+            s += w * w;
+        }
         scratch[2 * b] = g;
-        scratch[2 * b + 1] = half_block_sq(out, start, end, is_bf16);
+        scratch[2 * b + 1] = s;
     }
     double total = 0.0, total_sent = 0.0;
     for (int64_t b = 0; b < blocks; b++) {
