@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from lightning_gravac.compressors import get_compressor, kernels
-from lightning_gravac.compressors.memory import encode
-from lightning_gravac.compressors.select import Blocks
+from lightning_gravac.compressors.base import sq_norm
+from lightning_gravac.compressors.memory import ErrorFeedback, encode
+from lightning_gravac.compressors.select import Blocks, exact_lowest, exact_topk, seeded_generator
 
 _COMPILER = shlex.split(sysconfig.get_config_var("CC") or "cc")[0]
 
@@ -98,6 +99,93 @@ def test_scan_finds_the_same_entries_as_the_eager_scan(signed, threads, eager):
     # And what the scan means, independently of either path:
     test = g > 3.0 if signed else ~(g.abs() <= 3.0)
     assert torch.equal(found[3], test.nonzero().view(-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("numel", [32 * 5000, 200_003])
+def test_the_negated_peaks_and_scan_are_the_signed_ones_of_the_negation(numel, threads):
+    g = _awkward(numel, seed=4)
+    blocks = numel // 32
+    peaks = kernels.block_peaks(g, blocks, signed=True, negated=True)
+    torch.testing.assert_close(peaks, kernels.block_peaks(-g, blocks, signed=True), rtol=0, atol=0, equal_nan=True)
+    scratch = torch.empty_like(g)
+    for threshold in [0.0, 2.5, 3.0, 40.0, 1e6, float("inf")]:
+        found = kernels.scan(g, peaks, threshold, True, scratch, negated=True)
+        whole = g[: blocks * 32]
+        assert torch.equal(found, torch.lt(whole, -threshold).nonzero().view(-1)), threshold
+
+
+def _lowest_from_a_negated_copy(g: torch.Tensor, k: int, exclude: torch.Tensor) -> torch.Tensor:
+    negated = g.neg()
+    negated.index_fill_(0, exclude, -math.inf)
+    return exact_topk(negated, k, torch.empty_like(g), seeded_generator(1, 0, "w"), signed=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shift", [0.0, 1.5], ids=["centred", "mostly-positive"])
+@pytest.mark.parametrize("numel", [300_000, 300_007])
+def test_the_lowest_entries_without_a_negated_copy_are_the_copys_selection(numel, shift, threads):
+    g = _student(numel, seed=6).add_(shift)
+    g[1000:1032] = -2.5  # ties
+    g[77] = float("nan")
+    top = exact_topk(g, numel // 200, torch.empty_like(g), seeded_generator(0, 0, "w"), signed=True)
+    for k in (numel // 200, numel // 50):
+        fast = exact_lowest(g, k, torch.empty_like(g), seeded_generator(1, 0, "w"), exclude=top)
+        assert fast is not None
+        assert torch.equal(fast, _lowest_from_a_negated_copy(g, k, top))
+        assert not torch.isin(fast, top).any()
+        assert torch.equal(g[fast].sort().values, g[~torch.isin(torch.arange(numel), top)].sort().values[:k])
+
+
+@needs_kernels
+def test_the_lowest_entries_leave_out_a_group_that_reaches_the_negatives():
+    # Fewer positives than the top group: its smallest members are negative and candidates of the bottom's scan.
+    g = -_student(300_000, seed=7).abs()
+    g[:500] = 1.0
+    top = exact_topk(g, 3000, torch.empty_like(g), seeded_generator(0, 0, "w"), signed=True)
+    assert (g[top] < 0).any()
+    # The scan's threshold comes from the draws: exclusion must hold whichever the group's values are.
+    fast = exact_lowest(g, 3000, torch.empty_like(g), seeded_generator(1, 0, "w"), exclude=top)
+    assert fast is not None and not torch.isin(fast, top).any()
+    assert torch.equal(fast, _lowest_from_a_negated_copy(g, 3000, top))
+    # Too few negatives for the draws' threshold: the caller's copy decides.
+    few = _student(300_000, seed=8).abs()
+    few[:10] = -1.0
+    assert exact_lowest(few, 3000, torch.empty_like(few), seeded_generator(1, 0, "w"), exclude=top) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("numel", [200_003, 20_001])
+def test_error_feedback_sums_and_finds_the_norm_in_one_pass(numel, threads):
+    g, residual = _awkward(200_003, seed=9)[:numel].nan_to_num(posinf=7.0, neginf=-7.0), _student(numel, seed=10)
+    memory = ErrorFeedback()
+    first, sq = memory.error_fed_sq("w", g)  # no residual yet: a copy
+    assert torch.equal(first, g) and first.data_ptr() != g.data_ptr()
+    exact = g.double().square().sum()  # each fp32 square exact in float64
+    assert float(sq) == pytest.approx(float(exact), rel=1e-12)
+    assert float(sq) == pytest.approx(float(sq_norm(g)), rel=1e-6)  # the eager path's chunked fp32 norms
+    memory.set("w", residual)
+    fed, sq = memory.error_fed_sq("w", g)
+    assert torch.equal(fed, g + residual)  # fp32's own sum, bit for bit
+    assert float(sq) == pytest.approx(float(fed.double().square().sum()), rel=1e-12)
+    torch.set_num_threads(1)
+    assert float(memory.error_fed_sq("w", g)[1]) == float(sq)  # the thread count does not change it
+    assert math.isnan(float(memory.error_fed_sq("w", torch.full_like(g, math.nan))[1]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["topk", "adaq", "randomk", "efsignsgd", "onebit", "powersgd", "natural"])
+def test_the_error_fed_norm_is_the_basis_the_eager_path_finds(name, eager):
+    g = _student(300_000, seed=11)
+    g = g.view(600, 500) if name in ("onebit", "powersgd") else g
+    memory = ErrorFeedback()
+    memory.set("w", _student(300_000, seed=12).view_as(g))
+    fast = encode(get_compressor(name), g, 100, key="w", feedback="recycle", memory=memory)
+    memory.set("w", _student(300_000, seed=12).view_as(g))
+    eager()
+    slow = encode(get_compressor(name), g, 100, key="w", feedback="recycle", memory=memory)
+    assert float(fast.basis) == pytest.approx(float(slow.basis), rel=1e-6)
+    assert torch.equal(fast.residual, slow.residual) or name in ("natural", "onebit", "powersgd")
 
 
 @needs_kernels

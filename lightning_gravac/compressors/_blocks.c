@@ -7,8 +7,9 @@
  * hardshrink + nonzero for the second; both here are a single read, on all of torch's threads.
  *
  * Semantics match the eager path exactly: a block holding a NaN has a NaN peak and is scanned; an unsigned scan keeps
- * entries with !(|x| <= t), so NaN entries pass; a signed scan keeps x > t. Indices are int32 (callers check that the
- * tensor has fewer than 2^31 entries).
+ * entries with !(|x| <= t), so NaN entries pass; a signed scan keeps x > t. A negated one (is_signed == NEGATED) is
+ * the signed one of -x without the copy: peaks max(-x), entries with x < -t (-x > t exactly: negation is exact).
+ * Indices are int32 (callers check that the tensor has fewer than 2^31 entries).
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,6 +27,8 @@
 /* Below this many blocks one thread is faster than waking the others. */
 #define PARALLEL_BLOCKS 4096
 #define MAGNITUDE 0x7fffffffu
+#define SIGN_BIT 0x80000000u
+#define NEGATED 2
 #define INF_BITS 0x7f800000u
 
 /* Peaks are computed on bit patterns, read through a uint32_t pointer (built with -fno-strict-aliasing): a float max
@@ -48,10 +51,10 @@ void lg_block_peaks(const float *x, int64_t blocks, float *peaks, int is_signed,
 #pragma omp parallel for num_threads(threads) schedule(static) if (blocks > PARALLEL_BLOCKS)
     for (int64_t b = 0; b < blocks; b++) {
         const uint32_t *p = bits + b * BLOCK;
-        uint32_t magnitude = 0, key = 0, peak;
+        uint32_t magnitude = 0, key = 0, peak, flip = is_signed == NEGATED ? SIGN_BIT : 0u;
         if (is_signed) {
             for (int i = 0; i < BLOCK; i++) {
-                uint32_t m = p[i] & MAGNITUDE, k = signed_key(p[i]);
+                uint32_t m = p[i] & MAGNITUDE, k = signed_key(p[i] ^ flip);
                 magnitude = m > magnitude ? m : magnitude;
                 key = k > key ? k : key;
             }
@@ -72,10 +75,12 @@ static inline uint32_t survivors(const float *p, float t, int is_signed)
 {
     uint32_t mask = 0;
 #ifdef __AVX__
-    __m256 threshold = _mm256_set1_ps(t), sign = _mm256_set1_ps(-0.0f);
+    __m256 threshold = _mm256_set1_ps(t), below = _mm256_set1_ps(-t), sign = _mm256_set1_ps(-0.0f);
     for (int j = 0; j < BLOCK / 8; j++) {
         __m256 v = _mm256_loadu_ps(p + 8 * j), pass;
-        if (is_signed)
+        if (is_signed == NEGATED)
+            pass = _mm256_cmp_ps(v, below, _CMP_LT_OQ);
+        else if (is_signed)
             pass = _mm256_cmp_ps(v, threshold, _CMP_GT_OQ);
         else
             pass = _mm256_cmp_ps(_mm256_andnot_ps(sign, v), threshold, _CMP_NLE_UQ);
@@ -83,22 +88,44 @@ static inline uint32_t survivors(const float *p, float t, int is_signed)
     }
 #else
     for (int i = 0; i < BLOCK; i++)
-        mask |= (uint32_t)(is_signed ? p[i] > t : !(fabsf(p[i]) <= t)) << i;
+        mask |= (uint32_t)(is_signed == NEGATED ? p[i] < -t : is_signed ? p[i] > t : !(fabsf(p[i]) <= t)) << i;
 #endif
     return mask;
 }
 
-/* Entries of blocks [lo, hi) above t, written from out[0]: at most (hi - lo) * BLOCK of them. */
+/* Blocks a scan lists at a time, and how many listed blocks ahead it asks the memory for. */
+#define SCAN_CHUNK 1024
+#define PREFETCH_AHEAD 16
+
+/* Entries of blocks [lo, hi) above t, written from out[0]: at most (hi - lo) * BLOCK of them. The hot blocks (peak
+ * above t, or NaN) of a chunk are listed first without a branch, then read with the blocks PREFETCH_AHEAD further down
+ * the list requested: a hot block is a random 128 bytes of the tensor, and reading them one after another waited on
+ * memory's latency for each (25M entries, a fifth of the blocks hot: 6.0 ms, 2.8 with the prefetch; 8 ahead: 4.3). */
 static int64_t scan_range(const float *x, const float *peaks, int64_t lo, int64_t hi, float t, int is_signed,
                           int32_t *out)
 {
     int64_t count = 0;
-    for (int64_t b = lo; b < hi; b++) {
-        if (peaks[b] <= t) /* false for a NaN peak: that block is scanned */
-            continue;
-        int32_t base = (int32_t)(b * BLOCK);
-        for (uint32_t mask = survivors(x + b * BLOCK, t, is_signed); mask; mask &= mask - 1)
-            out[count++] = base + __builtin_ctz(mask);
+    int32_t hot[SCAN_CHUNK];
+    for (int64_t first = lo; first < hi; first += SCAN_CHUNK) {
+        int64_t last = first + SCAN_CHUNK < hi ? first + SCAN_CHUNK : hi;
+        int listed = 0;
+        for (int64_t b = first; b < last; b++) {
+            hot[listed] = (int32_t)(b - first);
+            listed += !(peaks[b] <= t); /* true for a NaN peak: that block is scanned */
+        }
+        for (int j = 0; j < listed; j++) {
+#if defined(__GNUC__)
+            if (j + PREFETCH_AHEAD < listed) {
+                const float *ahead = x + (first + hot[j + PREFETCH_AHEAD]) * BLOCK;
+                __builtin_prefetch(ahead);
+                __builtin_prefetch(ahead + BLOCK / 2);
+            }
+#endif
+            int64_t b = first + hot[j];
+            int32_t base = (int32_t)(b * BLOCK);
+            for (uint32_t mask = survivors(x + b * BLOCK, t, is_signed); mask; mask &= mask - 1)
+                out[count++] = base + __builtin_ctz(mask);
+        }
     }
     return count;
 }
@@ -804,12 +831,12 @@ void lg_onebit_add(const uint8_t *restrict bits, int64_t rows, int64_t cols, con
  * The squared L2 norm of 16-bit floats (the casts' payload, for the statistics header), in float64: a norm read
  * straight from 16-bit values is about 10x slower in eager PyTorch. Each value widened to float32 exactly (fp16 by its
  * bits: normal, subnormal, inf and NaN; bf16 by a shift), squared and summed in float64 (a bf16 value's square can
- * overflow float32) in SQ_LANES lanes a block of HALF_BLOCK entries, the lanes folded in order, then the block's
+ * overflow float32) in SQ_LANES lanes a block of SQ_BLOCK entries, the lanes folded in order, then the block's
  * tail, the blocks in block order: the thread count does not change the result. Thirty-two lanes are four
  * independent chains of eight-wide additions: eight lanes (one chain) left the sum bound by the addition's latency,
  * at twice a copy's time for half a copy's bytes.
  */
-#define HALF_BLOCK 1024
+#define SQ_BLOCK 1024
 #define SQ_LANES 32
 
 static inline float half_to_float(uint16_t h)
@@ -885,10 +912,10 @@ static inline double half_block_sq(const uint16_t *x, int64_t start, int64_t end
 
 double lg_half_sq(const uint16_t *x, int64_t n, int is_bf16, double *scratch, int threads)
 {
-    int64_t blocks = (n + HALF_BLOCK - 1) / HALF_BLOCK;
+    int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t start = b * HALF_BLOCK, end = start + HALF_BLOCK < n ? start + HALF_BLOCK : n;
+        int64_t start = b * SQ_BLOCK, end = start + SQ_BLOCK < n ? start + SQ_BLOCK : n;
         scratch[b] = half_block_sq(x, start, end, is_bf16);
     }
     double total = 0.0;
@@ -1002,10 +1029,52 @@ void lg_natural_add(const uint8_t *restrict bytes, int64_t n, const float *restr
 }
 
 /*
+ * Error feedback's sum x = g + r (r NULL: x = g) with ||x||^2 in float64 in the same pass, which the gain's
+ * denominator needs and the eager path reads the tensor again for. The sum is fp32's own (torch.add's bits); the
+ * squares summed in SQ_LANES lanes a block of SQ_BLOCK entries, the lanes folded in order, then the block's tail, the
+ * blocks in block order: the thread count does not change the result.
+ */
+double lg_add_sq(const float *restrict g, const float *restrict r, float *restrict x, int64_t n, double *scratch,
+                 int threads)
+{
+    int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t start = b * SQ_BLOCK, end = start + SQ_BLOCK < n ? start + SQ_BLOCK : n, i = start;
+        double lanes[SQ_LANES] = {0};
+        if (r != NULL)
+            for (; i + SQ_LANES <= end; i += SQ_LANES)
+                for (int k = 0; k < SQ_LANES; k++) {
+                    float v = g[i + k] + r[i + k];
+                    x[i + k] = v;
+                    lanes[k] += (double)v * v;
+                }
+        else
+            for (; i + SQ_LANES <= end; i += SQ_LANES)
+                for (int k = 0; k < SQ_LANES; k++) {
+                    float v = g[i + k];
+                    x[i + k] = v;
+                    lanes[k] += (double)v * v;
+                }
+        double sum = fold_lanes(lanes);
+        for (; i < end; i++) {
+            float v = r != NULL ? g[i] + r[i] : g[i];
+            x[i] = v;
+            sum += (double)v * v;
+        }
+        scratch[b] = sum;
+    }
+    double total = 0.0;
+    for (int64_t b = 0; b < blocks; b++)
+        total += scratch[b];
+    return total;
+}
+
+/*
  * The casts (compressors/cast.py) in one pass: each fp32 entry rounded to fp16 or bf16 (to nearest, ties to even, as
  * torch rounds; NaN as a quiet NaN), written to `out`, with the two norms the statistics header needs: ||x||^2 of the
  * input and ||wire||^2 of the 16-bit values (each widened exactly), both in float64, SQ_LANES lanes a block of
- * HALF_BLOCK entries, the blocks in block order (the thread count does not change them).
+ * SQ_BLOCK entries, the blocks in block order (the thread count does not change them).
  */
 static inline float from_bits(uint32_t bits)
 {
@@ -1066,10 +1135,10 @@ static inline void narrow_lanes(const float *x, uint16_t *out, int is_bf16)
 
 double lg_cast_half(const float *x, int64_t n, int is_bf16, uint16_t *out, double *scratch, double *sent, int threads)
 {
-    int64_t blocks = (n + HALF_BLOCK - 1) / HALF_BLOCK;
+    int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t start = b * HALF_BLOCK, end = start + HALF_BLOCK < n ? start + HALF_BLOCK : n, i = start;
+        int64_t start = b * SQ_BLOCK, end = start + SQ_BLOCK < n ? start + SQ_BLOCK : n, i = start;
         /* Cast, widen back and both squares in one pass, from registers: the sent norm's lanes and tail as
          * half_block_sq sums them. */
         double given[SQ_LANES] = {0}, wired[SQ_LANES] = {0};

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors.base import INDEX_BYTES, Compressor, Payload, register_compressor
-from lightning_gravac.compressors.select import exact_topk, seeded_generator
+from lightning_gravac.compressors.select import exact_lowest, exact_topk, seeded_generator
 
 
 @register_compressor
@@ -32,11 +32,13 @@ class AdaQ(Compressor):
         out = self.scratch.like(flat)
         top = exact_topk(flat, high, out, seeded_generator(0, step, key), signed=True)
         if low:
-            negated = torch.neg(flat, out=self.scratch.like(flat, slot=1))
             # The top group's positions out of the bottom's reach: on ties (an all-zero tensor) the groups could
             # otherwise share a position, which decoding would write once and summing ranks add twice.
-            negated.index_fill_(0, top, -math.inf)
-            bottom = exact_topk(negated, low, out, seeded_generator(1, step, key), signed=True)
+            bottom = exact_lowest(flat, low, out, seeded_generator(1, step, key), exclude=top)
+            if bottom is None:  # the selection from a negated copy, whose top positions are -inf
+                negated = torch.neg(flat, out=self.scratch.like(flat, slot=1))
+                negated.index_fill_(0, top, -math.inf)
+                bottom = exact_topk(negated, low, out, seeded_generator(1, step, key), signed=True)
         else:
             bottom = top.new_zeros(0)
         means = torch.stack([_mean(flat.index_select(0, top)), _mean(flat.index_select(0, bottom))]).to(tensor.dtype)

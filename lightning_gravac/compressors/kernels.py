@@ -66,21 +66,31 @@ def usable(values: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -
     )
 
 
-def block_peaks(values: Tensor, blocks: int, signed: bool) -> Tensor:
-    """The peaks of the first ``blocks`` 32-entry blocks of the flat ``values`` (see :func:`usable`)."""
+#: The C file's mode of a signed selection of ``-values`` (read from ``values``, no negated copy).
+NEGATED = 2
+
+
+def _mode(signed: bool, negated: bool) -> int:
+    return NEGATED if negated else int(signed)
+
+
+def block_peaks(values: Tensor, blocks: int, signed: bool, negated: bool = False) -> Tensor:
+    """The peaks of the first ``blocks`` 32-entry blocks of the flat ``values`` (see :func:`usable`); with
+    ``negated``, the signed peaks of ``-values``."""
     lib = _loaded()
     peaks = torch.empty(blocks, dtype=torch.float32)
-    lib.lg_block_peaks(values.data_ptr(), blocks, peaks.data_ptr(), int(signed), torch.get_num_threads())
+    lib.lg_block_peaks(values.data_ptr(), blocks, peaks.data_ptr(), _mode(signed, negated), torch.get_num_threads())
     return peaks
 
 
-def scan(values: Tensor, peaks: Tensor, threshold: float, signed: bool, out: Tensor) -> Tensor:
-    """Sorted int64 indices of the entries above ``threshold`` in the blocks that ``peaks`` covers; ``out`` is a
-    contiguous 4-byte scratch of at least ``32 * len(peaks)`` entries (reinterpreted as int32)."""
+def scan(values: Tensor, peaks: Tensor, threshold: float, signed: bool, out: Tensor, negated: bool = False) -> Tensor:
+    """Sorted int64 indices of the entries above ``threshold`` (of ``-values`` above it with ``negated``) in the
+    blocks that ``peaks`` covers; ``out`` is a contiguous 4-byte scratch of at least ``32 * len(peaks)`` entries
+    (reinterpreted as int32)."""
     lib = _loaded()
     slots = out.view(torch.int32)
     count = lib.lg_scan(
-        values.data_ptr(), peaks.numel(), peaks.data_ptr(), threshold, int(signed), slots.data_ptr(),
+        values.data_ptr(), peaks.numel(), peaks.data_ptr(), threshold, _mode(signed, negated), slots.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return slots[:count].long()
@@ -211,6 +221,17 @@ def onebit_add_(out: Tensor, bits: Tensor, means: Tensor, alpha: float) -> None:
     )  # fmt: skip
 
 
+def add_sq(grad: Tensor, residual: Tensor | None, out: Tensor) -> Tensor:
+    """``torch.add(grad, residual, out=out)`` (``out.copy_(grad)`` without a residual) for flat contiguous fp32 CPU
+    tensors of one size, in one pass with ``||out||^2`` (float64, 0-d)."""
+    n = grad.numel()
+    scratch = torch.empty(-(-n // 1024), dtype=torch.float64)
+    total = _loaded().lg_add_sq(
+        grad.data_ptr(), _pointer(residual), out.data_ptr(), n, scratch.data_ptr(), torch.get_num_threads()
+    )
+    return torch.tensor(total, dtype=torch.float64)
+
+
 def half_sq(values: Tensor) -> Tensor:
     """``||values||^2`` (float64, 0-d) of a contiguous fp16 or bf16 CPU tensor (:func:`usable` with
     :data:`HALVES`), each value widened to fp32 exactly."""
@@ -310,8 +331,11 @@ def _pointer(tensor: Tensor | None) -> int | None:
 
 
 def _declare_statistics_and_products(lib: ctypes.CDLL) -> None:
-    """The argument types of TernGrad's statistics and PowerSGD's product (apart: one function would be too long)."""
+    """The argument types of error feedback's sum, TernGrad's statistics and PowerSGD's product (apart: one function
+    would be too long)."""
     floats = ctypes.c_void_p
+    lib.lg_add_sq.argtypes = [floats, floats, floats, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.lg_add_sq.restype = ctypes.c_double
     lib.lg_moments.argtypes = [floats, ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
     lib.lg_moments.restype = None
     lib.lg_skinny_available.argtypes = []

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import Compressor, Payload, sq_norm
 
 Feedback = Literal["recycle", "copy", "off"]
@@ -34,13 +35,21 @@ class ErrorFeedback:
 
         The stored residual and ``grad`` are left as they are, so a step that is later dropped loses nothing.
         """
+        return self.error_fed_sq(key, grad)[0]
+
+    def error_fed_sq(self, key: str, grad: Tensor) -> tuple[Tensor, Tensor | None]:
+        """:meth:`error_fed`, and ``||x||^2`` of the result (float64, 0-d) where the compiled kernel found it in the
+        same pass (contiguous fp32 CPU tensors), else ``None``."""
         out = self._spare.pop(key, None)
         if out is None or out.shape != grad.shape or out.dtype != grad.dtype or out.device != grad.device:
             out = torch.empty_like(grad, memory_format=torch.contiguous_format)
         residual = self._residuals.get(key)
+        residual = None if residual is None else residual.view_as(grad)
+        if kernels.usable(grad) and kernels.usable(out) and (residual is None or kernels.usable(residual)):
+            return out, kernels.add_sq(grad.view(-1), None if residual is None else residual.view(-1), out.view(-1))
         if residual is None:
-            return out.copy_(grad)
-        return torch.add(grad, residual.view_as(grad), out=out)
+            return out.copy_(grad), None
+        return torch.add(grad, residual, out=out), None
 
     def compensate_(self, key: str, tensor: Tensor) -> bool:
         """Add the stored residual of ``key`` to ``tensor`` in place; whether there was one."""
@@ -146,10 +155,11 @@ def encode(
     ``out``, for a method with a ``wire_dtype`` (the casts), is where its payload is written
     (:meth:`~lightning_gravac.compressors.base.Compressor.compress_into`); other methods ignore it.
     """
+    fed_sq = None  # ||x||^2, found with the error feedback's sum where a kernel made it
     if feedback == "recycle":
         if memory is None:
             raise ValueError("encode(feedback='recycle') needs the `memory` whose residual is added.")
-        x = memory.error_fed(key, tensor)
+        x, fed_sq = memory.error_fed_sq(key, tensor)
     else:
         x = tensor
     prober = compressor if prober is None else prober
@@ -164,7 +174,7 @@ def encode(
         payload = compressor.compress(x, cf, key=key, step=step)
         if probe_cfs:
             probes = prober.probe(x, probe_cfs, key=key, step=step)
-    basis = payload.basis if payload.basis is not None else sq_norm(x)
+    basis = payload.basis if payload.basis is not None else fed_sq if fed_sq is not None else sq_norm(x)
     residual = None
     if feedback == "recycle" and not compressor.passthrough:
         compressor.residual_(x, payload)  # the recycled buffer becomes the residual in place

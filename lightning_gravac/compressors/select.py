@@ -286,6 +286,47 @@ def exact_topk(
     return Blocks(values, signed).topk(k, out, generator, sample_ratio)
 
 
+def exact_lowest(
+    values: Tensor, k: int, out: Tensor, generator: torch.Generator, exclude: Tensor, sample_ratio: float = 0.01
+) -> Tensor | None:
+    """Indices of the ``k`` smallest entries of the flat fp32 ``values`` outside the positions ``exclude``: what
+    :func:`exact_topk` with ``signed`` gives on a copy of ``-values`` whose ``exclude`` positions are ``-inf``
+    (the same candidates, the same ``topk`` among them), read from ``values`` by the compiled kernels without that
+    copy. ``None`` where this path cannot decide cheaply (no kernels, a small tensor or selection, fewer than about
+    ``k`` negative entries, or still short after four thresholds): the caller then makes the copy.
+    """
+    n = values.numel()
+    if not kernels.usable(values) or k * 4 >= n or sample_ratio * n < 1024:
+        return None
+    whole = n - n % _BLOCK
+    peaks = kernels.block_peaks(values, whole // _BLOCK, signed=True, negated=True)
+    drawn = sample(values, math.ceil(sample_ratio * n), generator).neg()
+    samples = drawn.numel()
+    rank = margin_rank(samples, k, n)
+    for _ in range(4):
+        rank = min(samples, rank)
+        threshold = float(torch.topk(drawn, rank, sorted=False).values.min())
+        if threshold <= 0:  # as the signed selection: torch.topk over the copy decides
+            return None
+        candidates = kernels.scan(values, peaks, threshold, True, out, negated=True)
+        if whole < n:
+            tail = torch.lt(values[whole:], -threshold).nonzero().view(-1).add_(whole)
+            candidates = torch.cat([candidates, tail])
+        # An excluded position is a candidate only when its value is below -threshold (a group of largest entries
+        # that reaches the negatives): test the cheap bound first.
+        if exclude.numel() and float(values.index_select(0, exclude).min()) < -threshold:
+            candidates = candidates[torch.isin(candidates, exclude, invert=True)]
+        if candidates.numel() >= k:
+            if candidates.numel() == k:
+                return candidates
+            chosen = values.index_select(0, candidates).neg_()
+            return candidates.index_select(0, torch.topk(chosen, k, sorted=False).indices)
+        if rank == samples:
+            break
+        rank *= 4
+    return None
+
+
 def _topk(values: Tensor, k: int, signed: bool) -> Tensor:
     return torch.topk(values if signed else values.abs(), k, sorted=False).indices
 
