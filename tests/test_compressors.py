@@ -546,6 +546,24 @@ def test_casts_decode_add_and_keep_the_rounding_exactly_as_their_eager_definitio
     assert residual.abs().max() > 0 and residual.abs().max() <= g.abs().max() * 2**-7
 
 
+def test_adaq_sums_ranks_as_their_decoded_payloads_add_in_rank_order():
+    # Three ranks whose groups overlap across ranks (the same heavy entries): each position gets each rank's mean
+    # times the scale, added in rank order.
+    c = get_compressor("adaq")
+    base = _grad(50_000)
+    payloads = [c.compress(base + 0.01 * _grad(50_000, seed=rank), cf=20, step=rank) for rank in range(3)]
+    stacked = payloads[0].with_wire([torch.stack([p.wire[i] for p in payloads]) for i in range(3)])
+    out = torch.full((50_000,), 0.5)
+    c.aggregate_(out, stacked, 1 / 3)
+    expected = torch.full((50_000,), 0.5)
+    for p in payloads:
+        means, top, bottom = p.wire
+        expected[bottom.long()] += (means[1] * (1 / 3)).float()
+        expected[top.long()] += (means[0] * (1 / 3)).float()
+    assert torch.equal(out, expected)
+    assert torch.isin(payloads[0].wire[1], payloads[1].wire[1]).any()  # the ranks do share positions
+
+
 @pytest.mark.parametrize(
     "g", [torch.zeros(1000), torch.ones(1000), torch.full((1000,), -2.0)], ids=["zero", "one", "neg"]
 )

@@ -189,6 +189,28 @@ def test_the_error_fed_norm_is_the_basis_the_eager_path_finds(name, eager):
 
 
 @needs_kernels
+def test_the_sparse_decode_adds_as_index_add_does():
+    out = _student(200_000, seed=13)
+    positions = torch.randint(0, 200_000, (3, 5_000), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    positions[1, :100] = positions[0, :100]  # two ranks' entries at one position: both added, in order
+    values = _student(15_000, seed=14).view(3, 5_000)
+    expected = out.clone().index_add_(0, positions.view(-1).long(), values.view(-1), alpha=1 / 3)
+    kernels.scatter_add_(out, positions.view(-1), values.view(-1), scale=1 / 3)
+    assert torch.equal(out, expected)
+    constant = torch.tensor(0.1)
+    expected = out.clone().index_add_(0, positions[2].long(), constant.expand(5_000))
+    kernels.scatter_add_(out, positions[2].contiguous(), None, constant=float(constant))
+    assert torch.equal(out, expected)
+    # A position out of range (a corrupt payload) is refused before anything is written.
+    for bad in (200_000, -1):
+        wrong = positions[0].clone()
+        wrong[-1] = bad
+        with pytest.raises(IndexError, match="outside the tensor"):
+            kernels.scatter_add_(out, wrong, values[0].contiguous())
+        assert torch.equal(out, expected)
+
+
+@needs_kernels
 @pytest.mark.parametrize("name", ["topk", "dgc", "redsync", "sidco", "threshold", "adaq"])
 @pytest.mark.parametrize("cf", [10, 100])
 def test_compressors_send_the_same_payload_with_and_without_the_kernels(name, cf, eager):

@@ -1249,3 +1249,32 @@ int lg_skinny_mq(const float *restrict m, int64_t rows, int64_t cols, const floa
     return 0;
 #endif
 }
+
+/*
+ * Sparse decoding: out[positions[j]] += values[j] * scale (values NULL: += constant) for j in order, one thread, as
+ * index_add_ adds on a CPU (the product rounded to fp32, then the sum; a position listed twice gets both, in order).
+ * Each position is a random cache line of out: reading them one after another waited on memory's latency for each,
+ * so the line SCATTER_AHEAD positions further down the list is requested first. Positions come from other ranks'
+ * payloads: all are checked against n first, and none is written unless all are in range (returns 0, else 1).
+ */
+#define SCATTER_AHEAD 16
+
+int lg_scatter_add(float *out, int64_t n, const int32_t *positions, int64_t k, const float *values, float constant,
+                   float scale)
+{
+    int32_t low = 0, high = 0;
+    for (int64_t j = 0; j < k; j++) {
+        low = positions[j] < low ? positions[j] : low;
+        high = positions[j] > high ? positions[j] : high;
+    }
+    if (low < 0 || (k > 0 && high >= n))
+        return 0;
+    for (int64_t j = 0; j < k; j++) {
+#if defined(__GNUC__)
+        if (j + SCATTER_AHEAD < k)
+            __builtin_prefetch(out + positions[j + SCATTER_AHEAD], 1);
+#endif
+        out[positions[j]] += values != NULL ? values[j] * scale : constant;
+    }
+    return 1;
+}

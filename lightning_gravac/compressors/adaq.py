@@ -5,6 +5,7 @@ import math
 import torch
 from torch import Tensor
 
+from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import INDEX_BYTES, Compressor, Payload, register_compressor
 from lightning_gravac.compressors.select import exact_lowest, exact_topk, seeded_generator
 
@@ -62,19 +63,27 @@ class AdaQ(Compressor):
         means, top, bottom = stacked.wire  # [ranks, 2], [ranks, high], [ranks, low]
         for rank in range(means.shape[0]):  # rank order, as the decoded sum would run
             scaled = (means[rank] * scale).to(out.dtype)
-            out.index_add_(0, bottom[rank].long(), scaled[1].expand(bottom.shape[1]))
-            out.index_add_(0, top[rank].long(), scaled[0].expand(top.shape[1]))
+            for group, value in ((bottom[rank], scaled[1]), (top[rank], scaled[0])):
+                _add_at(out, group, value)
 
     def residual_(self, tensor: Tensor, payload: Payload) -> None:
         # Only the sent positions change; the top group is written last, as decoding writes it.
         means, top, bottom = payload.wire
         flat = tensor.view(-1)
-        top, bottom = top.long(), bottom.long()
-        below = flat.index_select(0, bottom).sub_(means[1])
-        above = flat.index_select(0, top).sub_(means[0])
-        flat.index_copy_(0, bottom, below)
-        flat.index_copy_(0, top, above)
+        _add_at(flat, bottom, -means[1].to(flat.dtype))  # x + (-m) is x - m, bit for bit
+        _add_at(flat, top, -means[0].to(flat.dtype))
 
 
 def _mean(values: Tensor) -> Tensor:
     return values.float().mean() if values.numel() else values.new_zeros((), dtype=torch.float32)
+
+
+def _add_at(out: Tensor, positions: Tensor, value: Tensor) -> None:
+    """``out[positions] += value`` for one rank's distinct positions (int32) of the flat ``out``: the compiled
+    kernel where it can (index_add_'s bits, prefetching the positions' lines), else a gather, an add and a scatter
+    (a third of index_add_'s time on a CPU, the same sums)."""
+    if kernels.usable(out) and positions.dtype == torch.int32 and positions.is_contiguous():
+        kernels.scatter_add_(out, positions, None, constant=float(value))
+    else:
+        wide = positions.long()
+        out.index_copy_(0, wide, out.index_select(0, wide).add_(value))

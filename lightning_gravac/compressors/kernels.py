@@ -232,6 +232,20 @@ def add_sq(grad: Tensor, residual: Tensor | None, out: Tensor) -> Tensor:
     return torch.tensor(total, dtype=torch.float64)
 
 
+def scatter_add_(
+    out: Tensor, positions: Tensor, values: Tensor | None, constant: float = 0.0, scale: float = 1.0
+) -> None:
+    """``out.index_add_(0, positions, values, alpha=scale)`` (``values`` ``None``: ``constant`` added at every
+    position) for a flat contiguous fp32 CPU ``out``, contiguous int32 ``positions`` and contiguous fp32 ``values``
+    of as many entries, with index_add_'s bits (the product rounded to fp32, then the sum; positions in order).
+    Raises ``IndexError``, writing nothing, when a position is out of range."""
+    done = _loaded().lg_scatter_add(
+        out.data_ptr(), out.numel(), positions.data_ptr(), positions.numel(), _pointer(values), constant, scale
+    )
+    if not done:
+        raise IndexError(f"a sparse payload's position is outside the tensor of {out.numel()} entries")
+
+
 def half_sq(values: Tensor) -> Tensor:
     """``||values||^2`` (float64, 0-d) of a contiguous fp16 or bf16 CPU tensor (:func:`usable` with
     :data:`HALVES`), each value widened to fp32 exactly."""
@@ -336,6 +350,10 @@ def _declare_statistics_and_products(lib: ctypes.CDLL) -> None:
     floats = ctypes.c_void_p
     lib.lg_add_sq.argtypes = [floats, floats, floats, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.lg_add_sq.restype = ctypes.c_double
+    lib.lg_scatter_add.argtypes = [
+        floats, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, floats, ctypes.c_float, ctypes.c_float,
+    ]  # fmt: skip
+    lib.lg_scatter_add.restype = ctypes.c_int
     lib.lg_moments.argtypes = [floats, ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
     lib.lg_moments.restype = None
     lib.lg_skinny_available.argtypes = []
