@@ -105,9 +105,14 @@ def test_scan_finds_the_same_entries_as_the_eager_scan(signed, threads, eager):
 @pytest.mark.parametrize("numel", [32 * 5000, 200_003])
 def test_the_negated_peaks_and_scan_are_the_signed_ones_of_the_negation(numel, threads):
     g = _awkward(numel, seed=4)
+    g[20000:20032] = torch.tensor([0.0, -0.0] * 16)  # signed zeros: -(+0) is -0
+    g[30000:30032] = -0.0
     blocks = numel // 32
     peaks = kernels.block_peaks(g, blocks, signed=True, negated=True)
     torch.testing.assert_close(peaks, kernels.block_peaks(-g, blocks, signed=True), rtol=0, atol=0, equal_nan=True)
+    high, low = kernels.block_extremes(g, blocks)  # both from one read
+    torch.testing.assert_close(high, kernels.block_peaks(g, blocks, signed=True), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(low, peaks, rtol=0, atol=0, equal_nan=True)
     scratch = torch.empty_like(g)
     for threshold in [0.0, 2.5, 3.0, 40.0, 1e6, float("inf")]:
         found = kernels.scan(g, peaks, threshold, True, scratch, negated=True)

@@ -70,6 +70,29 @@ void lg_block_peaks(const float *x, int64_t blocks, float *peaks, int is_signed,
     }
 }
 
+/* Both signed peaks of each block in one read: high[b] = max(x), low[b] = max(-x) (a NaN in the block: NaN in both),
+ * as lg_block_peaks gives them signed and NEGATED. The key of -x is ~key(x) (for every non-NaN pattern), so the
+ * largest key of -x is the complement of the smallest key of x. */
+void lg_block_extremes(const float *x, int64_t blocks, float *high, float *low, int threads)
+{
+    const uint32_t *bits = (const uint32_t *)x;
+#pragma omp parallel for num_threads(threads) schedule(static) if (blocks > PARALLEL_BLOCKS)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint32_t *p = bits + b * BLOCK;
+        uint32_t magnitude = 0, largest = 0, smallest = 0xffffffffu;
+        for (int i = 0; i < BLOCK; i++) {
+            uint32_t m = p[i] & MAGNITUDE, k = signed_key(p[i]);
+            magnitude = m > magnitude ? m : magnitude;
+            largest = k > largest ? k : largest;
+            smallest = k < smallest ? k : smallest;
+        }
+        uint32_t top = magnitude > INF_BITS ? magnitude : from_signed_key(largest);
+        uint32_t bottom = magnitude > INF_BITS ? magnitude : from_signed_key(~smallest);
+        memcpy(high + b, &top, sizeof top);
+        memcpy(low + b, &bottom, sizeof bottom);
+    }
+}
+
 /* Bit i set when entry i of the block survives. */
 static inline uint32_t survivors(const float *p, float t, int is_signed)
 {

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import INDEX_BYTES, Compressor, Payload, register_compressor
-from lightning_gravac.compressors.select import exact_lowest, exact_topk, seeded_generator
+from lightning_gravac.compressors.select import exact_lowest, exact_topk, seeded_generator, signed_extremes
 
 
 @register_compressor
@@ -31,11 +31,12 @@ class AdaQ(Compressor):
         low = min(k // 2, n // 2)
         high = min(k - low, n - low)
         out = self.scratch.like(flat)
-        top = exact_topk(flat, high, out, seeded_generator(0, step, key), signed=True)
+        highest, lowest = signed_extremes(flat, high)  # both groups' block peaks from one read
+        top = exact_topk(flat, high, out, seeded_generator(0, step, key), signed=True, peak=highest)
         if low:
             # The top group's positions out of the bottom's reach: on ties (an all-zero tensor) the groups could
             # otherwise share a position, which decoding would write once and summing ranks add twice.
-            bottom = exact_lowest(flat, low, out, seeded_generator(1, step, key), exclude=top)
+            bottom = exact_lowest(flat, low, out, seeded_generator(1, step, key), exclude=top, peak=lowest)
             if bottom is None:  # the selection from a negated copy, whose top positions are -inf
                 negated = torch.neg(flat, out=self.scratch.like(flat, slot=1))
                 negated.index_fill_(0, top, -math.inf)

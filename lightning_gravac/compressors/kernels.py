@@ -83,6 +83,13 @@ def block_peaks(values: Tensor, blocks: int, signed: bool, negated: bool = False
     return peaks
 
 
+def block_extremes(values: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
+    """:func:`block_peaks` signed, and negated, in one read of the flat ``values`` (see :func:`usable`)."""
+    high, low = torch.empty(blocks, dtype=torch.float32), torch.empty(blocks, dtype=torch.float32)
+    _loaded().lg_block_extremes(values.data_ptr(), blocks, high.data_ptr(), low.data_ptr(), torch.get_num_threads())
+    return high, low
+
+
 def scan(values: Tensor, peaks: Tensor, threshold: float, signed: bool, out: Tensor, negated: bool = False) -> Tensor:
     """Sorted int64 indices of the entries above ``threshold`` (of ``-values`` above it with ``negated``) in the
     blocks that ``peaks`` covers; ``out`` is a contiguous 4-byte scratch of at least ``32 * len(peaks)`` entries
@@ -350,6 +357,8 @@ def _declare_statistics_and_products(lib: ctypes.CDLL) -> None:
     floats = ctypes.c_void_p
     lib.lg_add_sq.argtypes = [floats, floats, floats, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.lg_add_sq.restype = ctypes.c_double
+    lib.lg_block_extremes.argtypes = [floats, ctypes.c_int64, floats, floats, ctypes.c_int]
+    lib.lg_block_extremes.restype = None
     lib.lg_scatter_add.argtypes = [
         floats, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, floats, ctypes.c_float, ctypes.c_float,
     ]  # fmt: skip

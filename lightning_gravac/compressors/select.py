@@ -275,31 +275,55 @@ def margin_rank(samples: int, k: int, n: int) -> int:
 
 
 def exact_topk(
-    values: Tensor, k: int, out: Tensor, generator: torch.Generator, sample_ratio: float = 0.01, signed: bool = False
+    values: Tensor,
+    k: int,
+    out: Tensor,
+    generator: torch.Generator,
+    sample_ratio: float = 0.01,
+    signed: bool = False,
+    peak: Tensor | None = None,
 ) -> Tensor:
     """Indices of the ``k`` entries of the flat ``values`` of largest magnitude (largest value with ``signed``):
     exact, without a ``topk`` over the whole tensor (see :meth:`Blocks.topk`). Small selections or ones of a
-    quarter or more go straight to ``torch.topk``. ``out`` is a scratch of ``values``' size and dtype.
+    quarter or more go straight to ``torch.topk``. ``out`` is a scratch of ``values``' size and dtype; ``peak``,
+    the block peaks when the caller has them (:func:`signed_extremes`).
     """
     if k * 4 >= values.numel() or sample_ratio * values.numel() < 1024:
         return _topk(values, k, signed)
-    return Blocks(values, signed).topk(k, out, generator, sample_ratio)
+    return Blocks(values, signed, peak).topk(k, out, generator, sample_ratio)
+
+
+def signed_extremes(values: Tensor, k: int, sample_ratio: float = 0.01) -> tuple[Tensor | None, Tensor | None]:
+    """The signed block peaks of the flat ``values`` and of ``-values`` from one read (the compiled kernel), for
+    selections of ``k`` from both tails (:func:`exact_topk` signed, :func:`exact_lowest`); ``(None, None)`` where
+    those would not read the peaks (see :func:`exact_topk`) or the kernels do not take ``values``."""
+    n = values.numel()
+    if k * 4 >= n or sample_ratio * n < 1024 or not kernels.usable(values):
+        return None, None
+    return kernels.block_extremes(values, values.numel() // _BLOCK)
 
 
 def exact_lowest(
-    values: Tensor, k: int, out: Tensor, generator: torch.Generator, exclude: Tensor, sample_ratio: float = 0.01
+    values: Tensor,
+    k: int,
+    out: Tensor,
+    generator: torch.Generator,
+    exclude: Tensor,
+    sample_ratio: float = 0.01,
+    peak: Tensor | None = None,
 ) -> Tensor | None:
     """Indices of the ``k`` smallest entries of the flat fp32 ``values`` outside the positions ``exclude``: what
     :func:`exact_topk` with ``signed`` gives on a copy of ``-values`` whose ``exclude`` positions are ``-inf``
     (the same candidates, the same ``topk`` among them), read from ``values`` by the compiled kernels without that
     copy. ``None`` where this path cannot decide cheaply (no kernels, a small tensor or selection, fewer than about
-    ``k`` negative entries, or still short after four thresholds): the caller then makes the copy.
+    ``k`` negative entries, or still short after four thresholds): the caller then makes the copy. ``peak``: the
+    block peaks of ``-values`` when the caller has them (:func:`signed_extremes`).
     """
     n = values.numel()
     if not kernels.usable(values) or k * 4 >= n or sample_ratio * n < 1024:
         return None
     whole = n - n % _BLOCK
-    peaks = kernels.block_peaks(values, whole // _BLOCK, signed=True, negated=True)
+    peaks = kernels.block_peaks(values, whole // _BLOCK, signed=True, negated=True) if peak is None else peak
     drawn = sample(values, math.ceil(sample_ratio * n), generator).neg()
     samples = drawn.numel()
     rank = margin_rank(samples, k, n)
