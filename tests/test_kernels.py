@@ -453,26 +453,32 @@ skinny = pytest.mark.skipif(not kernels.skinny_available(), reason="no AVX-512 p
 
 
 @skinny
+@pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("shape", [(300, 700), (1031, 517), (5, 3), (4, 16), (600, 500)])  # rows cut by 4; 300k
-def test_powersgds_left_product_is_the_float64_product_to_blas_accuracy_on_any_thread_count(shape, threads):
+def test_powersgds_products_are_the_float64_products_to_blas_accuracy_on_any_thread_count(shape, side, threads):
+    from lightning_gravac.compressors.powersgd import left_factor, right_factor
+
     rows, cols = shape
     generator = torch.Generator().manual_seed(rows)
     matrix = torch.randn(rows, cols, generator=generator)
-    for rank in (1, 7, 8, 9, 16, 17, 25, 32):
-        q = torch.randn(cols, rank, generator=generator)
-        got, exact = kernels.skinny_mq(matrix, q), matrix.double() @ q.double()
+    # P = M Q (Q: [cols, r]) and Q = M^T P (P: [rows, r]), each by its kernel, against float64.
+    kernel, factor, inner = (
+        (kernels.skinny_mq, left_factor, cols) if side == "left" else (kernels.skinny_mtp, right_factor, rows)
+    )
+    operand = matrix if side == "left" else matrix.T
+    for rank in (1, 2, 7, 8, 9, 16, 17, 25, 32):
+        other = torch.randn(inner, rank, generator=generator)
+        got, exact = kernel(matrix, other), operand.double() @ other.double()
         assert got.shape == exact.shape and got.is_contiguous()
         assert float((got - exact).abs().max() / exact.abs().max()) < 2e-6, (shape, rank)
         before = torch.get_num_threads()
-        torch.set_num_threads(1)  # one thread an output, in a fixed order: the same bits
+        torch.set_num_threads(1)  # each output one thread's, summed in a fixed order: the same bits
         try:
-            assert torch.equal(kernels.skinny_mq(matrix, q), got)
+            assert torch.equal(kernel(matrix, other), got)
         finally:
             torch.set_num_threads(before)
-    from lightning_gravac.compressors.powersgd import left_factor
-
-    q = torch.randn(cols, 25, generator=generator)
-    assert torch.allclose(left_factor(matrix, q), matrix @ q, rtol=1e-4, atol=1e-4)  # PowerSGD's P = M Q
+    other = torch.randn(inner, 25, generator=generator)
+    assert torch.allclose(factor(matrix, other), operand @ other, rtol=1e-4, atol=1e-4)  # what PowerSGD calls
 
 
 def test_powersgds_left_product_falls_back_to_torch_where_the_kernel_does_not_apply():
@@ -486,6 +492,18 @@ def test_powersgds_left_product_falls_back_to_torch_where_the_kernel_does_not_ap
     assert not kernels.skinny_usable(matrix, torch.randn(31, 5))  # mismatched shapes: torch's (which raises)
     with pytest.raises(RuntimeError):
         left_factor(matrix, torch.randn(31, 5))
+
+
+def test_powersgds_right_product_falls_back_to_torch_where_the_kernel_does_not_apply():
+    from lightning_gravac.compressors.powersgd import right_factor
+
+    matrix = torch.randn(40, 30)
+    for p in (torch.randn(40, 33), torch.randn(40, 5, dtype=torch.float64), torch.randn(5, 40).T, torch.randn(40, 1)):
+        m = matrix.to(p.dtype)
+        assert torch.equal(right_factor(m, p), (p.T @ m).T.contiguous())  # past the rank, fp64, a view, rank 1
+    assert not kernels.skinny_usable(matrix, torch.randn(30, 5), transposed=True)  # mismatched shapes
+    with pytest.raises(RuntimeError):
+        right_factor(matrix, torch.randn(30, 5))
 
 
 def _natural_input(numel: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

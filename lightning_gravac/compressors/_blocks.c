@@ -1301,3 +1301,72 @@ int lg_scatter_add(float *out, int64_t n, const int32_t *positions, int64_t k, c
     }
     return 1;
 }
+
+/*
+ * PowerSGD's Q = M^T P for M [rows, cols] and P [rows, r], r <= SKINNY_RANK, row-major fp32, streaming M by rows:
+ * each thread owns a contiguous range of Q's rows (M's columns) and walks down M four rows at a time, reading its
+ * part of each row in order, adding the outer products M[i, k] P[i, :] into Q's rows, which stay in cache. Sums run
+ * down each column in blocks of SKINNY_BLOCK rows added into a total (`partial`, scratch of cols x r floats), so
+ * the rounding error grows with the blocks, not the terms; each output is one thread's, summed in row order: the
+ * thread count does not change the bits.
+ */
+#ifdef __AVX512F__
+#define SKINNY_MTP_ROWS(ROWS)                                                                                         \
+    do {                                                                                                              \
+        __m512 p0[ROWS], p1[ROWS];                                                                                    \
+        for (int a = 0; a < ROWS; a++) {                                                                              \
+            p0[a] = _mm512_maskz_loadu_ps(low, p + (i + a) * r);                                                      \
+            p1[a] = r > 16 ? _mm512_maskz_loadu_ps(high, p + (i + a) * r + 16) : _mm512_setzero_ps();                \
+        }                                                                                                             \
+        for (int64_t k = first; k < last; k++) {                                                                      \
+            float *row = partial + k * stride;                                                                        \
+            __m512 s0 = _mm512_load_ps(row), s1 = stride > 16 ? _mm512_load_ps(row + 16) : _mm512_setzero_ps();      \
+            for (int a = 0; a < ROWS; a++) {                                                                          \
+                __m512 b = _mm512_set1_ps(m[(i + a) * cols + k]);                                                     \
+                s0 = _mm512_fmadd_ps(b, p0[a], s0);                                                                   \
+                s1 = _mm512_fmadd_ps(b, p1[a], s1);                                                                   \
+            }                                                                                                         \
+            _mm512_store_ps(row, s0);                                                                                 \
+            if (stride > 16)                                                                                          \
+                _mm512_store_ps(row + 16, s1);                                                                        \
+        }                                                                                                             \
+    } while (0)
+#endif
+
+int lg_skinny_mtp(const float *restrict m, int64_t rows, int64_t cols, const float *restrict p, int64_t r,
+                  float *restrict q, float *restrict partial, int threads)
+{
+#ifdef __AVX512F__
+    if (r < 1 || r > SKINNY_RANK || rows < 0 || cols < 0 || (uintptr_t)partial % 64 != 0)
+        return 0;
+    __mmask16 low = lanes_mask(r), high = lanes_mask(r - 16);
+    /* The partial sums' rows padded to whole, aligned vectors (P's lanes past r are zero): masked stores of rows
+     * packed r floats apart overlapped the next row's loads, which waited for them (four times slower). */
+    int64_t stride = r > 16 ? 32 : 16;
+#pragma omp parallel num_threads(threads) if (rows * cols > PARALLEL_BLOCKS * 32)
+    {
+        int part = 0, parts = 1;
+#ifdef _OPENMP
+        part = omp_get_thread_num();
+        parts = omp_get_num_threads();
+#endif
+        int64_t first = cols * part / parts, last = cols * (part + 1) / parts;
+        memset(q + first * r, 0, (size_t)((last - first) * r) * sizeof(float));
+        for (int64_t i0 = 0; i0 < rows; i0 += SKINNY_BLOCK) {
+            int64_t i1 = i0 + SKINNY_BLOCK < rows ? i0 + SKINNY_BLOCK : rows, i = i0;
+            memset(partial + first * stride, 0, (size_t)((last - first) * stride) * sizeof(float));
+            for (; i + 4 <= i1; i += 4)
+                SKINNY_MTP_ROWS(4);
+            for (; i < i1; i++)
+                SKINNY_MTP_ROWS(1);
+            for (int64_t k = first; k < last; k++)
+                for (int64_t j = 0; j < r; j++)
+                    q[k * r + j] += partial[k * stride + j];
+        }
+    }
+    return 1;
+#else
+    (void)m, (void)rows, (void)cols, (void)p, (void)r, (void)q, (void)partial, (void)threads;
+    return 0;
+#endif
+}

@@ -308,13 +308,14 @@ def half_bits(values: Tensor, out: Tensor) -> None:
 SKINNY_RANK = 32
 
 
-def skinny_usable(matrix: Tensor, factor: Tensor) -> bool:
-    """Whether :func:`skinny_mq` takes ``matrix`` and a ``[*, r]`` ``factor``: both :func:`usable`,
-    ``r <= SKINNY_RANK``, and kernels built for AVX-512 (elsewhere torch's matmul serves)."""
+def skinny_usable(matrix: Tensor, factor: Tensor, transposed: bool = False) -> bool:
+    """Whether :func:`skinny_mq` (:func:`skinny_mtp` when ``transposed``) takes ``matrix`` and a ``[*, r]``
+    ``factor``: both :func:`usable`, ``r <= SKINNY_RANK``, and kernels built for AVX-512 (elsewhere torch's matmul
+    serves)."""
     return (
         matrix.dim() == 2
         and factor.dim() == 2
-        and factor.shape[0] == matrix.shape[1]
+        and factor.shape[0] == matrix.shape[0 if transposed else 1]
         and 0 < factor.shape[1] <= SKINNY_RANK
         and usable(matrix)
         and usable(factor)
@@ -338,6 +339,23 @@ def skinny_mq(matrix: Tensor, q: Tensor) -> Tensor:
         matrix.data_ptr(), rows, cols, q.data_ptr(), q.shape[1], out.data_ptr(), torch.get_num_threads()
     )
     assert done, "skinny_mq called where skinny_usable() is False"
+    return out
+
+
+def skinny_mtp(matrix: Tensor, p: Tensor) -> Tensor:
+    """``matrix.T @ p`` for a contiguous fp32 ``[rows, cols]`` ``matrix`` and ``[rows, r]`` ``p``
+    (:func:`skinny_usable` of ``matrix.T`` and ``p``), summed in blocks of 256 terms down each column, the same bits
+    whatever the thread count."""
+    rows, cols = matrix.shape
+    r = p.shape[1]
+    out = torch.empty(cols, r, dtype=torch.float32)
+    # The kernel's partial sums: rows of 16 or 32 floats, 64-byte aligned (16 spare floats to align the start).
+    spare = torch.empty(cols * (32 if r > 16 else 16) + 16, dtype=torch.float32)
+    partial = spare[(-spare.data_ptr() % 64) // 4 :]
+    done = _loaded().lg_skinny_mtp(
+        matrix.data_ptr(), rows, cols, p.data_ptr(), r, out.data_ptr(), partial.data_ptr(), torch.get_num_threads()
+    )
+    assert done, "skinny_mtp called where skinny_usable() is False"
     return out
 
 
@@ -369,6 +387,10 @@ def _declare_statistics_and_products(lib: ctypes.CDLL) -> None:
     lib.lg_skinny_available.restype = ctypes.c_int
     lib.lg_skinny_mq.argtypes = [floats, ctypes.c_int64, ctypes.c_int64, floats, ctypes.c_int64, floats, ctypes.c_int]
     lib.lg_skinny_mq.restype = ctypes.c_int
+    lib.lg_skinny_mtp.argtypes = [
+        floats, ctypes.c_int64, ctypes.c_int64, floats, ctypes.c_int64, floats, floats, ctypes.c_int,
+    ]  # fmt: skip
+    lib.lg_skinny_mtp.restype = ctypes.c_int
 
 
 @functools.cache
