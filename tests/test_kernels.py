@@ -481,6 +481,38 @@ def test_powersgds_products_are_the_float64_products_to_blas_accuracy_on_any_thr
     assert torch.allclose(factor(matrix, other), operand @ other, rtol=1e-4, atol=1e-4)  # what PowerSGD calls
 
 
+@skinny
+@pytest.mark.parametrize("shape", [(300, 700), (1031, 517), (5, 3), (4, 16), (600, 500)])
+def test_powersgds_decode_adds_alpha_p_q_t_to_blas_accuracy_on_any_thread_count(shape, threads):
+    from lightning_gravac.compressors.powersgd import add_product_
+
+    rows, cols = shape
+    generator = torch.Generator().manual_seed(rows + cols)
+    given = torch.randn(rows, cols, generator=generator)
+    for rank in (1, 2, 7, 16, 17, 25, 32):
+        p, q = torch.randn(rows, rank, generator=generator), torch.randn(cols, rank, generator=generator)
+        for alpha in (-1.0, 0.5, 1 / 3):
+            got = given.clone()
+            kernels.skinny_add_pqt_(got, p, q, alpha)
+            exact = given.double() + alpha * (p.double() @ q.double().T)
+            assert float((got - exact).abs().max() / exact.abs().max()) < 2e-6, (shape, rank, alpha)
+            before = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                again = given.clone()
+                kernels.skinny_add_pqt_(again, p, q, alpha)
+                assert torch.equal(again, got)
+            finally:
+                torch.set_num_threads(before)
+    p, q = torch.randn(rows, 25, generator=generator), torch.randn(cols, 25, generator=generator)
+    wide = given.clone()
+    add_product_(wide, p, q, -1.0)  # what PowerSGD's residual and decode call
+    assert torch.allclose(wide, given - p @ q.T, rtol=1e-4, atol=1e-4)
+    fallback = given.double()
+    add_product_(fallback, p.double(), q.double(), -1.0)  # float64: torch's addmm_
+    assert torch.equal(fallback, given.double().addmm_(p.double(), q.double().T, alpha=-1.0))
+
+
 def test_powersgds_left_product_falls_back_to_torch_where_the_kernel_does_not_apply():
     from lightning_gravac.compressors.powersgd import left_factor
 

@@ -38,6 +38,15 @@ def left_factor(matrix: Tensor, q: Tensor) -> Tensor:
     return matrix @ q
 
 
+def add_product_(matrix: Tensor, p: Tensor, q: Tensor, alpha: float) -> None:
+    """``matrix += alpha P Q^T`` in place: by the compiled kernel where it applies (:func:`kernels.skinny_add_pqt_`),
+    else torch's ``addmm_``."""
+    if kernels.skinny_usable(matrix, q) and kernels.skinny_usable(matrix, p, transposed=True):
+        kernels.skinny_add_pqt_(matrix, p, q, alpha)
+    else:
+        matrix.addmm_(p, q.T, alpha=alpha)
+
+
 @register_compressor
 class PowerSGD(Compressor):
     """Rank-``r`` approximation ``P Q^T`` of each weight's gradient matrix ``M`` (``[rows, rest]``), warm-started Q.
@@ -120,7 +129,7 @@ class PowerSGD(Compressor):
         matrix = as_matrix(tensor)
         if len(payload.wire) == 2 and matrix.data_ptr() == tensor.data_ptr() and matrix.is_contiguous():
             p, q = payload.wire
-            matrix.addmm_(p, q.T, alpha=-1)  # M - P Q^T in place: no decoded matrix allocated
+            add_product_(matrix, p, q, -1.0)  # M - P Q^T in place: no decoded matrix allocated
         else:
             super().residual_(tensor, payload)
 
@@ -130,7 +139,7 @@ class PowerSGD(Compressor):
             return
         matrix = out.view(stacked.shape[0], -1)
         for p, q in zip(*stacked.wire, strict=True):  # rank order, each P Q^T added in place
-            matrix.addmm_(p, q.T, alpha=scale)
+            add_product_(matrix, p, q, scale)
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
         if len(payload.wire) == 1:

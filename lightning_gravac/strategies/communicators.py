@@ -38,7 +38,7 @@ from torch.futures import Future
 from lightning_gravac.compressors.base import Communication, Compressor, Payload, sq_norm
 from lightning_gravac.compressors.memory import Feedback, encode
 from lightning_gravac.compressors.packing import Layout
-from lightning_gravac.compressors.powersgd import PowerSGD, as_matrix, right_factor
+from lightning_gravac.compressors.powersgd import PowerSGD, add_product_, as_matrix, right_factor
 from lightning_gravac.state import GATHER, REDUCE, BucketRecord, Collective, CompressionState, gathers
 
 
@@ -371,7 +371,7 @@ def _right_factors(
         method.orthonormalize_(p)
         q = right_factor(m, p)
         if work.state.error_feedback:
-            m.addmm_(p, q.T, alpha=-1)  # M - P Q^T in place: no decoded matrix allocated
+            add_product_(m, p, q, -1.0)  # M - P Q^T in place: no decoded matrix allocated
             if m.data_ptr() != s.tensor.data_ptr():  # not fp32: `m` was a copy
                 s.tensor.copy_(m.view_as(s.tensor))
             work.pending[s.key] = s.tensor
