@@ -5,14 +5,17 @@ On CPU compression is bound by memory traffic, and eager PyTorch reads the gradi
 block's peak takes two row reductions (``amax``, ``amin``), the entries above a threshold a full ``hardshrink`` plus
 ``nonzero``, a packed code a gradient-sized temporary per shift. The kernels in ``_blocks.c`` do each in one read, on
 all of torch's threads, with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager
-path): block peaks and scans (the sparsifiers), DGC's momentum and velocity update, sign packing, decoding and the
-majority vote, counter-based draws, QSGD's and TernGrad's codes and their decode, the codes' exact integer energy (the
-statistics header), 1-bit SGD's column sums (in float64, a single column in float32 lanes of 32 entries first:
-close to the eager float32 sums, not equal) and decode, natural compression's bytes and decode, and the 16-bit casts
-with both header norms in the same pass. Not bit for bit by design: TernGrad's standard deviation and extremes in one
-read (the deviation in float64, accurate where the eager fp32 ``std`` is not), and PowerSGD's ``M Q`` at ranks up to 32
-where the CPU has AVX-512 (BLAS's tall-skinny product ran at 2.5-4x a copy's time; this one sums in another order, to
-about BLAS's accuracy).
+path): block peaks and scans (the sparsifiers; of ``-x`` without a negated copy, and both signs' peaks in one read, for
+AdaQ), the sparse decode (``index_add_``'s sums, prefetching the positions), error feedback's sum, DGC's momentum and
+velocity update, sign packing, decoding and the majority vote, counter-based draws, QSGD's and TernGrad's codes and
+their decode, the codes' exact integer energy (the statistics header), 1-bit SGD's column sums (in float64, a single
+column in float32 lanes of 32 entries first: close to the eager float32 sums, not equal) and decode, natural
+compression's bytes and decode, and the 16-bit casts with both header norms in the same pass. Not bit for bit by
+design: the float64 norms found beside a pass (error feedback's ``||x||^2``: summed exactly per entry, where the eager
+path sums fp32 chunk norms), TernGrad's standard deviation and extremes in one read (the deviation in float64, accurate
+where the eager fp32 ``std`` is not), and PowerSGD's three products with the gradient, ``M Q``, ``M^T P`` and ``M +=
+alpha P Q^T``, at ranks up to 32 where the CPU has AVX-512 (BLAS ran these tall-skinny products at 1.5-4x their time
+here; these sum in another order, to about BLAS's accuracy).
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
