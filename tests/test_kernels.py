@@ -153,6 +153,17 @@ def test_the_lowest_entries_leave_out_a_group_that_reaches_the_negatives():
     fast = exact_lowest(g, 3000, torch.empty_like(g), seeded_generator(1, 0, "w"), exclude=top)
     assert fast is not None and not torch.isin(fast, top).any()
     assert torch.equal(fast, _lowest_from_a_negated_copy(g, 3000, top))
+    # Excluded positions among the most negative entries (a NaN among them): the filter leaves them out, and the set
+    # is the copy's (the draws see their values where the copy holds -inf, so the order may differ).
+    g = _student(300_000, seed=9)
+    exclude = torch.topk(g, 500, largest=False).indices[::2].contiguous()
+    g[exclude[7]] = float("nan")
+    fast = exact_lowest(g, 3000, torch.empty_like(g), seeded_generator(1, 0, "w"), exclude=exclude)
+    assert fast is not None and not torch.isin(fast, exclude).any()
+    assert torch.equal(fast.sort().values, _lowest_from_a_negated_copy(g, 3000, exclude).sort().values)
+    kept = torch.ones(300_000, dtype=torch.bool)
+    kept[exclude] = False
+    assert torch.equal(g[fast].sort().values, g[kept].sort().values[:3000])
     # Too few negatives for the draws' threshold: the caller's copy decides.
     few = _student(300_000, seed=8).abs()
     few[:10] = -1.0
@@ -186,6 +197,8 @@ def test_the_error_fed_norm_is_the_basis_the_eager_path_finds(name, eager):
     memory = ErrorFeedback()
     memory.set("w", _student(300_000, seed=12).view_as(g))
     fast = encode(get_compressor(name), g, 100, key="w", feedback="recycle", memory=memory)
+    fed = g + _student(300_000, seed=12).view_as(g)
+    assert float(fast.basis) == pytest.approx(float(fed.double().square().sum()), rel=1e-12)  # the kernel's, exact
     memory.set("w", _student(300_000, seed=12).view_as(g))
     eager()
     slow = encode(get_compressor(name), g, 100, key="w", feedback="recycle", memory=memory)
@@ -213,6 +226,8 @@ def test_the_sparse_decode_adds_as_index_add_does():
         with pytest.raises(IndexError, match="outside the tensor"):
             kernels.scatter_add_(out, wrong, values[0].contiguous())
         assert torch.equal(out, expected)
+    with pytest.raises(IndexError, match="positions for"):  # fewer values than positions
+        kernels.scatter_add_(out, positions[0].contiguous(), values[0, :-1].contiguous())
 
 
 @needs_kernels
@@ -511,6 +526,8 @@ def test_powersgds_decode_adds_alpha_p_q_t_to_blas_accuracy_on_any_thread_count(
     fallback = given.double()
     add_product_(fallback, p.double(), q.double(), -1.0)  # float64: torch's addmm_
     assert torch.equal(fallback, given.double().addmm_(p.double(), q.double().T, alpha=-1.0))
+    with pytest.raises(RuntimeError):  # factors of different ranks (a corrupt payload): addmm_'s error, no read past Q
+        add_product_(given.clone(), torch.randn(rows, 3), torch.randn(cols, 2), 1.0)
 
 
 def test_powersgds_left_product_falls_back_to_torch_where_the_kernel_does_not_apply():

@@ -50,6 +50,8 @@ _FLAGS = ("-O3", "-march=native", "-fno-strict-aliasing", "-ffp-contract=off", "
 HALVES = (torch.float16, torch.bfloat16)
 #: Entries a block; the C file's BLOCK.
 BLOCK = 32
+#: Entries a block of the float64 norms found beside a pass (one scratch slot each); the C file's SQ_BLOCK.
+SQ_BLOCK = 1024
 
 
 def available() -> bool:
@@ -235,7 +237,7 @@ def add_sq(grad: Tensor, residual: Tensor | None, out: Tensor) -> Tensor:
     """``torch.add(grad, residual, out=out)`` (``out.copy_(grad)`` without a residual) for flat contiguous fp32 CPU
     tensors of one size, in one pass with ``||out||^2`` (float64, 0-d)."""
     n = grad.numel()
-    scratch = torch.empty(-(-n // 1024), dtype=torch.float64)
+    scratch = torch.empty(-(-n // SQ_BLOCK), dtype=torch.float64)
     total = _loaded().lg_add_sq(
         grad.data_ptr(), _pointer(residual), out.data_ptr(), n, scratch.data_ptr(), torch.get_num_threads()
     )
@@ -248,7 +250,9 @@ def scatter_add_(
     """``out.index_add_(0, positions, values, alpha=scale)`` (``values`` ``None``: ``constant`` added at every
     position) for a flat contiguous fp32 CPU ``out``, contiguous int32 ``positions`` and contiguous fp32 ``values``
     of as many entries, with index_add_'s bits (the product rounded to fp32, then the sum; positions in order).
-    Raises ``IndexError``, writing nothing, when a position is out of range."""
+    Raises ``IndexError``, writing nothing, when a position is out of range or the counts differ."""
+    if values is not None and values.numel() != positions.numel():
+        raise IndexError(f"{positions.numel()} positions for {values.numel()} values in a sparse payload")
     done = _loaded().lg_scatter_add(
         out.data_ptr(), out.numel(), positions.data_ptr(), positions.numel(), _pointer(values), constant, scale
     )
@@ -259,7 +263,7 @@ def scatter_add_(
 def half_sq(values: Tensor) -> Tensor:
     """``||values||^2`` (float64, 0-d) of a contiguous fp16 or bf16 CPU tensor (:func:`usable` with
     :data:`HALVES`), each value widened to fp32 exactly."""
-    scratch = torch.empty(-(-values.numel() // 1024), dtype=torch.float64)
+    scratch = torch.empty(-(-values.numel() // SQ_BLOCK), dtype=torch.float64)
     total = _loaded().lg_half_sq(
         values.data_ptr(), values.numel(), int(values.dtype == torch.bfloat16), scratch.data_ptr(),
         torch.get_num_threads(),
@@ -293,7 +297,7 @@ def cast_half(values: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
     rounds; a NaN may come out with other payload bits), in one pass with ``||values||^2`` and ``||out||^2`` (each
     float64, 0-d)."""
     n = values.numel()
-    scratch, sent = torch.empty(2 * -(-n // 1024), dtype=torch.float64), ctypes.c_double()
+    scratch, sent = torch.empty(2 * -(-n // SQ_BLOCK), dtype=torch.float64), ctypes.c_double()
     given = _loaded().lg_cast_half(
         values.data_ptr(), n, int(out.dtype == torch.bfloat16), out.data_ptr(), scratch.data_ptr(),
         ctypes.byref(sent), torch.get_num_threads(),
@@ -312,9 +316,9 @@ SKINNY_RANK = 32
 
 
 def skinny_usable(matrix: Tensor, factor: Tensor, transposed: bool = False) -> bool:
-    """Whether :func:`skinny_mq` (:func:`skinny_mtp` when ``transposed``) takes ``matrix`` and a ``[*, r]``
-    ``factor``: both :func:`usable`, ``r <= SKINNY_RANK``, and kernels built for AVX-512 (elsewhere torch's matmul
-    serves)."""
+    """Whether :func:`skinny_mq` takes ``matrix`` and a ``[cols, r]`` ``factor`` (with ``transposed``, whether
+    :func:`skinny_mtp` takes it and a ``[rows, r]`` one, the product being with ``matrix.T``): both :func:`usable`,
+    ``r <= SKINNY_RANK``, and kernels built for AVX-512 (elsewhere torch's matmul serves)."""
     return (
         matrix.dim() == 2
         and factor.dim() == 2
@@ -347,7 +351,7 @@ def skinny_mq(matrix: Tensor, q: Tensor) -> Tensor:
 
 def skinny_mtp(matrix: Tensor, p: Tensor) -> Tensor:
     """``matrix.T @ p`` for a contiguous fp32 ``[rows, cols]`` ``matrix`` and ``[rows, r]`` ``p``
-    (:func:`skinny_usable` of ``matrix.T`` and ``p``), summed in blocks of 256 terms down each column, the same bits
+    (``skinny_usable(matrix, p, transposed=True)``), summed in blocks of 256 terms down each column, the same bits
     whatever the thread count."""
     rows, cols = matrix.shape
     r = p.shape[1]

@@ -41,7 +41,8 @@ def left_factor(matrix: Tensor, q: Tensor) -> Tensor:
 def add_product_(matrix: Tensor, p: Tensor, q: Tensor, alpha: float) -> None:
     """``matrix += alpha P Q^T`` in place: by the compiled kernel where it applies (:func:`kernels.skinny_add_pqt_`),
     else torch's ``addmm_``."""
-    if kernels.skinny_usable(matrix, q) and kernels.skinny_usable(matrix, p, transposed=True):
+    same_rank = p.dim() == 2 and q.dim() == 2 and p.shape[1] == q.shape[1]  # else addmm_ raises, as it should
+    if same_rank and kernels.skinny_usable(matrix, q) and kernels.skinny_usable(matrix, p, transposed=True):
         kernels.skinny_add_pqt_(matrix, p, q, alpha)
     else:
         matrix.addmm_(p, q.T, alpha=alpha)

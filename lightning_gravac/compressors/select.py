@@ -312,12 +312,15 @@ def exact_lowest(
     sample_ratio: float = 0.01,
     peak: Tensor | None = None,
 ) -> Tensor | None:
-    """Indices of the ``k`` smallest entries of the flat fp32 ``values`` outside the positions ``exclude``: what
-    :func:`exact_topk` with ``signed`` gives on a copy of ``-values`` whose ``exclude`` positions are ``-inf``
-    (the same candidates, the same ``topk`` among them), read from ``values`` by the compiled kernels without that
-    copy. ``None`` where this path cannot decide cheaply (no kernels, a small tensor or selection, fewer than about
-    ``k`` negative entries, or still short after four thresholds): the caller then makes the copy. ``peak``: the
-    block peaks of ``-values`` when the caller has them (:func:`signed_extremes`).
+    """Indices of the ``k`` smallest entries of the flat fp32 ``values`` outside the positions ``exclude``, read
+    from ``values`` by the compiled kernels without a negated copy: always the exact set; and, when every excluded
+    value is at least every other value (AdaQ's top group), what :func:`exact_topk` with ``signed`` gives on a copy
+    of ``-values`` whose ``exclude`` positions are ``-inf``, in the same order (the same draws, candidates and
+    ``topk`` among them; otherwise the draws see ``-x`` where the copy holds ``-inf``, so a threshold, and with it
+    the order or the choice among ties, may differ). ``None`` where this path cannot decide cheaply (no kernels, a
+    small tensor or selection, fewer than about ``k`` negative entries, or still short after four thresholds): the
+    caller then makes the copy. ``peak``: the block peaks of ``-values`` when the caller has them
+    (:func:`signed_extremes`).
     """
     n = values.numel()
     if not kernels.usable(values) or k * 4 >= n or sample_ratio * n < 1024:
@@ -325,6 +328,7 @@ def exact_lowest(
     whole = n - n % _BLOCK
     peaks = kernels.block_peaks(values, whole // _BLOCK, signed=True, negated=True) if peak is None else peak
     drawn = sample(values, math.ceil(sample_ratio * n), generator).neg()
+    excluded = values.index_select(0, exclude)
     samples = drawn.numel()
     rank = margin_rank(samples, k, n)
     for _ in range(4):
@@ -337,8 +341,8 @@ def exact_lowest(
             tail = torch.lt(values[whole:], -threshold).nonzero().view(-1).add_(whole)
             candidates = torch.cat([candidates, tail])
         # An excluded position is a candidate only when its value is below -threshold (a group of largest entries
-        # that reaches the negatives): test the cheap bound first.
-        if exclude.numel() and float(values.index_select(0, exclude).min()) < -threshold:
+        # that reaches the negatives; a NaN never is): test that first, on the excluded values alone.
+        if bool(torch.lt(excluded, -threshold).any()):
             candidates = candidates[torch.isin(candidates, exclude, invert=True)]
         if candidates.numel() >= k:
             if candidates.numel() == k:

@@ -265,8 +265,7 @@ class LowRank(Communicator):
         state, method = work.state, work.state.compressor
         assert isinstance(method, PowerSGD)
         world, group = state.world_size, state.process_group
-        if work.feedback == "recycle":  # the error-fed gradient, in the memory's buffer that becomes the residual
-            work.segments = [replace(s, tensor=state.memory.error_fed(s.key, s.tensor)) for s in work.segments]
+        fed_sq = _error_feed(work)
         is_low = [s.compressor is method and method.low_rank(s.tensor) for s in work.segments]
         low = [s for s, flag in zip(work.segments, is_low, strict=True) if flag]
         full = [s for s, flag in zip(work.segments, is_low, strict=True) if not flag]
@@ -275,7 +274,7 @@ class LowRank(Communicator):
         ps = [method.project(m, r, s.key) for s, m, r in zip(low, matrices, ranks, strict=True)]
         probe_cfs = work.probe_cfs
         probes = [method.probe(s.tensor, probe_cfs, key=s.key) for s in work.segments] if probe_cfs else []
-        norms = {s.key: sq_norm(s.tensor) for s in work.segments}
+        norms = {s.key: _known_or(fed_sq.get(s.key), s.tensor) for s in work.segments}
         basis = torch.stack(list(norms.values())).sum()
         dense_sq = torch.stack([norms[s.key] for s in full]).sum() if full else basis.new_zeros(())
         first = torch.cat([p.view(-1) for p in ps] + [s.tensor.reshape(-1).float() / world for s in full])
@@ -357,6 +356,22 @@ def _keep_residual(work: Work, segment: Segment, residual: Tensor | None) -> Non
         work.pending.update(dict.fromkeys(work.names))
     else:
         work.pending.update(zip(work.names, views_like(residual, work.buffer, work.grads), strict=True))
+
+
+def _error_feed(work: Work) -> dict[str, Tensor | None]:
+    """With recycled error feedback, each segment's tensor replaced by its error-fed gradient, in the memory's buffer
+    that becomes the residual; returns ``||x||^2`` of each where the sum's kernel found it (else ``None``, or no
+    entry without error feedback)."""
+    if work.feedback != "recycle":
+        return {}
+    fed = [work.state.memory.error_fed_sq(s.key, s.tensor) for s in work.segments]
+    work.segments = [replace(s, tensor=x) for s, (x, _) in zip(work.segments, fed, strict=True)]
+    return {s.key: sq for s, (_, sq) in zip(work.segments, fed, strict=True)}
+
+
+def _known_or(sq: Tensor | None, tensor: Tensor) -> Tensor:
+    """``sq`` when a kernel found ``||tensor||^2`` already, else the eager norm."""
+    return sq if sq is not None else sq_norm(tensor)
 
 
 def _right_factors(
