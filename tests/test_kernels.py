@@ -143,7 +143,7 @@ def test_the_lowest_entries_without_a_negated_copy_are_the_copys_selection(numel
 
 
 @needs_kernels
-def test_the_lowest_entries_leave_out_a_group_that_reaches_the_negatives():
+def test_the_lowest_entries_leave_out_a_group_that_reaches_the_negatives(monkeypatch):
     # Fewer positives than the top group: its smallest members are negative and candidates of the bottom's scan.
     g = -_student(300_000, seed=7).abs()
     g[:500] = 1.0
@@ -164,6 +164,12 @@ def test_the_lowest_entries_leave_out_a_group_that_reaches_the_negatives():
     kept = torch.ones(300_000, dtype=torch.bool)
     kept[exclude] = False
     assert torch.equal(g[fast].sort().values, g[kept].sort().values[:3000])
+    # Without the kernels there is no negated read: the caller's copy decides, and Blocks refuses the mode.
+    monkeypatch.setattr(kernels, "usable", lambda values, dtypes=None: False)
+    assert exact_lowest(g, 3000, torch.empty_like(g), seeded_generator(1, 0, "w"), exclude=exclude) is None
+    with pytest.raises(ValueError, match="negated selection"):
+        Blocks(g, signed=True, negated=True)
+    monkeypatch.undo()
     # Too few negatives for the draws' threshold: the caller's copy decides.
     few = _student(300_000, seed=8).abs()
     few[:10] = -1.0

@@ -83,19 +83,22 @@ class Blocks:
 
     Which blocks hold an entry above a threshold is then a question about the peaks alone, so thresholds can be
     tried again and again without another pass over the tensor, and only the blocks that hold a survivor are copied
-    and scanned. A block holding a NaN has a NaN peak and is scanned.
+    and scanned. A block holding a NaN has a NaN peak and is scanned. ``negated`` (compiled kernels only) is the
+    signed selection of ``-values``, read from ``values`` without a negated copy.
     """
 
-    def __init__(self, values: Tensor, signed: bool, peak: Tensor | None = None) -> None:
+    def __init__(self, values: Tensor, signed: bool, peak: Tensor | None = None, negated: bool = False) -> None:
         values = values if values.is_contiguous() else values.contiguous()  # blocks are rows of a view
-        self.values, self.signed = values, signed
+        self.values, self.signed, self.negated = values, signed or negated, negated
         self.whole = values.numel() - values.numel() % _BLOCK
         self.rows = values[: self.whole].view(-1, _BLOCK)
         self.native = kernels.usable(values)
-        if peak is not None:  # computed along with the values (DGC's accumulation)
+        if negated and not self.native:
+            raise ValueError("a negated selection reads -x through the compiled kernels, which do not take this tensor")
+        if peak is not None:  # computed along with the values (DGC's accumulation, both of AdaQ's tails)
             self.peak = peak
         elif self.native:
-            self.peak = kernels.block_peaks(values, self.rows.shape[0], signed)
+            self.peak = kernels.block_peaks(values, self.rows.shape[0], signed, negated)
         else:
             peak = torch.amax(self.rows, 1)
             self.peak = peak if signed else torch.maximum(peak, torch.amin(self.rows, 1).neg_())
@@ -104,7 +107,7 @@ class Blocks:
         """Sorted indices of the entries above ``threshold``; ``out`` is a scratch of the tensor's size and dtype."""
         n = self.values.numel()
         if self.native:
-            found = kernels.scan(self.values, self.peak, threshold, self.signed, out)
+            found = kernels.scan(self.values, self.peak, threshold, self.signed, out, self.negated)
         else:
             # A NaN peak is hot: its block is scanned, and only the NaN itself is judged by the entry test.
             hot = torch.le(self.peak, threshold).logical_not_()
@@ -116,7 +119,11 @@ class Blocks:
             found = rows.index_select(0, inner.div(_BLOCK, rounding_mode="floor")).mul_(_BLOCK)
             found.add_(inner.remainder(_BLOCK))
         if self.whole < n:
-            tail = _survivors(self.values[self.whole :], threshold, out[self.whole : n], self.signed)
+            rest = self.values[self.whole :]
+            if self.negated:
+                tail = torch.lt(rest, -threshold).nonzero().view(-1)
+            else:
+                tail = _survivors(rest, threshold, out[self.whole : n], self.signed)
             found = torch.cat([found, tail.add_(self.whole)])
         return found
 
@@ -155,9 +162,21 @@ class Blocks:
         all and pads. The sample decides only how much work is done, never which entries win. A signed selection
         whose threshold is not positive, or one still short after four tries, takes ``torch.topk``.
         """
+        found = self.from_threshold(k, out, generator, sample_ratio)
+        return found if found is not None else _topk(self.values, k, self.signed)
+
+    def from_threshold(
+        self, k: int, out: Tensor, generator: torch.Generator, sample_ratio: float, exclude: Tensor | None = None
+    ) -> Tensor | None:
+        """:meth:`topk` without its fallback: ``None`` where it would take ``torch.topk``. ``exclude`` (signed and
+        negated selections only) names positions that may not be chosen."""
         values, n = self.values, self.values.numel()
         drawn = sample(values, math.ceil(sample_ratio * n), generator)
-        drawn = drawn.float() if self.signed else drawn.abs().float()
+        drawn = drawn.neg() if self.negated else drawn.float() if self.signed else drawn.abs().float()
+        # An excluded position is a candidate only where its value passes the threshold (AdaQ's largest entries
+        # reaching the negatives; a NaN never does): tested on the excluded values alone.
+        excluded = None if exclude is None else values.index_select(0, exclude)
+        excluded = None if excluded is None else excluded.neg() if self.negated else excluded
         samples = drawn.numel()
         rank = margin_rank(samples, k, n)
         for _ in range(4):
@@ -166,14 +185,16 @@ class Blocks:
             if self.signed and threshold <= 0:
                 break
             candidates = self.above(threshold, out)
+            if excluded is not None and exclude is not None and bool(torch.gt(excluded, threshold).any()):
+                candidates = candidates[torch.isin(candidates, exclude, invert=True)]
             if threshold <= 0 and candidates.numel() < k:  # fewer non-zeros than k: all of them, then zeros
                 return fill_to_k(values, candidates, k)
             if candidates.numel() >= k:
-                return _top_among(values, candidates, k, self.signed)
+                return _top_among(values, candidates, k, self.signed, self.negated)
             if rank == samples:
                 break
             rank *= 4
-        return _topk(values, k, self.signed)
+        return None
 
 
 def kth_largest(values: Tensor, k: int) -> Tensor:
@@ -257,12 +278,13 @@ def fill_to_k(values: Tensor, candidates: Tensor, k: int) -> Tensor:
     return torch.cat([candidates, free.nonzero().view(-1)[: k - found]])
 
 
-def _top_among(values: Tensor, candidates: Tensor, k: int, signed: bool) -> Tensor:
-    """The ``k`` of ``candidates`` (at least ``k`` indices into the flat ``values``) of largest magnitude (value)."""
+def _top_among(values: Tensor, candidates: Tensor, k: int, signed: bool, negated: bool = False) -> Tensor:
+    """The ``k`` of ``candidates`` (at least ``k`` indices into the flat ``values``) of largest magnitude (value;
+    value of ``-values`` when ``negated``)."""
     if candidates.numel() == k:
         return candidates
     chosen = values.index_select(0, candidates)
-    chosen = chosen if signed else chosen.abs_()
+    chosen = chosen.neg_() if negated else chosen if signed else chosen.abs_()
     return candidates.index_select(0, torch.topk(chosen, k, sorted=False).indices)
 
 
@@ -325,34 +347,7 @@ def exact_lowest(
     n = values.numel()
     if not kernels.usable(values) or k * 4 >= n or sample_ratio * n < 1024:
         return None
-    whole = n - n % _BLOCK
-    peaks = kernels.block_peaks(values, whole // _BLOCK, signed=True, negated=True) if peak is None else peak
-    drawn = sample(values, math.ceil(sample_ratio * n), generator).neg()
-    excluded = values.index_select(0, exclude)
-    samples = drawn.numel()
-    rank = margin_rank(samples, k, n)
-    for _ in range(4):
-        rank = min(samples, rank)
-        threshold = float(torch.topk(drawn, rank, sorted=False).values.min())
-        if threshold <= 0:  # as the signed selection: torch.topk over the copy decides
-            return None
-        candidates = kernels.scan(values, peaks, threshold, True, out, negated=True)
-        if whole < n:
-            tail = torch.lt(values[whole:], -threshold).nonzero().view(-1).add_(whole)
-            candidates = torch.cat([candidates, tail])
-        # An excluded position is a candidate only when its value is below -threshold (a group of largest entries
-        # that reaches the negatives; a NaN never is): test that first, on the excluded values alone.
-        if bool(torch.lt(excluded, -threshold).any()):
-            candidates = candidates[torch.isin(candidates, exclude, invert=True)]
-        if candidates.numel() >= k:
-            if candidates.numel() == k:
-                return candidates
-            chosen = values.index_select(0, candidates).neg_()
-            return candidates.index_select(0, torch.topk(chosen, k, sorted=False).indices)
-        if rank == samples:
-            break
-        rank *= 4
-    return None
+    return Blocks(values, True, peak, negated=True).from_threshold(k, out, generator, sample_ratio, exclude)
 
 
 def _topk(values: Tensor, k: int, signed: bool) -> Tensor:
