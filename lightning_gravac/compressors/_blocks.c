@@ -1052,40 +1052,46 @@ void lg_natural_add(const uint8_t *restrict bytes, int64_t n, const float *restr
 }
 
 /*
- * Error feedback's sum x = g + r (r NULL: x = g) with ||x||^2 in float64 in the same pass, which the gain's
- * denominator needs and the eager path reads the tensor again for. The sum is fp32's own (torch.add's bits); the
- * squares summed in SQ_LANES lanes a block of SQ_BLOCK entries, the lanes folded in order, then the block's tail, the
- * blocks in block order: the thread count does not change the result.
+ * Error feedback's sum x = g + r (r NULL: x = g; x NULL: nothing written, the norm of g + r alone) with ||x||^2 in
+ * float64 in the same pass, which the gain's denominator needs and the eager path reads the tensor again for: the one
+ * squared norm of fp32 on CPU (sq_norm). The sum is fp32's own (torch.add's bits); the squares summed in SQ_LANES lanes
+ * a block of SQ_BLOCK entries, the lanes folded in order, then the block's tail, the blocks in block order: the thread
+ * count does not change the result, and neither does whether x is written.
  */
+static inline double add_sq_block(const float *restrict g, const float *restrict r, float *restrict x, int64_t start,
+                                  int64_t end)
+{
+    double lanes[SQ_LANES] = {0};
+    int64_t i = start;
+    for (; i + SQ_LANES <= end; i += SQ_LANES)
+        for (int k = 0; k < SQ_LANES; k++) {
+            float v = r != NULL ? g[i + k] + r[i + k] : g[i + k];
+            if (x != NULL)
+                x[i + k] = v;
+            lanes[k] += (double)v * v;
+        }
+    double sum = fold_lanes(lanes);
+    for (; i < end; i++) {
+        float v = r != NULL ? g[i] + r[i] : g[i];
+        if (x != NULL)
+            x[i] = v;
+        sum += (double)v * v;
+    }
+    return sum;
+}
+
 double lg_add_sq(const float *restrict g, const float *restrict r, float *restrict x, int64_t n, double *scratch,
                  int threads)
 {
     int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t start = b * SQ_BLOCK, end = start + SQ_BLOCK < n ? start + SQ_BLOCK : n, i = start;
-        double lanes[SQ_LANES] = {0};
+        int64_t start = b * SQ_BLOCK, end = start + SQ_BLOCK < n ? start + SQ_BLOCK : n;
+        /* Each combination its own inlined copy, so that no loop tests a pointer per entry. */
         if (r != NULL)
-            for (; i + SQ_LANES <= end; i += SQ_LANES)
-                for (int k = 0; k < SQ_LANES; k++) {
-                    float v = g[i + k] + r[i + k];
-                    x[i + k] = v;
-                    lanes[k] += (double)v * v;
-                }
+            scratch[b] = x != NULL ? add_sq_block(g, r, x, start, end) : add_sq_block(g, r, NULL, start, end);
         else
-            for (; i + SQ_LANES <= end; i += SQ_LANES)
-                for (int k = 0; k < SQ_LANES; k++) {
-                    float v = g[i + k];
-                    x[i + k] = v;
-                    lanes[k] += (double)v * v;
-                }
-        double sum = fold_lanes(lanes);
-        for (; i < end; i++) {
-            float v = r != NULL ? g[i] + r[i] : g[i];
-            x[i] = v;
-            sum += (double)v * v;
-        }
-        scratch[b] = sum;
+            scratch[b] = x != NULL ? add_sq_block(g, NULL, x, start, end) : add_sq_block(g, NULL, NULL, start, end);
     }
     double total = 0.0;
     for (int64_t b = 0; b < blocks; b++)

@@ -233,13 +233,14 @@ def onebit_add_(out: Tensor, bits: Tensor, means: Tensor, alpha: float) -> None:
     )  # fmt: skip
 
 
-def add_sq(grad: Tensor, residual: Tensor | None, out: Tensor) -> Tensor:
-    """``torch.add(grad, residual, out=out)`` (``out.copy_(grad)`` without a residual) for flat contiguous fp32 CPU
-    tensors of one size, in one pass with ``||out||^2`` (float64, 0-d)."""
+def add_sq(grad: Tensor, residual: Tensor | None, out: Tensor | None) -> Tensor:
+    """``torch.add(grad, residual, out=out)`` (``out.copy_(grad)`` without a residual; nothing written without
+    ``out``) for flat contiguous fp32 CPU tensors of one size, in one pass with ``||grad + residual||^2`` (float64,
+    0-d; each square exact, summed in a fixed order: the same bits whether ``out`` is written or not)."""
     n = grad.numel()
     scratch = torch.empty(-(-n // SQ_BLOCK), dtype=torch.float64)
     total = _loaded().lg_add_sq(
-        grad.data_ptr(), _pointer(residual), out.data_ptr(), n, scratch.data_ptr(), torch.get_num_threads()
+        grad.data_ptr(), _pointer(residual), _pointer(out), n, scratch.data_ptr(), torch.get_num_threads()
     )
     return torch.tensor(total, dtype=torch.float64)
 
