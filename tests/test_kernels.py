@@ -170,6 +170,8 @@ def test_the_lowest_entries_leave_out_a_group_that_reaches_the_negatives(monkeyp
     with pytest.raises(ValueError, match="negated selection"):
         Blocks(g, signed=True, negated=True)
     monkeypatch.undo()
+    with pytest.raises(ValueError, match="signed selection"):  # |x| > t says nothing about an excluded x's sign
+        Blocks(g, signed=False).from_threshold(3000, torch.empty_like(g), seeded_generator(1, 0, "w"), 0.01, exclude)
     # Too few negatives for the draws' threshold: the caller's copy decides.
     few = _student(300_000, seed=8).abs()
     few[:10] = -1.0

@@ -170,13 +170,17 @@ class Blocks:
     ) -> Tensor | None:
         """:meth:`topk` without its fallback: ``None`` where it would take ``torch.topk``. ``exclude`` (signed and
         negated selections only) names positions that may not be chosen."""
+        if exclude is not None and not self.signed:
+            raise ValueError("excluding positions needs a signed selection (a magnitude's test is not the value's)")
         values, n = self.values, self.values.numel()
         drawn = sample(values, math.ceil(sample_ratio * n), generator)
         drawn = drawn.neg() if self.negated else drawn.float() if self.signed else drawn.abs().float()
         # An excluded position is a candidate only where its value passes the threshold (AdaQ's largest entries
         # reaching the negatives; a NaN never does): tested on the excluded values alone.
-        excluded = None if exclude is None else values.index_select(0, exclude)
-        excluded = None if excluded is None else excluded.neg() if self.negated else excluded
+        excluded = None
+        if exclude is not None:
+            excluded = values.index_select(0, exclude)
+            excluded = excluded.neg() if self.negated else excluded
         samples = drawn.numel()
         rank = margin_rank(samples, k, n)
         for _ in range(4):
@@ -185,7 +189,7 @@ class Blocks:
             if self.signed and threshold <= 0:
                 break
             candidates = self.above(threshold, out)
-            if excluded is not None and exclude is not None and bool(torch.gt(excluded, threshold).any()):
+            if exclude is not None and excluded is not None and bool(torch.gt(excluded, threshold).any()):
                 candidates = candidates[torch.isin(candidates, exclude, invert=True)]
             if threshold <= 0 and candidates.numel() < k:  # fewer non-zeros than k: all of them, then zeros
                 return fill_to_k(values, candidates, k)
