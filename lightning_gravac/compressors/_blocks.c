@@ -1162,6 +1162,64 @@ static inline void narrow_lanes(const float *x, uint16_t *out, int is_bf16)
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* acc[j] += the squares of lanes 8j..8j+7 of (a, b), widened to float64: the portable loop's arithmetic per lane
+ * (a product, then a sum), four registers of eight lanes. */
+static inline void add_squares(__m512d acc[4], __m512 a, __m512 b)
+{
+    __m512d part[4] = {_mm512_cvtps_pd(_mm512_castps512_ps256(a)),
+                       _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))),
+                       _mm512_cvtps_pd(_mm512_castps512_ps256(b)),
+                       _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)))};
+    for (int j = 0; j < 4; j++)
+        acc[j] = _mm512_add_pd(acc[j], _mm512_mul_pd(part[j], part[j]));
+}
+
+/* Sixteen fp32 values rounded to bf16 (float_to_bf16's integer rounding and quiet NaN), stored, and widened back. */
+static inline __m512 narrow_bf16(__m512 v, uint16_t *out)
+{
+    __m512i w = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(w, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(_mm512_srli_epi32(w, 16), one)),
+        16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(w, _mm512_set1_epi32((int)MAGNITUDE)),
+                                            _mm512_set1_epi32((int)INF_BITS));
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(rounded));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16));
+}
+
+/* Sixteen fp32 values rounded to fp16 by the hardware (as narrow_lanes' F16C path), stored, and widened back. */
+static inline __m512 narrow_fp16(__m512 v, uint16_t *out)
+{
+    __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_si256((__m256i *)out, h);
+    return _mm512_cvtph_ps(h);
+}
+
+/* The cast's SQ_LANES-entry steps over [i, end) in registers, the lanes' sums added into given and wired (the same
+ * bits as the portable loop); returns where the steps stopped. */
+static inline int64_t cast_steps(const float *x, int64_t i, int64_t end, int is_bf16, uint16_t *out, double *given,
+                                 double *wired)
+{
+    __m512d g[4], s[4];
+    for (int j = 0; j < 4; j++)
+        g[j] = s[j] = _mm512_setzero_pd();
+    for (; i + SQ_LANES <= end; i += SQ_LANES) {
+        __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+        __m512 wa = is_bf16 ? narrow_bf16(a, out + i) : narrow_fp16(a, out + i);
+        __m512 wb = is_bf16 ? narrow_bf16(b, out + i + 16) : narrow_fp16(b, out + i + 16);
+        add_squares(g, a, b);
+        add_squares(s, wa, wb);
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm512_storeu_pd(given + 8 * j, g[j]);
+        _mm512_storeu_pd(wired + 8 * j, s[j]);
+    }
+    return i;
+}
+#endif
+
 double lg_cast_half(const float *x, int64_t n, int is_bf16, uint16_t *out, double *scratch, double *sent, int threads)
 {
     int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
@@ -1171,6 +1229,9 @@ double lg_cast_half(const float *x, int64_t n, int is_bf16, uint16_t *out, doubl
         /* Cast, widen back and both squares in one pass, from registers: the sent norm's lanes and tail as
          * half_block_sq sums them. */
         double given[SQ_LANES] = {0}, wired[SQ_LANES] = {0};
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        i = cast_steps(x, i, end, is_bf16, out, given, wired);
+#endif
         for (; i + SQ_LANES <= end; i += SQ_LANES) {
             float widened[SQ_LANES];
             narrow_lanes(x + i, out + i, is_bf16);
