@@ -507,7 +507,7 @@ def test_powersgds_products_are_the_float64_products_to_blas_accuracy_on_any_thr
 @skinny
 @pytest.mark.parametrize("shape", [(300, 700), (1031, 517), (5, 3), (4, 16), (600, 500)])
 def test_powersgds_decode_adds_alpha_p_q_t_to_blas_accuracy_on_any_thread_count(shape, threads):
-    from lightning_gravac.compressors.powersgd import add_product_
+    from lightning_gravac.compressors.powersgd import add_product_, average_product_
 
     rows, cols = shape
     generator = torch.Generator().manual_seed(rows + cols)
@@ -536,6 +536,23 @@ def test_powersgds_decode_adds_alpha_p_q_t_to_blas_accuracy_on_any_thread_count(
     assert torch.equal(fallback, given.double().addmm_(p.double(), q.double().T, alpha=-1.0))
     with pytest.raises(RuntimeError):  # factors of different ranks (a corrupt payload): addmm_'s error, no read past Q
         add_product_(given.clone(), torch.randn(rows, 3), torch.randn(cols, 2), 1.0)
+    # The hook's average of the summed factors, P Q^T / N, written over whatever the bucket held.
+    for ranks in (1, 2, 3):
+        averaged = torch.full((rows, cols), math.nan)
+        average_product_(averaged, p, q, ranks)
+        exact = (p.double() @ q.double().T) / ranks
+        assert float((averaged - exact).abs().max() / exact.abs().max()) < 2e-6, ranks
+        again = torch.full((rows, cols), math.nan)
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            average_product_(again, p, q, ranks)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(again, averaged)
+    wide = torch.empty(rows, cols, dtype=torch.float64)
+    average_product_(wide, p.double(), q.double(), 3)  # float64: torch's mm, then div_
+    assert torch.equal(wide, (p.double() @ q.double().T).div_(3))
 
 
 def test_powersgds_left_product_falls_back_to_torch_where_the_kernel_does_not_apply():

@@ -1447,10 +1447,12 @@ int lg_skinny_mtp(const float *restrict m, int64_t rows, int64_t cols, const flo
 
 /*
  * PowerSGD's decode and residual: C += alpha P Q^T for C [rows, cols], P [rows, r] and Q^T given as qt [r, cols]
- * (rows contiguous), r <= SKINNY_RANK, row-major fp32. Four rows of C a step, sixteen columns at a time: each output's
- * sum over the r terms in a register from zero, then C + alpha * sum in one rounding (on this project's CPU the same
- * bits as MKL's addmm_ for alpha = +-1 and powers of two; within an ulp of the sum otherwise). Each output one
- * thread's: the thread count does not change the bits. BLAS took 1.5-2.5x longer on 5000 x 5000 at ranks 1-25.
+ * (rows contiguous), r <= SKINNY_RANK, row-major fp32; with a divisor (> 0), C = P Q^T / divisor instead, C not read
+ * (the hook's average of the summed factors). Four rows of C a step, sixteen columns at a time: each output's sum
+ * over the r terms in a register from zero, then C + alpha * sum in one rounding, or sum / divisor (on this project's
+ * CPU the same bits as MKL's addmm_ for alpha = +-1 and powers of two, and as its mm then div_; within an ulp of the
+ * sum otherwise). Each output one thread's: the thread count does not change the bits. BLAS took 1.5-2.5x longer on
+ * 5000 x 5000 at ranks 1-25.
  */
 #ifdef __AVX512F__
 #define SKINNY_ADD_ROWS(ROWS)                                                                                         \
@@ -1467,24 +1469,27 @@ int lg_skinny_mtp(const float *restrict m, int64_t rows, int64_t cols, const flo
             }                                                                                                         \
             for (int a = 0; a < ROWS; a++) {                                                                          \
                 float *out = c + (i + a) * cols + c0;                                                                 \
-                __m512 given = _mm512_maskz_loadu_ps(lanes, out);                                                     \
-                _mm512_mask_storeu_ps(out, lanes, _mm512_fmadd_ps(scale, sum[a], given));                            \
+                if (divisor > 0.0f)                                                                                   \
+                    _mm512_mask_storeu_ps(out, lanes, _mm512_div_ps(sum[a], divide));                                 \
+                else                                                                                                  \
+                    _mm512_mask_storeu_ps(out, lanes,                                                                 \
+                                          _mm512_fmadd_ps(scale, sum[a], _mm512_maskz_loadu_ps(lanes, out)));         \
             }                                                                                                         \
         }                                                                                                             \
     } while (0)
 #endif
 
 int lg_skinny_add_pqt(float *restrict c, int64_t rows, int64_t cols, const float *restrict p,
-                      const float *restrict qt, int64_t r, float alpha, int threads)
+                      const float *restrict qt, int64_t r, float alpha, float divisor, int threads)
 {
 #ifdef __AVX512F__
     if (r < 1 || r > SKINNY_RANK || rows < 0 || cols < 0)
         return 0;
-    __m512 scale = _mm512_set1_ps(alpha);
+    __m512 scale = _mm512_set1_ps(alpha), divide = _mm512_set1_ps(divisor);
     BY_FOUR_ROWS(SKINNY_ADD_ROWS);
     return 1;
 #else
-    (void)c, (void)rows, (void)cols, (void)p, (void)qt, (void)r, (void)alpha, (void)threads;
+    (void)c, (void)rows, (void)cols, (void)p, (void)qt, (void)r, (void)alpha, (void)divisor, (void)threads;
     return 0;
 #endif
 }

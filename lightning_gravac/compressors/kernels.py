@@ -367,15 +367,17 @@ def skinny_mtp(matrix: Tensor, p: Tensor) -> Tensor:
     return out
 
 
-def skinny_add_pqt_(out: Tensor, p: Tensor, q: Tensor, alpha: float) -> None:
+def skinny_add_pqt_(out: Tensor, p: Tensor, q: Tensor, alpha: float, divisor: float | None = None) -> None:
     """``out.addmm_(p, q.T, alpha=alpha)`` for a contiguous fp32 ``[rows, cols]`` ``out``, ``[rows, r]`` ``p`` and
     ``[cols, r]`` ``q`` (:func:`skinny_usable` of ``out`` with ``q`` and with ``p`` transposed): each output's r terms
-    summed from zero, then ``out + alpha * sum``, the same bits whatever the thread count."""
+    summed from zero, then ``out + alpha * sum``; with a positive ``divisor``, ``torch.mm(p, q.T, out=out)
+    .div_(divisor)`` instead (``out`` not read, ``alpha`` unused). The same bits whatever the thread count."""
     rows, cols = out.shape
     qt = q.T.contiguous()  # [r, cols]: each term's row of 16 columns in one load
     done = _loaded().lg_skinny_add_pqt(
-        out.data_ptr(), rows, cols, p.data_ptr(), qt.data_ptr(), p.shape[1], alpha, torch.get_num_threads()
-    )
+        out.data_ptr(), rows, cols, p.data_ptr(), qt.data_ptr(), p.shape[1], alpha, divisor or 0.0,
+        torch.get_num_threads(),
+    )  # fmt: skip
     assert done, "skinny_add_pqt_ called where skinny_usable() is False"
 
 
@@ -412,7 +414,8 @@ def _declare_statistics_and_products(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.lg_skinny_mtp.restype = ctypes.c_int
     lib.lg_skinny_add_pqt.argtypes = [
-        floats, ctypes.c_int64, ctypes.c_int64, floats, floats, ctypes.c_int64, ctypes.c_float, ctypes.c_int,
+        floats, ctypes.c_int64, ctypes.c_int64, floats, floats, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
+        ctypes.c_int,
     ]  # fmt: skip
     lib.lg_skinny_add_pqt.restype = ctypes.c_int
 

@@ -48,6 +48,16 @@ def add_product_(matrix: Tensor, p: Tensor, q: Tensor, alpha: float) -> None:
         matrix.addmm_(p, q.T, alpha=alpha)
 
 
+def average_product_(matrix: Tensor, p: Tensor, q: Tensor, ranks: int) -> None:
+    """``matrix = P Q^T / ranks`` (the hook's average of the summed factors), ``matrix``'s contents not read: by the
+    compiled kernel where it applies (one pass), else ``torch.mm`` then ``div_``."""
+    same_rank = p.dim() == 2 and q.dim() == 2 and p.shape[1] == q.shape[1]
+    if same_rank and kernels.skinny_usable(matrix, q) and kernels.skinny_usable(matrix, p, transposed=True):
+        kernels.skinny_add_pqt_(matrix, p, q, 1.0, divisor=float(ranks))
+    else:
+        torch.mm(p, q.T, out=matrix).div_(ranks)
+
+
 @register_compressor
 class PowerSGD(Compressor):
     """Rank-``r`` approximation ``P Q^T`` of each weight's gradient matrix ``M`` (``[rows, rest]``), warm-started Q.

@@ -38,7 +38,7 @@ from torch.futures import Future
 from lightning_gravac.compressors.base import Communication, Compressor, Payload, sq_norm
 from lightning_gravac.compressors.memory import Feedback, encode
 from lightning_gravac.compressors.packing import Layout
-from lightning_gravac.compressors.powersgd import PowerSGD, add_product_, as_matrix, right_factor
+from lightning_gravac.compressors.powersgd import PowerSGD, add_product_, as_matrix, average_product_, right_factor
 from lightning_gravac.state import GATHER, REDUCE, BucketRecord, Collective, CompressionState, gathers
 
 
@@ -314,7 +314,7 @@ class LowRank(Communicator):
                 offset += q.numel()
                 method.keep(s.key, q_sum)
                 if s.out.dtype == p.dtype and s.out.is_contiguous():  # P Q^T written into the bucket, then averaged
-                    torch.mm(p, q_sum.T, out=s.out.view(p.shape[0], -1)).div_(world)
+                    average_product_(s.out.view(p.shape[0], -1), p, q_sum, world)
                 else:
                     s.out.copy_((p @ q_sum.T).div_(world).view_as(s.out))
             offset = first.numel() - sum(s.tensor.numel() for s in full)
