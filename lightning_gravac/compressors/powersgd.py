@@ -38,11 +38,17 @@ def left_factor(matrix: Tensor, q: Tensor) -> Tensor:
     return matrix @ q
 
 
+def _product_kernel_applies(matrix: Tensor, p: Tensor, q: Tensor) -> bool:
+    """Whether :func:`kernels.skinny_add_pqt_` takes ``matrix`` with ``P`` and ``Q``: both factors of one rank (else
+    torch's product raises, as it should), each matching the matrix."""
+    same_rank = p.dim() == 2 and q.dim() == 2 and p.shape[1] == q.shape[1]
+    return same_rank and kernels.skinny_usable(matrix, q) and kernels.skinny_usable(matrix, p, transposed=True)
+
+
 def add_product_(matrix: Tensor, p: Tensor, q: Tensor, alpha: float) -> None:
     """``matrix += alpha P Q^T`` in place: by the compiled kernel where it applies (:func:`kernels.skinny_add_pqt_`),
     else torch's ``addmm_``."""
-    same_rank = p.dim() == 2 and q.dim() == 2 and p.shape[1] == q.shape[1]  # else addmm_ raises, as it should
-    if same_rank and kernels.skinny_usable(matrix, q) and kernels.skinny_usable(matrix, p, transposed=True):
+    if _product_kernel_applies(matrix, p, q):
         kernels.skinny_add_pqt_(matrix, p, q, alpha)
     else:
         matrix.addmm_(p, q.T, alpha=alpha)
@@ -51,8 +57,7 @@ def add_product_(matrix: Tensor, p: Tensor, q: Tensor, alpha: float) -> None:
 def average_product_(matrix: Tensor, p: Tensor, q: Tensor, ranks: int) -> None:
     """``matrix = P Q^T / ranks`` (the hook's average of the summed factors), ``matrix``'s contents not read: by the
     compiled kernel where it applies (one pass), else ``torch.mm`` then ``div_``."""
-    same_rank = p.dim() == 2 and q.dim() == 2 and p.shape[1] == q.shape[1]
-    if same_rank and kernels.skinny_usable(matrix, q) and kernels.skinny_usable(matrix, p, transposed=True):
+    if _product_kernel_applies(matrix, p, q):
         kernels.skinny_add_pqt_(matrix, p, q, 1.0, divisor=float(ranks))
     else:
         torch.mm(p, q.T, out=matrix).div_(ranks)

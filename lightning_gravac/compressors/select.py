@@ -314,17 +314,22 @@ def exact_topk(
     quarter or more go straight to ``torch.topk``. ``out`` is a scratch of ``values``' size and dtype; ``peak``,
     the block peaks when the caller has them (:func:`signed_extremes`).
     """
-    if k * 4 >= values.numel() or sample_ratio * values.numel() < 1024:
+    if not through_blocks(values.numel(), k, sample_ratio):
         return _topk(values, k, signed)
     return Blocks(values, signed, peak).topk(k, out, generator, sample_ratio)
+
+
+def through_blocks(n: int, k: int, sample_ratio: float) -> bool:
+    """Whether a selection of ``k`` of ``n`` entries goes through :class:`Blocks`: a sample large enough to place a
+    threshold and fewer than a quarter of the entries kept (else ``torch.topk`` is as cheap)."""
+    return k * 4 < n and sample_ratio * n >= 1024
 
 
 def signed_extremes(values: Tensor, k: int, sample_ratio: float = 0.01) -> tuple[Tensor | None, Tensor | None]:
     """The signed block peaks of the flat ``values`` and of ``-values`` from one read (the compiled kernel), for
     selections of ``k`` from both tails (:func:`exact_topk` signed, :func:`exact_lowest`); ``(None, None)`` where
     those would not read the peaks (see :func:`exact_topk`) or the kernels do not take ``values``."""
-    n = values.numel()
-    if k * 4 >= n or sample_ratio * n < 1024 or not kernels.usable(values):
+    if not through_blocks(values.numel(), k, sample_ratio) or not kernels.usable(values):
         return None, None
     return kernels.block_extremes(values, values.numel() // _BLOCK)
 
@@ -348,8 +353,7 @@ def exact_lowest(
     caller then makes the copy. ``peak``: the block peaks of ``-values`` when the caller has them
     (:func:`signed_extremes`).
     """
-    n = values.numel()
-    if not kernels.usable(values) or k * 4 >= n or sample_ratio * n < 1024:
+    if not through_blocks(values.numel(), k, sample_ratio) or not kernels.usable(values):
         return None
     return Blocks(values, True, peak, negated=True).from_threshold(k, out, generator, sample_ratio, exclude)
 
