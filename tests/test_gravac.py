@@ -436,14 +436,16 @@ def test_link_fit_is_proportional_with_one_payload_size_and_none_without_bytes()
     assert fit_link({1.0: (3, 3.0, 0.0, 0.0)}) is None
 
 
-def _default_on_a_link(per_byte: float, gain: dict[float, float], **kwargs) -> Scripted:
-    """The default rule on a scripted link: 0.1 s of compute, 1 MB dense, ``per_byte`` s a moved byte (2 ranks)."""
+def _default_on_a_link(per_byte: float, gain: dict[float, float], state=None, **kwargs) -> Scripted:
+    """The default rule on a scripted link: 0.1 s of compute, 1 MB dense, ``per_byte`` s a moved byte (2 ranks);
+    with ``state``, attached to that compression state (its method and the momentum moved into its hook)."""
 
     def seconds(cf: float) -> float:
         return 0.1 + 1_000_000 / cf * per_byte  # two ranks: a rank moves the payload, or the dense buffer once
 
     c = Scripted(lambda cf: gain[cf], seconds, search="model", **kwargs)
     c._world_size = 2
+    c._state = state
     c.probed = (0.0, per_byte)  # what the fit-start probe would have measured
     c.cast_cost, c.half_per_byte = 0.01, per_byte  # and the fp16 rung: casts 10 ms a step, its bytes as fp32's
     return c.run(4)  # the first window (3 steps), then one step at the factor it chose
@@ -464,6 +466,40 @@ def test_default_sends_the_factor_of_highest_predicted_throughput_on_each_link()
         assert c.sent[-1] == expected, (per_byte, c.sent)
         # The first window, before a step's cost is known, sends the link's cheapest eligible factor.
         assert c.sent[1:3] == [1000, 1000]
+
+
+def _with_moved_momentum(method: str, momentum: float, masking: bool = True):
+    """A compression state for ``method`` whose hook holds SGD's momentum ``momentum`` (as momentum correction moves
+    it), masked or not."""
+    from lightning_gravac import CompressionState
+
+    state = CompressionState(get_compressor(method), error_feedback=True)
+    state.momentum.masking = masking
+    w = nn.Parameter(torch.zeros(4))
+    state.momentum.take_from(torch.optim.SGD([w], lr=0.1, momentum=momentum), {id(w): "w"})
+    return state
+
+
+def test_default_weighs_the_momentum_that_masking_drops_at_each_factor():
+    gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.025}
+    # 200 ns a byte: dense 1 / 0.3 = 3.3; gain^(1/3) / seconds: cf 10 0.794 / 0.12 = 6.6, 20 0.705 / 0.11 = 6.4,
+    # 40 0.630 / 0.105 = 6.0, 160 0.464 / 0.10125 = 4.6, 1000 0.292 / 0.1002 = 2.9: cf 10 without momentum.
+    assert _default_on_a_link(2e-7, gain).sent[-1] == 10
+    # Momentum 0.9 masked: x r(cf) = 0.414, 0.605, 0.799, 0.944, 0.991: 2.7, 3.9, 4.8, 4.3, 2.9: cf 40.
+    masked = _default_on_a_link(2e-7, gain, _with_moved_momentum("topk", 0.9))
+    assert masked.masked_momentum == 0.9 and masked.sent[-1] == 40
+    # At 100 ns a byte, dense (5.0) beats every factor so weighed (cf 40: 6.15 x 0.80 = 4.9): masking would cost
+    # momentum more than the bytes save.
+    assert _default_on_a_link(1e-7, gain, _with_moved_momentum("topk", 0.9)).sent[-1] == 1.0
+    # Nothing to weigh: masking off, no momentum moved, a method that sends no entry exactly, or the weight off.
+    for state, kwargs in [
+        (_with_moved_momentum("topk", 0.9, masking=False), {}),
+        (_with_moved_momentum("topk", 0.0), {}),
+        (_with_moved_momentum("qsgd", 0.9), {}),
+        (_with_moved_momentum("topk", 0.9), {"weigh_masking": False}),
+    ]:
+        c = _default_on_a_link(2e-7, gain, state, **kwargs)
+        assert c.masked_momentum == 0.0 and c.sent[-1] == 10, (state.momentum.masking, kwargs)
 
 
 def test_default_keeps_epsilon_as_a_floor_and_the_paper_weighs_progress_by_the_gain():

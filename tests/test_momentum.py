@@ -231,3 +231,24 @@ def test_corrected_topk_is_delayed_heavy_ball_and_masking_restarts_sent_entries(
 def test_masking_is_on_as_published_unless_turned_off():
     assert GraVACStrategy("topk").compression_state.momentum.masking is True
     assert GraVACStrategy("topk", momentum_masking=False).compression_state.momentum.masking is False
+
+
+@pytest.mark.parametrize("momentum", [0.5, 0.9, 0.99])
+@pytest.mark.parametrize("period", [1, 2, 10, 40, 1000])
+def test_masking_retention_is_what_a_masked_buffer_applies_against_dense_momentum(momentum, period):
+    from lightning_gravac.compressors.momentum import masking_retention
+
+    # One entry under a constant gradient, sent (and its buffer restarted) every `period` steps, against dense
+    # heavy-ball momentum in steady state, over the same 20 periods.
+    g, steps = 1.0, 20 * period
+    u, pending, masked = 0.0, 0.0, 0.0
+    for step in range(steps):
+        u = momentum * u + g
+        pending += u
+        if (step + 1) % period == 0:
+            masked, pending, u = masked + pending, 0.0, 0.0
+    dense = steps * g / (1 - momentum)
+    expected = 1.0 if period == 1 else masked / dense  # a factor of 1 is the dense path, which never masks
+    assert masking_retention(period, momentum) == pytest.approx(expected, rel=1e-12)
+    assert masking_retention(period, 0.0) == 1.0
+    assert masking_retention(period, 1.0) == masking_retention(period, 0.999)

@@ -25,6 +25,22 @@ import torch
 from torch import Tensor
 
 
+def masking_retention(period: float, momentum: float) -> float:
+    """The fraction of dense momentum's step that momentum factor masking leaves an entry sent once every ``period``
+    steps, in steady state under a constant gradient ``g``.
+
+    Dense heavy-ball momentum applies ``g / (1 - m)`` a step once its buffer has filled. Masked, the buffer restarts
+    at each send, so over the ``T`` steps between two sends the entry accumulates ``sum_k (1 - m^k) / (1 - m) g``,
+    ``k = 1..T``: ``r(T) = 1 - m (1 - m^T) / ((1 - m) T)`` of dense's ``T g / (1 - m)``. At ``m = 0.9``: 0.41 for
+    ``T = 10``, 0.80 for 40, 0.91 for 100, 0.99 for 1000; 1 without momentum. A momentum of 1 or more has no steady
+    state: weighed as ``m = 0.999``.
+    """
+    if period <= 1 or momentum <= 0:
+        return 1.0
+    m = min(float(momentum), 0.999)
+    return 1.0 - m * (1.0 - m**period) / ((1.0 - m) * period)
+
+
 @dataclass(frozen=True)
 class SGDMomentum:
     """The momentum settings of the optimizer's parameter group a parameter belongs to."""
@@ -135,6 +151,15 @@ class MomentumCorrection:
             pending = self._pending.get(name)
             if residual is not None and pending is not None:
                 pending.masked_fill_(residual.view_as(pending) == 0, 0.0)
+
+    @property
+    def masked_momentum(self) -> float:
+        """The largest momentum that masking restarts (0 with masking off or no momentum moved): what a decision
+        weighs a factor's loss of momentum by (:func:`masking_retention`). The same on every rank: the optimizer's
+        settings are."""
+        if not self.masking:
+            return 0.0
+        return max((s.momentum for s in self.settings.values()), default=0.0)
 
     def in_sync(self, names: Iterable[str]) -> bool:
         """Whether the buffers of ``names`` are identical on every rank (the exact dense path applies)."""
