@@ -94,17 +94,21 @@ _INSIDE = "GRAVAC_MATRIX_NETNS"
 FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc cf=100"]
 ROWS = [*FIXED, "accordion 10/1000", "gravac (paper)", "default"]
 #: More compressor families, for the optimizer study (``--optimizer adamw --links unlimited``): fixed settings.
-FAMILIES = ["qsgd 4-bit", "powersgd cf=100", "randomk cf=100", "efsignsgd"]
+FAMILY_SETTINGS = {"qsgd 4-bit": ("qsgd", 8.0), "powersgd cf=100": ("powersgd", 100.0),
+                   "randomk cf=100": ("randomk", 100.0), "efsignsgd": ("efsignsgd", 32.0)}  # fmt: skip
+FAMILIES = list(FAMILY_SETTINGS)
 #: Momentum correction without DGC's momentum factor masking, for the masking study (``--tasks cnn``).
 UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
-ORDER = ROWS + FAMILIES + UNMASKED
+#: The default without one of its rules, to measure what the rule changes side by side (``weigh_masking``).
+ABLATIONS = ["default, masking unweighed"]
+ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS
 #: AdamW's learning rate per task (``--optimizer adamw``).
 ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3}
 #: ``--optimizer users``: SGD with momentum 0.9 and a cosine schedule (peak learning rate per task) for these tasks,
 #: AdamW for the others.
 USERS_SGD_LR = {"mlp": 0.01, "cnn": 0.005}
 #: Rows trained on every link (they time their own steps); the others are projected from the unlimited run.
-LINK_DEPENDENT = {"gravac (paper)", "default"}
+LINK_DEPENDENT = {"gravac (paper)", "default", *ABLATIONS}
 #: Rows trained in the first repeat only (``--repeats``): the paper's search, slow on a slow link and not what the
 #: bar judges; later repeats borrow its runs.
 ONCE = {"gravac (paper)"}
@@ -198,14 +202,11 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, search="sequential", window=25)]
     if row == "default":
         return GraVACStrategy(), []
-    if row == "qsgd 4-bit":
-        return GraVACStrategy("qsgd"), [Static(cf=8)]
-    if row == "powersgd cf=100":
-        return GraVACStrategy("powersgd"), [Static(cf=100)]
-    if row == "randomk cf=100":
-        return GraVACStrategy("randomk"), [Static(cf=100)]
-    if row == "efsignsgd":
-        return GraVACStrategy("efsignsgd"), [Static(cf=32)]
+    if row == "default, masking unweighed":
+        return GraVACStrategy(), [GraVAC(weigh_masking=False)]
+    if row in FAMILY_SETTINGS:
+        method, cf = FAMILY_SETTINGS[row]
+        return GraVACStrategy(method), [Static(cf=cf)]
     raise ValueError(row)
 
 
@@ -328,8 +329,11 @@ def _train(
     )  # fmt: skip
     trainer.fit(spec["model"], spec["train"])
     finished = len(recorder.steps) >= steps
+    controller = next(iter(controllers_of(trainer)), None)
     return {
         "steps": recorder.steps,
+        # What an adaptive row last measured: the smoothed gain at each factor it probes.
+        "gains": {f"{cf:g}": g for cf, g in sorted(controller.gains.items())} if isinstance(controller, GraVAC) else {},
         "finished": finished,
         "held_out": _evaluate(spec["model"], spec["held"], task) if finished else None,
         "parameters": sum(p.numel() for p in spec["model"].parameters()),
@@ -549,7 +553,7 @@ def _block(task: str, rows: list[str], args: argparse.Namespace, say: Callable[[
             block["adaptive"][link][row] = run
             factors = {f: sum(1 for s in run["steps"] if s[2] == f) for f in sorted({s[2] for s in run["steps"]})}
             say(f"{task} {link} {row}: {run['steps'][-1][0]:.1f} s, {len(run['steps'])} steps, "
-                f"steps at each factor {factors}, held-out {run['held_out']}")  # fmt: skip
+                f"steps at each factor {factors}, held-out {run['held_out']}, gains {run['gains']}")  # fmt: skip
     _shape("unlimited")
     return block
 
