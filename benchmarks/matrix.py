@@ -18,14 +18,16 @@ Tasks (``--scale`` 1 gives about 10M parameters each; the default 0.25 fits a 2-
 
 Rows: dense DDP, fp16 all-reduce, Top-K at cf 10, 100 and 1000, DGC at cf 100, Accordion (cf 10 / 1000 on the
 gradient norm's change), GraVAC as the paper defines it (gain of the error-fed gradient, sequential search,
-``epsilon`` 0.7; its window shortened to 25 steps to fit the run) and the zero-argument ``GraVACStrategy()``.
+``epsilon`` 0.7; its window shortened to 25 steps to fit the run) and the zero-argument ``GraVACStrategy()``. On
+request (``--rows``), more fixed methods (``FAMILIES``), Top-K without momentum masking (``UNMASKED``) and the default
+without one of its rules (``ABLATIONS``: ``"default, masking unweighed"``), to measure a rule side by side.
 
 Every row trains ``--steps`` steps from the same seed on the same data. The target of a task is dense DDP's smoothed
 training loss (an EWMA, factor 0.9, of the ranks' mean loss) at half the steps; a row's *time to target* is the wall
 time until its smoothed loss first reaches it, and its *final metric* is the loss on a fixed held-out set after
 ``--steps`` steps (for the cnn also the accuracy).
 
-Rows whose trajectory does not depend on the link (all but the two GraVAC rows, which time their steps) train in
+Rows whose trajectory does not depend on the link (all but the GraVAC rows, which time their steps) train in
 full once, on the unlimited link; on a shaped link their time is **projected**: a short run of each of them there
 (``--timing-steps``) measures the time to finish the first two steps and the median step after that, and the
 projection adds those up along the full run's trajectory (Accordion's step by step, with the Top-K rows' step

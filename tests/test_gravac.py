@@ -468,38 +468,68 @@ def test_default_sends_the_factor_of_highest_predicted_throughput_on_each_link()
         assert c.sent[1:3] == [1000, 1000]
 
 
-def _with_moved_momentum(method: str, momentum: float, masking: bool = True):
-    """A compression state for ``method`` whose hook holds SGD's momentum ``momentum`` (as momentum correction moves
-    it), masked or not."""
+def _with_moved_momentum(method, momentum: float, masking: bool = True, nesterov: bool = False):
+    """A compression state for ``method`` (a name or a compressor) whose hook holds SGD's momentum ``momentum`` (as
+    momentum correction moves it), masked or not."""
     from lightning_gravac import CompressionState
 
-    state = CompressionState(get_compressor(method), error_feedback=True)
+    state = CompressionState(get_compressor(method) if isinstance(method, str) else method, error_feedback=True)
     state.momentum.masking = masking
     w = nn.Parameter(torch.zeros(4))
-    state.momentum.take_from(torch.optim.SGD([w], lr=0.1, momentum=momentum), {id(w): "w"})
+    optimizer = torch.optim.SGD([w], lr=0.1, momentum=momentum, nesterov=nesterov)
+    state.momentum.take_from(optimizer, {id(w): "w"})
     return state
 
 
 def test_default_weighs_the_momentum_that_masking_drops_at_each_factor():
     gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.025}
-    # 200 ns a byte: dense 1 / 0.3 = 3.3; gain^(1/3) / seconds: cf 10 0.794 / 0.12 = 6.6, 20 0.705 / 0.11 = 6.4,
-    # 40 0.630 / 0.105 = 6.0, 160 0.464 / 0.10125 = 4.6, 1000 0.292 / 0.1002 = 2.9: cf 10 without momentum.
+    # 200 ns a byte: dense 1 / 0.3 = 3.33; gain^(1/3) / seconds: cf 10 0.794 / 0.12 = 6.61, 20 0.705 / 0.11 = 6.41,
+    # 40 0.630 / 0.105 = 6.00, 160 0.464 / 0.10125 = 4.58, 1000 0.292 / 0.1002 = 2.92: cf 10 without momentum.
     assert _default_on_a_link(2e-7, gain).sent[-1] == 10
-    # Momentum 0.9 masked: x r(cf) = 0.414, 0.605, 0.799, 0.944, 0.991: 2.7, 3.9, 4.8, 4.3, 2.9: cf 40.
+    # Top-K with fp32 values and int32 indices keeps numel / (2 cf) entries: an entry waits 2 cf steps. Momentum 0.9
+    # masked keeps r(20), r(40), r(80), r(320), r(2000) = 0.605, 0.778, 0.888, 0.972, 0.996: 4.00, 4.99, 5.33, 4.46,
+    # 2.91: cf 40.
     masked = _default_on_a_link(2e-7, gain, _with_moved_momentum("topk", 0.9))
-    assert masked.masked_momentum == 0.9 and masked.sent[-1] == 40
-    # At 100 ns a byte, dense (5.0) beats every factor so weighed (cf 40: 6.15 x 0.80 = 4.9): masking would cost
-    # momentum more than the bytes save.
-    assert _default_on_a_link(1e-7, gain, _with_moved_momentum("topk", 0.9)).sent[-1] == 1.0
+    assert masked.masking_weight(10) == pytest.approx(0.604709, abs=1e-6) and masked.sent[-1] == 40
+    # At 50 ns a byte cf 10 beats dense unweighed (7.56 against 6.67), but weighed every factor loses to dense (cf 40:
+    # 6.22 x 0.888 = 5.52): masking would cost momentum more than the bytes save.
+    assert _default_on_a_link(5e-8, gain).sent[-1] == 10
+    assert _default_on_a_link(5e-8, gain, _with_moved_momentum("topk", 0.9)).sent[-1] == 1.0
     # Nothing to weigh: masking off, no momentum moved, a method that sends no entry exactly, or the weight off.
     for state, kwargs in [
         (_with_moved_momentum("topk", 0.9, masking=False), {}),
         (_with_moved_momentum("topk", 0.0), {}),
         (_with_moved_momentum("qsgd", 0.9), {}),
+        (_with_moved_momentum(get_compressor("randomk", unbiased=True), 0.9), {}),
         (_with_moved_momentum("topk", 0.9), {"weigh_masking": False}),
     ]:
         c = _default_on_a_link(2e-7, gain, state, **kwargs)
-        assert c.masked_momentum == 0.0 and c.sent[-1] == 10, (state.momentum.masking, kwargs)
+        assert c.masking_weight(10) == 1.0 and c.sent[-1] == 10, (state.compressor, state.momentum.masking, kwargs)
+
+
+def test_the_masking_weight_follows_each_method_wait_and_the_momentum_it_restarts():
+    def on_link(state, **kwargs):
+        return _default_on_a_link(2e-7, {cf: 0.5 for cf in (10, 20, 40, 160, 1000)}, state, **kwargs)
+
+    topk = on_link(_with_moved_momentum("topk", 0.9))
+    assert topk.masking_weight(1.0) == 1.0  # dense never masks
+    # Nesterov sends g + m u: 1 - m (1 - r(20)) = 0.644.
+    nesterov = on_link(_with_moved_momentum("topk", 0.9, nesterov=True))
+    assert nesterov.masking_weight(10) == pytest.approx(0.644239, abs=1e-6)
+    # Random-K sends no index (an entry waits cf steps) and picks at random (geometric waits): 0.1 / (0.1 + 0.09).
+    assert on_link(_with_moved_momentum("randomk", 0.9)).masking_weight(10) == pytest.approx(0.526316, abs=1e-6)
+    # bf16 gradients: a 2-byte value and a 4-byte index, an entry waits 3 cf steps: r(30) = 0.7127.
+    topk._grad_dtype = torch.bfloat16
+    assert topk.masking_weight(10) == pytest.approx(0.712717, abs=1e-6)
+    # DGC keeps its own momentum (the optimizer's stays at 0): its masking weighs the same way, unless it is off.
+    from lightning_gravac.compressors import DGC
+
+    for masking, expected in [(True, 0.604709), (False, 1.0)]:
+        dgc = _with_moved_momentum(DGC(momentum=0.9, momentum_masking=masking), 0.0)
+        assert on_link(dgc).masking_weight(10) == pytest.approx(expected, abs=1e-6)
+    # The fp16 rung sends every entry rounded, never exactly: not weighed.
+    rung = on_link(_with_moved_momentum("topk", 0.9), fp16_rung=True)
+    assert rung.rungs and rung.masking_weight(rung.rungs[0]) == 1.0
 
 
 def test_default_keeps_epsilon_as_a_floor_and_the_paper_weighs_progress_by_the_gain():

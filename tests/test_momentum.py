@@ -233,22 +233,52 @@ def test_masking_is_on_as_published_unless_turned_off():
     assert GraVACStrategy("topk", momentum_masking=False).compression_state.momentum.masking is False
 
 
-@pytest.mark.parametrize("momentum", [0.5, 0.9, 0.99])
-@pytest.mark.parametrize("period", [1, 2, 10, 40, 1000])
-def test_masking_retention_is_what_a_masked_buffer_applies_against_dense_momentum(momentum, period):
+def _masked_mass(momentum: float, nesterov: bool, sent_at, steps: int, n: int, burn_in: int = 0) -> torch.Tensor:
+    """Each entry's update directions summed from step ``burn_in`` on, under the hook's momentum with masking, a
+    constant gradient of 1, and error feedback sending the entries ``sent_at(step)`` marks (their residual 0). Every
+    direction is sent in the end (error feedback), so this is what the entry's momentum delivers."""
+    w = nn.Parameter(torch.zeros(n))
+    moved = MomentumCorrection(masking=True)
+    moved.take_from(torch.optim.SGD([w], lr=0.1, momentum=momentum, nesterov=nesterov), {id(w): "w"})
+    residual, mass = torch.zeros(n), torch.zeros(n)
+    for step in range(steps):
+        direction = torch.ones(n)
+        moved.local_(["w"], [direction], [w])
+        if step >= burn_in:
+            mass += direction
+        fed, now = residual + direction, sent_at(step)
+        residual = torch.where(now, 0.0, fed)
+        moved.mask_({"w": residual})
+        moved.commit(["w"])
+    return mass
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("momentum", [0.5, 0.9])
+@pytest.mark.parametrize("wait", [2, 10, 40])
+def test_masking_retention_is_what_the_hooks_masked_momentum_delivers_against_dense(wait, momentum, nesterov):
     from lightning_gravac.compressors.momentum import masking_retention
 
-    # One entry under a constant gradient, sent (and its buffer restarted) every `period` steps, against dense
-    # heavy-ball momentum in steady state, over the same 20 periods.
-    g, steps = 1.0, 20 * period
-    u, pending, masked = 0.0, 0.0, 0.0
-    for step in range(steps):
-        u = momentum * u + g
-        pending += u
-        if (step + 1) % period == 0:
-            masked, pending, u = masked + pending, 0.0, 0.0
-    dense = steps * g / (1 - momentum)
-    expected = 1.0 if period == 1 else masked / dense  # a factor of 1 is the dense path, which never masks
-    assert masking_retention(period, momentum) == pytest.approx(expected, rel=1e-12)
-    assert masking_retention(period, 0.0) == 1.0
-    assert masking_retention(period, 1.0) == masking_retention(period, 0.999)
+    # Sent every `wait` steps, over whole periods: exactly the periodic formula (dense applies 1 / (1 - m) a step in
+    # steady state, with Nesterov too).
+    steps = 20 * wait
+    periodic = _masked_mass(momentum, nesterov, lambda step: torch.full((1,), (step + 1) % wait == 0), steps, 1)
+    expected = masking_retention(wait, momentum, nesterov=nesterov)
+    assert float(periodic[0]) / (steps / (1 - momentum)) == pytest.approx(expected, rel=1e-6)  # float32 sums
+    # Sent at random with probability 1 / wait: the geometric formula, to the sampling error of 4000 entries.
+    # The first 60 steps (six momentum horizons at 0.9) start from an empty buffer: left out, as dense's filling is.
+    generator = torch.Generator().manual_seed(wait)
+    steps, n, burn_in = 260, 4000, 60
+    drawn = torch.rand(steps, n, generator=generator) < 1 / wait
+    mass = _masked_mass(momentum, nesterov, lambda step: drawn[step], steps, n, burn_in)
+    expected = masking_retention(wait, momentum, nesterov=nesterov, random=True)
+    assert float(mass.mean()) / ((steps - burn_in) / (1 - momentum)) == pytest.approx(expected, rel=0.01)
+
+
+def test_masking_retention_limits():
+    from lightning_gravac.compressors.momentum import masking_retention
+
+    assert masking_retention(10, 0.0) == 1.0 and masking_retention(1, 0.9) == 1.0  # no momentum; the dense path
+    assert masking_retention(10, 1.0) == masking_retention(10, 0.999)
+    assert masking_retention(20, 0.9) == pytest.approx(0.604709, abs=1e-6)  # 1 - 0.9 (1 - 0.9^20) / 2
+    assert masking_retention(10, 0.9, random=True) == pytest.approx(0.1 / 0.19)

@@ -17,8 +17,7 @@ from typing_extensions import override
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.compressors.momentum import masking_retention
-from lightning_gravac.compressors.sparse import Sparsifier
+from lightning_gravac.compressors.momentum import SGDMomentum, masking_retention
 from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats, gathers, ring_share
 
 Policy = Literal["exponential", "geometric"]
@@ -273,16 +272,17 @@ class GraVAC(Controller):
       about 4x an fp32 byte on loopback, so its fit-start measurement (0.2 s) is noisy enough to pick it there now
       and then. It paid on no cell of the matrix.
     - *A factor's progress also weighs the momentum masking drops.* With SGD momentum moved into the hook and
-      momentum factor masking on (the strategy's defaults), an entry a sparsifier sends restarts its momentum, so a
-      factor whose entries are sent once every ``T ~ cf`` steps applies ``r(cf) = 1 - m (1 - m^cf) / ((1 - m) cf)``
-      of dense momentum's step (:func:`~lightning_gravac.compressors.momentum.masking_retention`; at ``m`` 0.9:
-      0.41 at cf 10, 0.80 at 40, 0.94 at 160, 0.99 at 1000). Progress is weighed ``gain^p x r(cf)``: linear in
-      ``r``, as progress is in a step's size at a rate inside the stable range. Measured on a 2.3M-parameter CNN
-      (SGD lr 0.005, momentum 0.9, 2 ranks): masked Top-K took 1.65x the unmasked run's time to target at cf 10 (``r``
-      predicts 2.4x) and 1.13x at cf 100 (1.10x), slightly pessimistic as ``gain^(1/3)`` is. Without the weight the
+      momentum factor masking on (the strategy's defaults), an entry a sparsifier sends restarts its momentum. An
+      entry sent once every ``T`` steps then applies ``r(T) = 1 - m (1 - m^T) / ((1 - m) T)`` of dense momentum's
+      step (:func:`~lightning_gravac.compressors.momentum.masking_retention`; Nesterov and Random-K's random sends
+      have their own forms there), and ``T`` is the method's mean wait ``numel / k`` at the factor (Top-K with fp32
+      values and int32 indices: ``2 cf``). At ``m`` 0.9 Top-K keeps 0.61 at cf 10, 0.89 at cf 40, 0.97 at cf 160.
+      Progress is weighed ``gain^p x r``: linear in ``r``, as progress is in a step's size at a rate inside the stable
+      range. Measured on a 2.3M-parameter CNN (SGD lr 0.005, momentum 0.9, 2 ranks): masked Top-K took 1.65x the
+      unmasked run's time to target at cf 10 (``1 / r``: 1.65x) and 1.13x at cf 100 (1.05x). Without the weight the
       search sent cf 10 there at 1 Gbit/s and took 1.60x the best fixed factor's time. No effect without momentum,
-      with masking off or for methods that send no entry exactly (quantizers, PowerSGD); ``weigh_masking=False``
-      turns it off.
+      with masking off, or for methods that send no entry exactly (quantizers, casts, PowerSGD, unbiased Random-K);
+      DGC is weighed by its own momentum. ``weigh_masking=False`` turns it off.
     - *``epsilon`` is a floor (0.02), not the gate*: the gain already weighs each factor; the floor only refuses a
       factor that sends almost nothing of each step.
     - *The link is measured, not searched*: the paper finds the best factor by sending each candidate for a window,
@@ -404,7 +404,8 @@ class GraVAC(Controller):
         #: Whether the model search may send a step whole in fp16 (decided at setup: fp32 gradients, a method whose
         #: residual the hook keeps, ``cf_min`` above 2).
         self.fp16_rung = bool(defaults["fp16_rung"] if fp16_rung is None else fp16_rung)
-        self.weigh_masking = bool(weigh_masking)
+        # The gradients' dtype is the largest trainable parameter's, set at setup (`masking_weight`).
+        self.weigh_masking, self._grad_dtype = bool(weigh_masking), torch.float32
         if self.fp16_rung and not self._rule.models_cost:
             raise ValueError("`fp16_rung=True` needs `search='model'`: the sequential search has no cost model for it.")
         # The user's choice, which `fp16_rung` is derived from at each setup and fit; a ladder from 2 or less has the
@@ -438,16 +439,14 @@ class GraVAC(Controller):
         self._buckets, self._probe_bytes, self._model_bytes = 1, PROBE_BYTES[1], 0
         self._warm_up = False  # the next observed step is a fit's first: its time is not tallied
 
-        self._start_window_state()
-
-    def _start_window_state(self) -> None:
-        """The current window's tallies and the step counters, as before a first step."""
+        # The current window.
         self._tally: dict[float, _Tally] = {}
         self._progress = 0
         self._world_size, self._batch_size, self._bytes_dense = 1, 1, 0
         self._step_start, self._steps = 0.0, 0
-        self._last_probe = 0  # the step of the last probe
-        self._probe_interval = self.probe_every  # grows while probes leave the choice as it was (`probe_backoff`)
+        # The step of the last probe, and the spacing of probes, which grows while they leave the choice as it was
+        # (`probe_backoff`).
+        self._last_probe, self._probe_interval = 0, self.probe_every
 
     @override
     def fit_to_model(self, largest: int) -> None:
@@ -507,6 +506,8 @@ class GraVAC(Controller):
                 f"`gain_of='gradient'` measures what a factor keeps of the step's own gradient, but {method.name!r} "
                 "selects from an accumulation of its own, not from the gradient. Use `gain_of='error_fed'`."
             )
+        trainable = [p for p in pl_module.parameters() if p.requires_grad]
+        self._grad_dtype = max(trainable, key=lambda p: p.numel()).dtype if trainable else torch.float32
         self._check_rung(pl_module)
 
     def _check_rung(self, pl_module: "pl.LightningModule") -> None:
@@ -892,18 +893,25 @@ class GraVAC(Controller):
         # fp16 keeps all but the rounding, which error feedback carries to the next step.
         if cf in (DENSE, *self.rungs):
             return 1.0 / seconds if seconds > 0 else math.inf
-        progress = self.gains.get(cf, 0.0) ** self.gain_power * masking_retention(cf, self.masked_momentum)
+        progress = self.gains.get(cf, 0.0) ** self.gain_power * self.masking_weight(cf)
         return progress / seconds if seconds > 0 else math.inf
 
-    @property
-    def masked_momentum(self) -> float:
-        """The momentum that momentum factor masking restarts where this method sends an entry (0 when none does):
-        the hook's moved SGD momentum with masking on, for a method that sends entries exactly (a sparsifier), when
-        ``weigh_masking`` is on."""
+    def masking_weight(self, cf: float) -> float:
+        """The share of dense momentum's step that momentum factor masking leaves a step sent at ``cf``
+        (:func:`~lightning_gravac.compressors.momentum.masking_retention` at the method's mean wait between two sends
+        of an entry), the least over the optimizer's momentum settings; 1 where nothing is masked or with
+        ``weigh_masking`` off. Only from settings every rank holds alike."""
         state = self._state
-        if state is None or not (self.weigh_masking and isinstance(state.compressor, Sparsifier)):
-            return 0.0
-        return state.momentum.masked_momentum
+        if state is None or not self.weigh_masking or cf in (DENSE, *self.rungs):
+            return 1.0
+        method = state.compressor
+        wait = method.masked_wait(cf, self._grad_dtype)
+        if wait is None:
+            return 1.0
+        own = method.masked_momentum()  # DGC's, which it keeps itself
+        settings = {SGDMomentum(own)} if own > 0 else state.momentum.masked_settings()
+        kept = [masking_retention(wait, s.momentum, s.nesterov, method.random_sends) for s in settings]
+        return min(kept, default=1.0)
 
     def _predicted_seconds(self, link: _Link, cf: float, dense_bytes: float) -> float:
         """A step's seconds at ``cf`` by the fitted model: the rest, compressing, a message a bucket, the bytes."""

@@ -121,6 +121,20 @@ class Compressor(ABC):
         no residual of their own."""
         return self.biased and not self.owns_feedback
 
+    #: Whether :meth:`masked_wait`'s sends come at random (Random-K: geometric waits) rather than by magnitude (an entry
+    #: of steady size is sent about periodically).
+    random_sends: ClassVar[bool] = False
+
+    def masked_wait(self, cf: float, dtype: torch.dtype) -> float | None:
+        """The mean steps between two sends of an entry at ``cf``, for a method that sends entries exactly (its
+        residual 0 there, where momentum factor masking restarts the momentum): ``numel / k``. ``None`` for methods
+        that never do (quantizers, casts, low rank)."""
+        return None
+
+    def masked_momentum(self) -> float:
+        """The momentum a method with an accumulation of its own restarts where it sends an entry (DGC's); 0 else."""
+        return 0.0
+
     @abstractmethod
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         """Compress ``tensor`` so that it costs about ``1/cf`` of its dense bytes on the wire.

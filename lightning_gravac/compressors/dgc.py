@@ -140,6 +140,9 @@ class DGC(Sparsifier):
             return None, fresh if v_old is None else fresh.add_(v_old), None, None
         return u, v.copy_(u) if v_old is None else torch.add(v_old, u, out=v), None, None
 
+    def masked_momentum(self) -> float:
+        return self.momentum if self.momentum_correction and self.momentum_masking else 0.0
+
     def _k(self, numel: int, cf: float, dtype: torch.dtype) -> int:
         k = sparse_k(numel, cf, dtype)
         if self.epoch < self.warmup_epochs:

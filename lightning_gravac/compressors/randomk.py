@@ -29,6 +29,12 @@ class RandomK(Compressor):
         self.unbiased = unbiased
         self.biased = not unbiased
 
+    random_sends = True
+
+    def masked_wait(self, cf: float, dtype: torch.dtype) -> float | None:
+        # No index is sent, so numel / k is cf; unbiased values are scaled, so no entry is sent exactly.
+        return None if self.unbiased else cf
+
     def indices(self, numel: int, k: int, *, key: str, step: int, device: torch.device) -> Tensor:
         """The ``k`` indices this ``(seed, step, key)`` selects out of ``numel``; identical on every rank."""
         generator = seeded_generator(self.seed, step, key)  # no rank: every rank draws the same

@@ -7,13 +7,18 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors import kernels
-from lightning_gravac.compressors.base import Compressor, Payload, sparse_k, sq_norm
+from lightning_gravac.compressors.base import INDEX_BYTES, Compressor, Payload, sparse_k, sq_norm
 from lightning_gravac.compressors.select import Blocks, fill_to_k, sample, seeded_generator
 
 
 class Sparsifier(Compressor):
     """A compressor whose payload is ``(values, int32 indices)`` into the flat tensor: decoding, aggregation and
     residuals are shared by every such method (Top-K, DGC and the threshold methods)."""
+
+    def masked_wait(self, cf: float, dtype: torch.dtype) -> float | None:
+        # ``sparse_k``: an entry costs its value and an index, so ``numel / k`` is cf x (value + index) / value.
+        value_bytes = torch.empty((), dtype=dtype).element_size()
+        return cf * (value_bytes + INDEX_BYTES) / value_bytes
 
     @staticmethod
     def kept(tensor: Tensor, indices: Tensor) -> Payload:
