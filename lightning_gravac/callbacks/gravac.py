@@ -892,9 +892,8 @@ class GraVAC(Controller):
             return math.nan
         seconds = self._predicted_seconds(self.link, cf, dense_bytes)
         # fp16 keeps all but the rounding, which error feedback carries to the next step.
-        if cf in (DENSE, *self.rungs):
-            return 1.0 / seconds if seconds > 0 else math.inf
-        progress = self.gains.get(cf, 0.0) ** self.gain_power * self.masking_weight(cf)
+        full = cf in (DENSE, *self.rungs)
+        progress = 1.0 if full else self.gains.get(cf, 0.0) ** self.gain_power * self.masking_weight(cf)
         return progress / seconds if seconds > 0 else math.inf
 
     def masking_weight(self, cf: float) -> float:
