@@ -7,6 +7,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_gravac import GraVAC, GraVACStrategy, RunSummary, Static, StepStats, get_compressor
 from lightning_gravac.launch import run_distributed
@@ -169,6 +170,17 @@ def test_multilevel_topk_equals_direct_topk_at_each_factor(dtype):
 GRAVAC = {"cf_min": 10, "cf_max": 1000, "epsilon": 0.15, "omega": 0.5, "window": 20}
 
 
+def _uneven_batches(rank, batches=64):
+    """This rank's own batches, of a size other ranks do not share (32 on rank 0, 24 on rank 1), as a user batching by
+    tokens or streaming an iterable data set has: a value the decisions must not depend on."""
+    x, y = teacher_dataset().tensors
+    size = 32 if rank == 0 else 24
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(rank))
+    assert batches * size <= len(x)
+    chunks = [order[i * size : (i + 1) * size] for i in range(batches)]
+    return DataLoader([(x[c], y[c]) for c in chunks], batch_size=None)
+
+
 def _gravac_vs_dense(rank, world_size, search):
     data = teacher_dataset()
     out = {}
@@ -179,14 +191,15 @@ def _gravac_vs_dense(rank, world_size, search):
         pl.seed_everything(0)
         model = TeacherRegression(width=256, lr=0.1)
         trainer = pl.Trainer(strategy=GraVACStrategy("topk"), callbacks=[*callbacks, summary], max_steps=200,
-                             **trainer_kwargs(world_size))  # fmt: skip
-        trainer.fit(model, loader())
+                             **trainer_kwargs(world_size, use_distributed_sampler=False))  # fmt: skip
+        trainer.fit(model, _uneven_batches(rank))
         with torch.no_grad():
             loss = nn.functional.mse_loss(model(data.tensors[0]), data.tensors[1]).item()
         controller = next(c for c in trainer.callbacks if isinstance(c, (GraVAC, Static)))
         out[name] = {"loss": loss, "cf": [r["gravac/cf"] for r in summary.history],
                      "probed": getattr(controller, "probed", None), "gains": getattr(controller, "gains", None),
-                     "link": repr(getattr(controller, "link", None))}  # fmt: skip
+                     "link": repr(getattr(controller, "link", None)),
+                     "throughput": getattr(controller, "throughput", None)}  # fmt: skip
     return out
 
 
@@ -194,11 +207,14 @@ def _gravac_vs_dense(rank, world_size, search):
 @pytest.mark.slow
 @pytest.mark.parametrize("search", ["sequential", "model", "default"])
 def test_ranks_on_different_data_decide_alike_and_gravac_learns_like_dense(search):
+    # Each rank its own data, in batches of its own size (32 and 24).
     ranks = run_distributed(_gravac_vs_dense, search=search)
     mine, theirs = ranks[0]["gravac"], ranks[1]["gravac"]
     assert mine["cf"] == theirs["cf"], "ranks took different decisions"
-    # Every input of a decision is the same on every rank: the link probe's costs, the gains, the fitted step model.
+    # Every input of a decision is the same on every rank: the link probe's costs, the gains, the fitted step model,
+    # and the throughputs the sequential search settles on (samples summed over ranks, not N x this rank's batch).
     assert (mine["probed"], mine["gains"], mine["link"]) == (theirs["probed"], theirs["gains"], theirs["link"])
+    assert mine["throughput"] and mine["throughput"] == theirs["throughput"]
     if search == "sequential":
         assert mine["probed"] is None  # the paper's search does not probe the link
     else:
@@ -250,7 +266,8 @@ def test_resume_mid_search_continues_bit_for_bit(tmp_path, compressor, search):
         assert saved["controller"]["progress"] == (32 - first) % GRAVAC["window"] and saved["controller"]["tally"]
         if r > 0:
             # Lightning writes rank 0's callback state: other ranks resume with rank 0's partial-window times, the
-            # only rank-local values (they feed the window's MAX). Everything else is the same on every rank.
+            # only rank-local values here (they feed the window's MAX; the sample counts, summed, are equal with
+            # these even batches). Everything else is the same on every rank.
             for tally in (*saved["controller"]["tally"].values(), *restored["controller"]["tally"].values()):
                 for rank_local in ("comm_seconds", "compress_seconds", "plain_compress_seconds"):
                     tally.pop(rank_local)

@@ -54,6 +54,7 @@ class _Tally:
     compress_seconds: float = 0.0  # this rank's selection and encoding (probes included); reduced with MAX
     plain_steps: int = 0  # steps without probes, and their compression seconds: what sending the factor costs
     plain_compress_seconds: float = 0.0
+    samples: int = 0  # this rank's; summed over ranks at the window's end
 
 
 @dataclass
@@ -281,9 +282,10 @@ class GraVAC(Controller):
       range. Measured on a 2.3M-parameter CNN (SGD lr 0.005, momentum 0.9, 2 ranks): masked Top-K took 1.65x the
       unmasked run's time to target at cf 10 (``1 / r``: 1.65x) and 1.13x at cf 100 (1.05x). At 1 Gbit/s, in three
       paired repeats, the search without the weight sent cf 10 and took 1.44x the best fixed factor's time; with it,
-      dense then cf 40, 1.30x. No effect without momentum,
-      with masking off, or for methods that send no entry exactly (quantizers, casts, PowerSGD, unbiased Random-K);
-      DGC is weighed by its own momentum. ``weigh_masking=False`` turns it off.
+      dense then cf 40, 1.30x (1.27x in a later run of the whole matrix: four tasks x three links, where that cell
+      was the default's worst). No effect without momentum, with masking off, or for methods that send no entry
+      exactly (quantizers, casts, PowerSGD, unbiased Random-K); DGC is weighed by its own momentum.
+      ``weigh_masking=False`` turns it off.
     - *``epsilon`` is a floor (0.02), not the gate*: the gain already weighs each factor; the floor only refuses a
       factor that sends almost nothing of each step.
     - *The link is measured, not searched*: the paper finds the best factor by sending each candidate for a window,
@@ -299,8 +301,9 @@ class GraVAC(Controller):
     paper's value (error-fed gain, ``epsilon`` 0.7, window 500, probes every step). Every step it measures the gain at
     ``cf_min`` and at a more aggressive *candidate* (Top-K selects once, at ``cf_min``; the candidate is a prefix),
     and sends the candidate if its gain is at least ``epsilon``, else ``cf_min`` if that is, else dense. Every
-    ``window`` steps (or epochs) it measures each sent factor's throughput ``Tc = N * batch / t_step * gain``
-    (``t_step`` of the slowest rank), promotes the candidate to ``cf_min`` when their gains are within ``omega``,
+    ``window`` steps (or epochs) it measures each sent factor's throughput ``Tc = samples / t_step * gain``
+    (the samples of every rank while it was sent, ``N * batch`` a step with even batches; ``t_step`` of the slowest
+    rank), promotes the candidate to ``cf_min`` when their gains are within ``omega``,
     advances the candidate (``policy``: exponential ``cf_min * 2, 4, 16, 256...`` or geometric ``cf_min * 2, 4, 8,
     ...``, never above ``cf_max``), and settles on the less aggressive of the two best factors when their throughputs
     are within ``omega`` (checked again every window).
@@ -744,6 +747,7 @@ class GraVAC(Controller):
             return
         tally = self._tally.setdefault(self.cf, _Tally())
         tally.steps += 1
+        tally.samples += self._batch_size
         tally.seconds += seconds
         tally.comm_seconds += stats.comm_s
         compress_seconds = self.compress_seconds(stats)
@@ -824,15 +828,21 @@ class GraVAC(Controller):
              for t in (self._tally[f] for f in factors)],
             dtype=torch.float64,
         )  # fmt: skip
-        # Step times are this rank's own: the slowest rank sets the pace, and every rank must see the same value.
+        samples = torch.tensor([float(self._tally[f].samples) for f in factors], dtype=torch.float64)
+        # Step times are this rank's own: the slowest rank sets the pace, and every rank must see the same value. So
+        # must the samples: a rank's batches may differ from another's (batching by tokens, an uneven last batch of
+        # an iterable data set), and the sequential search settles on these throughputs.
         if trainer is not None:
             local = self._all_reduce(trainer, local, dist.ReduceOp.MAX)
+            samples = self._all_reduce(trainer, samples)
+        else:
+            samples = samples * self._world_size
         slowest = local
         measured, compress, plain = {}, [0.0, 0], [0.0, 0]
-        for f, (seconds, comm_seconds, compress_s, plain_s) in zip(factors, slowest.tolist(), strict=True):
+        rows = zip(factors, slowest.tolist(), samples.tolist(), strict=True)
+        for f, (seconds, comm_seconds, compress_s, plain_s), total in rows:
             tally = self._tally[f]
-            samples = self._world_size * self._batch_size * tally.steps
-            self.throughput[f] = samples / seconds * (tally.gain / tally.steps)
+            self.throughput[f] = total / seconds * (tally.gain / tally.steps)
             measured[f] = (tally.steps, seconds, comm_seconds, tally.moved_bytes)
             if f == HALF and self.fp16_rung:  # the casts' cost, kept apart from the method's
                 self.cast_cost = (plain_s / tally.plain_steps) if tally.plain_steps else compress_s / tally.steps
@@ -951,8 +961,10 @@ class GraVAC(Controller):
     def state_dict(self) -> dict[str, Any]:
         """The whole search, and the current window's tallies.
 
-        Lightning writes rank 0's callback state, so on resume every rank gets rank 0's partial-window step times:
-        the only rank-local values here, which at the window's end only feed a MAX over ranks.
+        Lightning writes rank 0's callback state, so on resume every rank gets rank 0's partial-window step times
+        and sample counts: the only rank-local values here, which at the window's end feed a MAX (the times) and a
+        sum (the samples) over ranks, so every rank still decides alike (the resumed window counts rank 0's samples
+        for every rank).
         """
         return {
             **super().state_dict(),
