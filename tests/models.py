@@ -124,6 +124,34 @@ class UnusedAndFrozen(TeacherRegression):
         return self.net(self.frozen(x) * 0 + x)
 
 
+class SparseBag(pl.LightningModule):
+    """A sum of ``nn.EmbeddingBag(256, 16, sparse=True)`` rows under a ``Linear(16, 1)``: one sparse gradient beside
+    dense ones. SGD with momentum 0.9, the embedding in a group of its own (``one_group``: with the head). Batches of 8
+    bags of 5 token ids, a random regression target."""
+
+    def __init__(self, one_group: bool = False) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(256, 16, mode="sum", sparse=True)
+        self.head = nn.Linear(16, 1)
+        self.one_group = one_group
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, y = batch
+        return nn.functional.mse_loss(self.head(self.bag(tokens)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.one_group:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        groups = [{"params": self.bag.parameters()}, {"params": self.head.parameters()}]
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+
+
+def bag_loader(n: int = 256) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (n, 5), generator=g)
+    return DataLoader(TensorDataset(tokens, torch.randn(n, 1, generator=g)), batch_size=8)
+
+
 class ExitCleanly(Callback):
     """For Trainers that spawn their ranks: end each spawned worker with ``os._exit(0)`` at interpreter exit.
 
@@ -256,6 +284,19 @@ class OneWeight(Tiny):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x[:, :1])
+
+
+class FrozenBackbone(Tiny):
+    """A frozen ``Linear(32, 4)`` under a trainable ``Linear(4, 2)``: the largest tensor (128 entries) takes no
+    gradient, the largest gradient has 8 entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Linear(32, 4).requires_grad_(False)
+        self.layer = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.backbone(x))
 
 
 class CompiledMLP(MLP):

@@ -20,7 +20,7 @@ from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from lightning_gravac import GraVAC, GraVACStrategy, Static
 from lightning_gravac.launch import run_distributed
 
-from models import ExitCleanly, Failure, OneWeight, Tiny, tiny_loader, trainer_kwargs, weights
+from models import ExitCleanly, Failure, FrozenBackbone, OneWeight, Tiny, tiny_loader, trainer_kwargs, weights
 
 pytestmark = pytest.mark.distributed
 
@@ -202,6 +202,35 @@ def test_the_default_trains_a_single_parameter_on_one_or_two_ranks(world_size):
     for controller, moved in run_distributed(_fit_one_weight, world_size=world_size):
         assert controller == repr(GraVAC(cf_min=1, cf_max=1))  # nothing to compress: every factor fitted to 1
         assert moved != 0.0
+
+
+def _fit_frozen_backbone(rank: int, world_size: int, method: str) -> dict[str, Any]:
+    pl.seed_everything(0)
+    model = FrozenBackbone()
+    backbone, head = model.backbone.weight.clone(), model.layer.weight.clone()
+    trainer = pl.Trainer(strategy=GraVACStrategy(method), **trainer_kwargs(world_size, max_steps=3))
+    trainer.fit(model, tiny_loader())
+    controller = next(c for c in trainer.callbacks if isinstance(c, Static))
+    return {
+        "cf": controller.cf,
+        "frozen": torch.equal(model.backbone.weight, backbone),
+        "trained": not torch.equal(model.layer.weight, head),
+        "head": model.layer.weight.detach().clone(),
+    }
+
+
+@pytest.mark.parametrize("method", ["signsgd", "terngrad"])
+def test_a_fixed_size_method_trains_a_small_head_over_a_frozen_backbone(method):
+    # The default controller of a sign or ternary method sits at its encoding's factor (32, 16), above the 8 entries of
+    # the only gradient: it is capped to the largest trainable tensor, not to the frozen backbone's 128 entries.
+    ranks = run_distributed(_fit_frozen_backbone, method=method)
+    for rank in ranks:
+        assert rank["cf"] == 8.0 and rank["frozen"] and rank["trained"]
+    assert torch.equal(ranks[0]["head"], ranks[1]["head"])
+    # A factor the user asked for is still checked, not silently lowered.
+    asked = Static(cf=32)
+    asked.fit_to_model(8)
+    assert asked.cf == 32.0
 
 
 def test_a_default_cf_min_fits_too_but_an_explicit_one_is_kept():

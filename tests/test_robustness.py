@@ -2,20 +2,33 @@
 
 import math
 import time
+import warnings
 from datetime import timedelta
 
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins import MixedPrecision
+from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
 from lightning_gravac import GraVACStrategy, RunSummary, Static
 from lightning_gravac.launch import run_distributed
+from lightning_gravac.strategies.gravac import gather_rows
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
-from models import Cycling, FaultyRegression, UnusedAndFrozen, loader, trainer_kwargs, weights
+from models import (
+    Cycling,
+    FaultyRegression,
+    SparseBag,
+    UnusedAndFrozen,
+    bag_loader,
+    loader,
+    trainer_kwargs,
+    weights,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -203,6 +216,79 @@ def test_unused_and_frozen_parameters():
     assert all(torch.equal(a, b) for a, b in zip(*(r["weights"].values() for r in ranks), strict=True))
     assert not any(name.startswith("frozen") for name in ranks[0]["residuals"])
     assert any(name.startswith("net") for name in ranks[0]["residuals"])
+
+
+def _sparse_gradients(rank, world_size):
+    out = {}
+    for name, strategy, callbacks in [
+        ("stock", DDPStrategy(), []),
+        ("cf 1", GraVACStrategy("topk"), [Static(cf=1)]),
+        ("cf 4", GraVACStrategy("topk"), [Static(cf=4)]),
+        ("default", GraVACStrategy(), []),
+    ]:
+        pl.seed_everything(0)
+        model = SparseBag()
+        before = model.bag.weight.detach().clone()
+        trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, max_steps=12, **trainer_kwargs(world_size))
+        trainer.fit(model, bag_loader())
+        out[name] = {**weights(model), "moved": not torch.equal(model.bag.weight, before)}
+        if name == "cf 4":  # the head's momentum went into the hook, the embedding's stayed in the optimizer
+            out["moved momentum"] = sorted(trainer.strategy.compression_state.momentum.settings)
+    # One group for both: it keeps its momentum whole in the optimizer, and the strategy says so.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(strategy=GraVACStrategy("topk"), callbacks=[Static(cf=4)], max_steps=2,
+                             **trainer_kwargs(world_size))  # fmt: skip
+        trainer.fit(SparseBag(one_group=True), bag_loader())
+    out["warned"] = [str(w.message) for w in caught if "sparse embedding" in str(w.message)]
+    out["one group moved"] = sorted(trainer.strategy.compression_state.momentum.settings)
+    return out
+
+
+@pytest.mark.distributed
+def test_a_sparse_embedding_gradient_is_averaged_as_stock_ddp_does_beside_compressed_ones():
+    r0, r1 = run_distributed(_sparse_gradients)
+    assert r0.pop("moved momentum") == r1.pop("moved momentum") == ["head.bias", "head.weight"]
+    assert r0.pop("one group moved") == r1.pop("one group moved") == []
+    assert len(r0.pop("warned")) == 1 and r1.pop("warned") == []  # rank 0 warns, once
+    for setup in ("stock", "cf 1", "cf 4", "default"):
+        assert r0[setup].pop("moved") and r1[setup].pop("moved"), setup
+        for name in r0[setup]:
+            assert torch.equal(r0[setup][name], r1[setup][name]), (setup, name)  # the replicas stay identical
+            assert torch.isfinite(r0[setup][name]).all(), (setup, name)
+    # At factor 1 the sparse gradient and the dense ones give stock DDP's weights, bit for bit (SGD momentum 0.9:
+    # the group with the sparse parameter keeps its momentum in the optimizer).
+    for name in r0["stock"]:
+        assert torch.equal(r0["cf 1"][name], r0["stock"][name]), name
+    assert not torch.equal(r0["cf 4"]["head.weight"], r0["stock"]["head.weight"])  # the head was compressed
+
+
+def _gather_every_dtype(rank, world_size):
+    torch.manual_seed(rank)
+    tensors = {
+        "residual64": torch.randn(3, 2, dtype=torch.float64) / 3,  # not representable in float32
+        "count": torch.tensor([2**60 + rank, -rank]),  # not representable in float32 either
+        "buffer16": torch.randn(5).bfloat16(),
+        "residual32": torch.randn(4, 1),
+        "flag": torch.tensor(rank == 1),
+        "empty": torch.zeros(0, 3),
+        "not a tensor": "left out",
+    }
+    dist.init_process_group("gloo")
+    return tensors, gather_rows(tensors, world_size)
+
+
+@pytest.mark.distributed
+def test_checkpoint_gather_keeps_every_rank_state_bit_for_bit_in_every_dtype():
+    ranks = run_distributed(_gather_every_dtype)
+    for rank, (_, gathered) in enumerate(ranks):
+        assert sorted(gathered) == sorted(n for n in ranks[0][0] if n != "not a tensor")
+        for name, rows in gathered.items():
+            for r, (mine, _) in enumerate(ranks):
+                original = mine[name]
+                assert rows.dtype == original.dtype and rows.shape == (2, *original.shape), (rank, name)
+                # Bit for bit: the bytes, not a rounding that happens to compare equal.
+                assert torch.equal(rows[r].reshape(-1).view(torch.uint8), original.reshape(-1).view(torch.uint8))
 
 
 def _save_on_two(rank, world_size, ckpt_dir):

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
@@ -236,6 +237,35 @@ def test_periodic_model_averaging_makes_ranks_identical_after_each_average_and_o
     # Steps 1-2 (indices 0, 1): gradients all-reduced, replicas identical. From step 3 on gradients stay local and
     # PeriodicModelAverager(period=3, warmup_steps=2) averages after steps 3, 6 and 9 (its step count is 2, 5, 8).
     assert same == [True, True, True, False, False, True, False, False, True]
+
+
+def _local_sgd_resumed(rank, world_size, ckpt_dir):
+    def fit(callbacks, ckpt_path=None):
+        trace = ParameterTrace()
+        pl.seed_everything(0)
+        strategy = GraVACStrategy("none", model_averaging_period=3, start_local_sgd_step=3)
+        kwargs = trainer_kwargs(world_size, enable_checkpointing=True)
+        trainer = pl.Trainer(strategy=strategy, callbacks=[Static(cf=1), trace, *callbacks], max_steps=10, **kwargs)
+        trainer.fit(TeacherRegression(), loader(n=256), ckpt_path=ckpt_path)  # 4 steps an epoch on each rank
+        return trace.after
+
+    every_4 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, save_top_k=-1)
+    whole = fit([every_4])
+    return whole, fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=4.ckpt")
+
+
+@pytest.mark.distributed
+def test_local_sgd_resumed_averages_on_the_same_steps_bit_for_bit(tmp_path):
+    ranks = run_distributed(_local_sgd_resumed, ckpt_dir=str(tmp_path))
+    (whole0, resumed0), (whole1, resumed1) = ranks
+    # Local SGD from step 4, averaged after steps 4, 7 and 10 (the averager's count 3, 6, 9). The checkpoint is taken
+    # right after the first average, at an epoch's end, where the ranks' parameters are one (a checkpoint holds rank
+    # 0's). Resumed, the averager goes on counting from 4: averages after steps 7 and 10 as the uninterrupted run does
+    # (counting from 0 it would wait out the warm-up again and average after step 8 only).
+    assert [torch.equal(a, b) for a, b in zip(whole0, whole1, strict=True)] == [True] * 4 + [False, False, True] * 2
+    assert [torch.equal(a, b) for a, b in zip(resumed0, resumed1, strict=True)] == [False, False, True] * 2
+    for whole, resumed in ((whole0, resumed0), (whole1, resumed1)):
+        assert len(resumed) == 6 and all(torch.equal(a, b) for a, b in zip(whole[4:], resumed, strict=True))
 
 
 def test_model_averaging_arguments_are_checked():

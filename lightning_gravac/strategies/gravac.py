@@ -28,6 +28,36 @@ CHECKPOINT_KEY = "gravac"
 _OWN_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
 
 
+def gather_rows(tensors: dict[str, Any], world_size: int, group: Any = None) -> dict[str, torch.Tensor]:
+    """Every rank's tensors (the same names, shapes and dtypes on each), stacked along a leading rank dimension, on CPU,
+    bit for bit.
+
+    One collective for all of them: their bytes are concatenated into one ``uint8`` buffer, so a float64 residual, an
+    integer counter or a bfloat16 buffer comes back exactly as it was (a float32 buffer would round the first and
+    could not hold the second). Every rank must call it, on the same names.
+    """
+    names = sorted(name for name, t in tensors.items() if isinstance(t, torch.Tensor))
+    if not names:
+        return {}
+    local = torch.cat([tensors[n].detach().contiguous().reshape(-1).view(torch.uint8) for n in names])
+    if world_size > 1:
+        gathered = torch.empty(world_size * local.numel(), dtype=local.dtype, device=local.device)
+        dist.all_gather_single(gathered, local, group=group)
+    else:
+        gathered = local
+    rows = gathered.view(world_size, local.numel()).cpu()
+    out, offset = {}, 0
+    for name in names:
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        # Copied into a tensor of the saved dtype through its bytes: a slice of the rows need not be aligned for one.
+        stacked = torch.empty((world_size, *tensor.shape), dtype=tensor.dtype)
+        stacked.view(world_size, tensor.numel()).view(torch.uint8).copy_(rows[:, offset : offset + size])
+        out[name] = stacked
+        offset += size
+    return out
+
+
 class GraVACStrategy(DDPStrategy):
     """Distributed data-parallel training with compressed gradients and an adaptive compression factor.
 
@@ -163,11 +193,9 @@ class GraVACStrategy(DDPStrategy):
             if method.passthrough:
                 default = Static(cf=1)
             elif method.fixed_cf:
-                # Never above the model's largest gradient (a factor the controller checks), which a cast ignores.
-                module = trainer.lightning_module if hasattr(trainer, "lightning_module") else None
-                sizes = [p.numel() for p in module.parameters()] if module is not None else []
-                largest = max(sizes, default=None)  # none yet: built in `configure_model`
-                default = Static(cf=min(method.fixed_cf, largest) if largest else method.fixed_cf)
+                # Never above the model's largest trainable tensor (a factor the controller checks, and a cast
+                # ignores): fitted at setup, when the model exists (also one built in `configure_model`).
+                default = Static(cf=method.fixed_cf, cap_to_model=True)
             rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
             # Before the checkpoint callbacks, which Lightning has already moved last: a checkpoint then holds the
             # step's decisions, and a `ModelCheckpoint(monitor="gravac/...")` sees the step's values.
@@ -190,13 +218,51 @@ class GraVACStrategy(DDPStrategy):
         scaled = getattr(self.precision_plugin, "scaler", None) is not None
         if self.momentum_correction and state.error_feedback and not self.compressor.owns_feedback:
             if state.local_sgd_from is None and not self.compressor.passthrough and not scaled:
-                moved = [name for opt in self.optimizers for name in state.momentum.take_from(opt, state.param_names)]
+                # A sparse gradient (`nn.Embedding(sparse=True)`) goes through the hook as it is: its parameters'
+                # groups keep their momentum in the optimizer (a group with a parameter not named here stays whole).
+                sparse = self._sparse_parameters()
+                dense = {i: name for i, name in state.param_names.items() if i not in sparse}
+                moved = [name for opt in self.optimizers for name in state.momentum.take_from(opt, dense)]
+                self._warn_sparse_groups(sparse)
                 if moved:
                     rank_zero_info(
                         f"GraVACStrategy: momentum correction: the optimizer's momentum (and weight decay) for "
                         f"{len(moved)} parameters is applied in the comm hook before compression and set to 0 in the "
                         "optimizer. `GraVACStrategy(momentum_correction=False)` leaves the optimizer alone."
                     )
+
+    def _sparse_parameters(self) -> set[int]:
+        """The parameters whose gradients are sparse, found as DDP finds them: of an embedding with ``sparse=True``."""
+        module = self.lightning_module
+        embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+        sparse = [m for m in module.modules() if isinstance(m, embeddings) and m.sparse] if module is not None else []
+        return {id(p) for m in sparse for p in m.parameters()}
+
+    def _warn_sparse_groups(self, sparse: set[int]) -> None:
+        """Say so where a sparse gradient keeps a whole group's momentum in the optimizer: its dense, compressed
+        parameters then have error feedback under the optimizer's momentum, which momentum correction is for."""
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                params = group["params"]
+                if group.get("momentum", 0) and any(id(p) in sparse for p in params) and len(params) > 1:
+                    rank_zero_warn(
+                        "GraVACStrategy: an optimizer group holds a sparse embedding (`sparse=True`) and other "
+                        "parameters: the whole group keeps its momentum in the optimizer, so its compressed "
+                        "gradients get no momentum correction. Give the embedding a parameter group of its own."
+                    )
+                    return
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # Lightning builds its PeriodicModelAverager afresh at setup, counting from 0, and does not checkpoint its
+        # count. Resumed past the start of local SGD, it would count the warm-up again: each rank would train on its
+        # own, unaveraged, for `start_local_sgd_step` steps, and average out of phase after. The averager counts
+        # optimizer steps, which the trainer has restored by now.
+        averager = getattr(self, "_model_averager", None)
+        module = self.lightning_module
+        if averager is not None and module is not None:
+            averager.step = module.trainer.global_step
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -265,26 +331,8 @@ class GraVACStrategy(DDPStrategy):
         return checkpoint
 
     def _gather(self, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Every rank's tensors (the same names and shapes on each), stacked along a leading rank dimension, on CPU.
-
-        One collective for all of them: they are flattened into one float32 buffer.
-        """
-        names = sorted(name for name, t in tensors.items() if isinstance(t, torch.Tensor))
-        if not names:
-            return {}
-        local = torch.cat([tensors[n].reshape(-1).float() for n in names])
-        if self.world_size > 1 and dist.is_initialized():
-            gathered = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
-            dist.all_gather_single(gathered, local)
-        else:
-            gathered = local
-        rows = gathered.view(self.world_size, -1).cpu()
-        out, offset = {}, 0
-        for name in names:
-            tensor = tensors[name]
-            out[name] = rows[:, offset : offset + tensor.numel()].reshape(-1, *tensor.shape).to(tensor.dtype)
-            offset += tensor.numel()
-        return out
+        """Every rank's tensors, stacked along a leading rank dimension, on CPU (see :func:`gather_rows`)."""
+        return gather_rows(tensors, self.world_size if dist.is_initialized() else 1)
 
     def _restore_compression(self, saved: dict[str, Any]) -> None:
         state = self.compression_state
@@ -301,7 +349,10 @@ class GraVACStrategy(DDPStrategy):
             )
 
         def mine(stacked: torch.Tensor) -> torch.Tensor:
-            own = stacked[self.global_rank] if same_world else stacked.float().mean(0).to(stacked.dtype)
+            if same_world:
+                own = stacked[self.global_rank]
+            else:  # the mean in float64, which rounds no float32 or float64 residual's sum
+                own = stacked.double().mean(0).to(stacked.dtype) if stacked.is_floating_point() else stacked[0]
             return own.to(self.root_device)
 
         state.memory.load_state_dict({name: mine(stacked) for name, stacked in residuals.items()})

@@ -40,6 +40,8 @@ from lightning_gravac.strategies.communicators import Segment, Work, communicato
 def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tensor]:
     """Compress, communicate and average one gradient bucket. Register with ``DDP.register_comm_hook(state, ...)``."""
     buffer = bucket.buffer()
+    if buffer.is_sparse:  # a sparse gradient (`nn.Embedding(sparse=True)`): DDP gives it a bucket of its own
+        return _sparse(state, buffer)
     names = [state.param_names[id(p)] for p in bucket.parameters()]
     grads = bucket.gradients()
     if state.local_sgd_from is not None and state.step >= state.local_sgd_from:
@@ -122,6 +124,31 @@ def _plain_allreduce(
                     momentum.commit(names)
         elif momentum:
             momentum.discard(names)
+        state.record(BucketRecord(bytes_sent=nbytes, bytes_dense=nbytes, collective=REDUCE))
+        return result
+
+    return work.get_future().then(done)
+
+
+def _sparse(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
+    """A sparse gradient goes as it is, as stock DDP sends it: divided by N, then summed over ranks (a sparse
+    all-reduce: gloo has one, NCCL has none, as for stock DDP). It is already as small as the rows the step touched;
+    the compressors, error feedback and momentum correction work on dense gradients and leave it alone (the strategy
+    keeps such a parameter's momentum in the optimizer). Under local SGD it stays this rank's own."""
+    if state.local_sgd_from is not None and state.step >= state.local_sgd_from:
+        dense_bytes = buffer.shape.numel() * buffer.element_size()  # the same on every rank, as every record must be
+        state.record(BucketRecord(bytes_sent=0, bytes_dense=dense_bytes, collective=REDUCE))
+        local: Future[Tensor] = Future()
+        local.set_result(buffer)
+        return local
+    buffer.div_(state.world_size)
+    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+
+    def done(fut: Future[list[Tensor]]) -> Tensor:
+        result = received_value(fut, state, "sparse all-reduce")[0]
+        # Its bytes, as the sum's (each rank's own rows differ in number; the sum is the same on every rank): values
+        # and int64 indices, sent as they are, so dense and sent alike.
+        nbytes = result._values().numel() * result.element_size() + result._indices().numel() * 8
         state.record(BucketRecord(bytes_sent=nbytes, bytes_dense=nbytes, collective=REDUCE))
         return result
 
