@@ -2,6 +2,7 @@
 
     python benchmarks/matrix.py [--tasks bag mlp cnn lstm] [--links unlimited 1gbit 100mbit] [--rows ...]
                                 [--scale 0.25] [--steps 300] [--cap 240] [--repeats 1] [--out benchmarks/results]
+    python benchmarks/matrix.py --report benchmarks/results/matrix.json --out DIR   # a saved run's tables again
 
 Needs root (a private network namespace whose loopback ``tc`` shapes, as ``benchmarks/bandwidth.py`` does; every
 rank's bytes cross that one shaped queue). Two ranks, gloo, one thread each.
@@ -460,7 +461,7 @@ def check_default(cells: dict[str, Any], tasks: list[str], links: list[str], row
     """The bar of issue #16, cell by cell, for the zero-argument default."""
     lines = ["\n### The zero-argument default against the bar\n",
              "| task | link | regret <= 1.3 | <= 1.10x dense (unlimited) | >= 5x faster than dense (100 Mbit/s) | "
-             "reached | final within 1% of dense |",
+             "reached | final within 1% of dense's loss (or 1 point of accuracy) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for task in tasks:
         for link in links:
@@ -478,12 +479,16 @@ def check_default(cells: dict[str, Any], tasks: list[str], links: list[str], row
                 faster = f"{1 / ratio:.1f}x {ok(1 / ratio >= 5)}"
             final = "-"
             if d["final"] and dense["final"]:
+                # The bar: within 1% of dense's loss, or (a classifier) within 1 point of its accuracy. Both are shown
+                # for a classifier: where accuracy saturates (the synthetic CNN's is 1.000 in every row) the loss is
+                # the only one that can tell rows apart.
+                rel = d["final"]["loss"] / dense["final"]["loss"] - 1
+                final = f"{rel * 100:+.1f}%"
                 if "accuracy" in d["final"]:
                     gap = dense["final"]["accuracy"] - d["final"]["accuracy"]
-                    final = f"{-gap * 100:+.1f} points {ok(gap <= 0.01)}"
+                    final += f", {-gap * 100:+.1f} points {ok(rel <= 0.01 or gap <= 0.01)}"
                 else:
-                    rel = d["final"]["loss"] / dense["final"]["loss"] - 1
-                    final = f"{rel * 100:+.1f}% {ok(rel <= 0.01)}"
+                    final += f" {ok(rel <= 0.01)}"
             lines.append(
                 f"| {task} | {link} | {regret} | {vs_dense} | {faster} | {ok(d['seconds'] is not None)} | {final} |"
             )
@@ -625,10 +630,18 @@ def _inside(args: argparse.Namespace) -> None:
             results["repeats"][r][task] = _block(task, rows, args, say)
             results["parameters"][task] = results["repeats"][r][task]["full"]["dense DDP"]["parameters"]
             (out / "matrix.json").write_text(json.dumps(results))
+    results["seconds"] = time.perf_counter() - started
+    report(results, out)
+
+
+def report(results: dict[str, Any], out: Path) -> None:
+    """Tables, the bar's check and the heatmap from a run's results (``matrix.json``): at the end of a run, or again
+    from a saved run with ``--report``."""
+    args = argparse.Namespace(**results["args"])
     first = results["repeats"][0]
     per_repeat = [analyse(_as_results(rep, first), args.tasks, args.links, args.rows) for rep in results["repeats"]]
     cells = combine(per_repeat, args.rows)
-    whole = time.perf_counter() - started
+    whole = f" Whole run {results['seconds']:.0f} s." if "seconds" in results else ""
     repeats = (
         ""
         if args.repeats == 1
@@ -637,13 +650,14 @@ def _inside(args: argparse.Namespace) -> None:
     )
     lines = [
         f"Two ranks (gloo, one thread each), {args.steps} steps a run, scale {args.scale}, cap {args.cap:g} s a "
-        f"GraVAC run; links shaped with tc on a private loopback (MTU 1500). Whole run {whole:.0f} s.{repeats}",
+        f"GraVAC run; links shaped with tc on a private loopback (MTU 1500).{whole}{repeats}",
         *tables(cells, args.tasks, args.links, args.rows, results["parameters"]),
     ]
     if "default" in args.rows and all(r in args.rows for r in FIXED):
         lines += check_default(cells, args.tasks, args.links, args.rows)
     text = "\n".join(lines)
     print(text)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "matrix.md").write_text(text + "\n")
     results["cells"], results["per_repeat"] = cells, per_repeat
     (out / "matrix.json").write_text(json.dumps(results))
@@ -675,7 +689,13 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="times each task is run (tables: medians, paired regrets' range)"
     )
+    parser.add_argument(
+        "--report", metavar="JSON", help="write the tables and the heatmap again from a saved run's matrix.json"
+    )
     args = parser.parse_args()
+    if args.report:  # no training: a saved run's tables, e.g. after the bar's check changed
+        report(json.loads(Path(args.report).read_text()), Path(args.out))
+        return
     if args.links[0] != "unlimited":
         args.links = ["unlimited", *[link for link in args.links if link != "unlimited"]]
     if os.environ.get(_INSIDE) == "1":
