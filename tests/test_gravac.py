@@ -293,6 +293,18 @@ def test_resume_mid_search_continues_bit_for_bit(tmp_path, compressor, search):
         assert all(rank["weights_equal"]), "resumed weights differ from the uninterrupted run's, bit for bit"
 
 
+def test_a_window_tallied_before_samples_were_counted_is_dropped_on_resume_and_one_with_them_kept():
+    c = Scripted(lambda cf: 0.9, window=20).run(25)  # mid-window: a partial tally to save
+    saved = c.state_dict()
+    assert saved["tally"] and all(t["samples"] == t["steps"] for t in saved["tally"].values())
+    resumed = Scripted(lambda cf: 0.9, window=20)
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict() == saved
+    old = {**saved, "tally": {f: {k: v for k, v in t.items() if k != "samples"} for f, t in saved["tally"].items()}}
+    resumed.load_state_dict(old)  # a checkpoint of a version that did not count samples
+    assert resumed.state_dict()["tally"] == {} and resumed.state_dict()["progress"] == saved["progress"]
+
+
 def test_after_the_first_window_probes_run_one_step_in_probe_every():
     from lightning_gravac import CompressionState
 

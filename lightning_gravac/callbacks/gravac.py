@@ -271,7 +271,7 @@ class GraVAC(Controller):
       rung a half step carries error feedback and the hook's momentum correction: 159 ms a step against the fp16
       method's 136 ms and Top-K cf 10's 105 ms, so the search left it after 25 steps; and on gloo an fp16 sum costs
       about 4x an fp32 byte on loopback, so its fit-start measurement (0.2 s) is noisy enough to pick it there now
-      and then. It paid on no cell of the matrix.
+      and then. It paid on no cell of the matrix of four tasks and three links (an earlier run, with it on).
     - *A factor's progress also weighs the momentum masking drops.* With SGD momentum moved into the hook and
       momentum factor masking on (the strategy's defaults), an entry a sparsifier sends restarts its momentum. An
       entry sent once every ``T`` steps then applies ``r(T) = 1 - m (1 - m^T) / ((1 - m) T)`` of dense momentum's
@@ -999,7 +999,9 @@ class GraVAC(Controller):
         )
         self.gains, self.throughput = dict(state_dict["gains"]), dict(state_dict["throughput"])
         self.link = _Link(**state_dict["link"]) if state_dict["link"] is not None else None
-        self._tally = {f: _Tally(**t) for f, t in state_dict["tally"].items()}
+        # A window's tallies from a checkpoint before samples were counted are dropped: half a window without them
+        # would weigh that factor's throughput low. The window goes on; it measures from here.
+        self._tally = {f: _Tally(**t) for f, t in state_dict["tally"].items() if "samples" in t}
         self._steps = state_dict.get("steps", 0)
         self._last_probe = state_dict.get("last_probe", self._steps)
         self._probe_interval = state_dict.get("probe_interval", self.probe_every)
