@@ -136,11 +136,8 @@ def _sparse(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
     the compressors, error feedback and momentum correction work on dense gradients and leave it alone (the strategy
     keeps such a parameter's momentum in the optimizer). Under local SGD it stays this rank's own."""
     if state.local_sgd_from is not None and state.step >= state.local_sgd_from:
-        dense_bytes = buffer.shape.numel() * buffer.element_size()  # the same on every rank, as every record must be
-        state.record(BucketRecord(bytes_sent=0, bytes_dense=dense_bytes, collective=REDUCE))
-        local: Future[Tensor] = Future()
-        local.set_result(buffer)
-        return local
+        # No residual to flush (none is kept for it); recorded by its dense size, the same on every rank.
+        return _local(state, [], [], buffer)
     buffer.div_(state.world_size)
     work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
 
