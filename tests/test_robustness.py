@@ -331,3 +331,58 @@ def test_resume_on_another_world_size_gives_every_rank_the_mean_residual(tmp_pat
     for name, pair in stacked.items():
         # The pending aggregate update, sum_r residual_r / N, is the same on 1 rank as it was on 2.
         torch.testing.assert_close(restored[name], pair.mean(0), rtol=0, atol=0)
+
+
+class ZeroNonFinite(pl.Callback):
+    """What many users' scripts do: zero every gradient when any is not finite, so the step changes nothing."""
+
+    def __init__(self) -> None:
+        self.zeroed = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if not all(torch.isfinite(g).all() for g in grads):
+            self.zeroed += 1
+            for g in grads:
+                g.zero_()
+
+
+def _zeroed_nan_step(rank, world_size, strategy):
+    pl.seed_everything(0)
+    model = FaultyRegression(fault="nan", at_step=10, on_rank=0, width=64, lr=0.05, momentum=0.9)
+    guard = ZeroNonFinite()
+    moved: list[dict[str, torch.Tensor]] = []
+
+    class Weights(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            moved.append(weights(model))
+
+    callbacks: list[pl.Callback] = [guard, Weights()]
+    if strategy == "stock":
+        chosen: DDPStrategy = DDPStrategy()
+    else:
+        chosen = GraVACStrategy("topk")
+        if strategy == "cf1":
+            callbacks.append(Static(cf=1))
+    trainer = pl.Trainer(strategy=chosen, callbacks=callbacks, max_steps=20, **trainer_kwargs(world_size))
+    trainer.fit(model, loader())
+    buffers = trainer.strategy.compression_state.momentum.state_dict() if strategy != "stock" else {}
+    return {"weights": moved, "zeroed": guard.zeroed, "buffers": buffers}
+
+
+def test_a_nonfinite_step_zeroed_by_the_user_leaves_the_moved_momentum_as_stock_sgd_keeps_it():
+    # Rank 0's loss is NaN at step 10 and a callback zeroes the gradients then. Stock DDP + SGD momentum skips the
+    # gradient and trains on with its momentum; the momentum moved into the hook must do the same, not take the NaN.
+    stock = run_distributed(_zeroed_nan_step, strategy="stock", timeout=180)
+    exact = run_distributed(_zeroed_nan_step, strategy="cf1", timeout=180)
+    default = run_distributed(_zeroed_nan_step, strategy="default", timeout=180)
+    for ranks in (stock, exact, default):
+        assert [r["zeroed"] for r in ranks] == [1, 1]
+    for a, b in zip(stock[0]["weights"], exact[0]["weights"], strict=True):  # every step, the skipped one included
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    for r in exact + default:
+        assert r["buffers"] and all(torch.isfinite(t).all() for t in r["buffers"].values())
+    # Under the default the weights keep moving after the zeroed step, and end near stock's.
+    steps = default[0]["weights"]
+    assert all(not torch.equal(steps[i][k], steps[i + 1][k]) for i in range(11, 19) for k in steps[i])
+    assert all(torch.isfinite(w).all() for w in steps[-1].values())

@@ -15,7 +15,10 @@ brings them back in sync (the averaged ``u`` is the global buffer again), except
 not ``u``.
 
 New buffers are pending until the step is known finite on every rank (as residuals are); a non-finite step leaves
-them as they were.
+them as they were. On the exact dense path a non-finite step defers the buffers' update to the optimizer's step
+(:meth:`MomentumCorrection.apply_deferred`): the user's code between ``backward`` and the step (a callback that zeroes
+or cleans non-finite gradients) decides what the momentum takes, as it decides what ``torch.optim.SGD``'s own buffer
+takes under stock DDP.
 """
 
 from collections.abc import Iterable
@@ -75,6 +78,8 @@ class MomentumCorrection:
         self._pending: dict[str, Tensor] = {}
         self._spares: dict[str, Tensor] = {}  # buffers replaced by a commit, reused for the next pending ones
         self._optimizers: list[tuple[torch.optim.Optimizer, dict[int, str]]] = []  # those momentum was taken from
+        # In-sync buffers whose update waits for the gradient the optimizer will see (a non-finite dense step).
+        self._deferred: list[tuple[str, Tensor]] = []
 
     def __bool__(self) -> bool:
         return bool(self.settings)
@@ -217,6 +222,26 @@ class MomentumCorrection:
             else:
                 d.copy_(buffer)
 
+    def defer(self, names: list[str], params: list[Tensor]) -> None:
+        """A dense step with buffers in sync came back non-finite: the buffers stay as they are until
+        :meth:`apply_deferred` sees the gradients the optimizer is about to apply."""
+        self._deferred.extend((name, param) for name, param in zip(names, params, strict=True) if name in self.settings)
+
+    def apply_deferred(self) -> None:
+        """Just before the optimizer's step, after the user's code has seen the gradients: each deferred parameter
+        whose gradient is now finite (zeroed or cleaned by the user) takes it into its buffer as ``torch.optim.SGD``
+        would (:meth:`after_dense_`, bit for bit); one still non-finite leaves its buffer as it was (the weights then
+        take the NaN, as stock SGD's would). Called by the strategy inside the optimizer's step, after the closure."""
+        deferred, self._deferred = self._deferred, []
+        for name, param in deferred:
+            grad = param.grad
+            if grad is not None and not grad.is_sparse and bool(torch.isfinite(grad.sum(dtype=torch.float32))):
+                self.after_dense_([name], [grad], [param])
+
+    def drop_deferred(self) -> None:
+        """A new step began without the optimizer stepping (a skipped step): nothing deferred is applied."""
+        self._deferred.clear()
+
     def resync(self, names: list[str], averaged: list[Tensor]) -> None:
         """After a dense all-reduce of local directions with no residual in them: the average is the global buffer."""
         for name, avg in zip(names, averaged, strict=True):
@@ -248,6 +273,7 @@ class MomentumCorrection:
             self._spares.setdefault(name, buffer)
         self._buffers, self._local = {}, set()
         self._pending.clear()
+        self._deferred.clear()
 
     def state_dict(self) -> dict[str, Tensor]:
         """This rank's buffers (``u/<name>``) and whether each is local to it (``local/<name>``)."""
@@ -259,3 +285,4 @@ class MomentumCorrection:
         self._buffers = {k[2:]: t.clone() for k, t in state.items() if k.startswith("u/")}
         self._local = {k[6:] for k, t in state.items() if k.startswith("local/") and bool(t)}
         self._pending.clear()
+        self._deferred.clear()

@@ -1,5 +1,6 @@
 """GraVACStrategy: DDP whose gradients cross the network compressed."""
 
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -276,6 +277,42 @@ class GraVACStrategy(DDPStrategy):
         # Momentum set in the optimizer again (a restored checkpoint's param groups, a momentum schedule) is taken
         # into the hook before this step's backward, so it never applies twice.
         self.compression_state.momentum.refresh()
+        self.compression_state.momentum.drop_deferred()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: "pl.LightningModule | torch.nn.Module | None" = None,
+        **kwargs: Any,
+    ) -> Any:
+        momentum = self.compression_state.momentum
+        if not momentum:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # A non-finite dense step defers the moved momentum's update to the gradients the optimizer applies. Those are
+        # known only after Lightning's closure, which runs inside `optimizer.step` and ends with the user's
+        # `on_before_optimizer_step` (where a guard may zero them); Lightning has no hook between that and the step,
+        # so the optimizer's `step` is wrapped for this call alone to apply it right after the closure.
+        step = optimizer.step
+
+        def step_then_momentum(closure: Callable[[], Any] | None = None, **step_kwargs: Any) -> Any:
+            def run() -> Any:
+                result = closure() if closure is not None else None
+                momentum.apply_deferred()
+                return result
+
+            return step(closure=run, **step_kwargs)
+
+        wrapped = optimizer.__dict__.get("step")  # a wrapper of someone else's, put back as it was
+        optimizer.step = step_then_momentum  # type: ignore[method-assign]
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            if wrapped is None:
+                del optimizer.step
+            else:
+                optimizer.step = wrapped  # type: ignore[method-assign]
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -105,13 +105,11 @@ def _plain_allreduce(
 
     def done(fut: Future[list[Tensor]]) -> Tensor:
         result = received_value(fut, state, "dense all-reduce")[0]
-        # No header on this path: whether some rank's gradient was not finite is read off the result itself, and only
-        # when something depends on it: residuals added into it (the first dense step after compressed ones; a
-        # finite step has delivered them, a non-finite one keeps them) or momentum buffers. Plain steps pay nothing.
-        # With the momentum in sync, a non-finite step is no concern of the hook's: there is no gradient scaler to skip
-        # it (momentum correction is off under one), and stock SGD's buffer takes a NaN as well.
-        check = carried or (momentum and not exact)
-        if not check or _finite(result):
+        # No header on this path: whether some rank's gradient was not finite is read off the result itself (one sum
+        # of the bucket), and only when something depends on it: residuals added into it (the first dense step after
+        # compressed ones; a finite step has delivered them, a non-finite one keeps them) or momentum buffers. Without
+        # either, plain steps pay nothing.
+        if not (carried or momentum) or _finite(result):
             for name in carried:
                 state.memory.discard(name)
             if momentum:
@@ -122,6 +120,10 @@ def _plain_allreduce(
                     if not carried:
                         momentum.resync(names, views)
                     momentum.commit(names)
+        elif momentum and exact:
+            # The averaged gradient goes back as it is, non-finite: the user's code may zero or clean it before the
+            # optimizer steps, and the buffers then take what the optimizer sees, as stock SGD's buffer would.
+            momentum.defer(names, params)
         elif momentum:
             momentum.discard(names)
         state.record(BucketRecord(bytes_sent=nbytes, bytes_dense=nbytes, collective=REDUCE))
