@@ -287,3 +287,47 @@ def test_the_strategy_owns_the_step_and_the_epoch_whatever_the_controller_does()
     assert stats is not None and stats.bytes_sent == 100 and state.take_stats() is None
     state.begin_step(2)
     assert state.epoch == 2 and state.compressor.epoch == 2
+
+
+class NothingToTrain(TeacherRegression):
+    """The teacher task with every parameter frozen (``how="frozen"``) or replaced by integer buffers only."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        if how == "frozen":
+            self.requires_grad_(False)
+        else:
+            self.net = nn.Identity()
+            self.register_buffer("counts", torch.zeros(4, dtype=torch.int64))
+
+    def training_step(self, batch, batch_idx):
+        return (self(batch[0]).sum() * 0.0).requires_grad_()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+@pytest.mark.parametrize("how", ["frozen", "buffers only"])
+def test_a_model_with_nothing_to_train_gets_one_clear_error_before_any_collective(how):
+    trainer = pl.Trainer(strategy=GraVACStrategy(), max_steps=1, **trainer_kwargs(1))
+    with pytest.raises(ValueError, match=r"NothingToTrain has no parameter that requires a gradient"):
+        trainer.fit(NothingToTrain(how), loader())
+    if how == "frozen":  # known before the process group; a model without parameters, where DDP wraps it
+        assert not torch.distributed.is_initialized()
+
+
+def test_on_one_process_the_default_sends_dense_and_says_why(caplog):
+    trainer = pl.Trainer(strategy=GraVACStrategy(), max_steps=3, **trainer_kwargs(1))
+    with caplog.at_level("INFO"):
+        trainer.fit(TeacherRegression(), loader())
+    (controller,) = [c for c in trainer.callbacks if isinstance(c, Controller)]
+    assert isinstance(controller, Static) and controller.cf == 1
+    assert trainer.callback_metrics["gravac/achieved_cf"] == 1.0
+    assert "runs on one process: nothing crosses a network" in caplog.text
+
+
+def test_on_one_process_an_explicit_factor_is_honoured_with_a_warning():
+    trainer = pl.Trainer(strategy=GraVACStrategy(), callbacks=[Static(cf=10)], max_steps=3, **trainer_kwargs(1))
+    with pytest.warns(UserWarning, match=r"runs on one process: nothing crosses a network, so Static\(cf=10\.0\)"):
+        trainer.fit(TeacherRegression(), loader())
+    assert trainer.callback_metrics["gravac/achieved_cf"] > 5

@@ -24,6 +24,23 @@ def _scales_per_coordinate(trainer: "pl.Trainer") -> bool:
     return False
 
 
+def largest_trainable(module: torch.nn.Module) -> int:
+    """The size of ``module``'s largest parameter that requires a gradient.
+
+    Raises:
+        ValueError: when it has none (every parameter frozen, or none at all): DDP would refuse it with an error of
+            its own, after the process group exists.
+    """
+    largest = max((p.numel() for p in module.parameters() if p.requires_grad), default=0)
+    if largest == 0:
+        raise ValueError(
+            f"{type(module).__name__} has no parameter that requires a gradient (every parameter is frozen, or it "
+            "has none): data-parallel training has nothing to communicate. Unfreeze at least one parameter "
+            "(`requires_grad_(True)`), or fit it without a distributed strategy."
+        )
+    return largest
+
+
 def controllers_of(trainer: "pl.Trainer") -> list["Controller"]:
     """The compression controllers among ``trainer``'s callbacks (a GraVACStrategy accepts one)."""
     # `Trainer.callbacks` is public but assigned by Lightning's callback connector, invisible to type checkers.
@@ -49,8 +66,9 @@ class Controller(Callback):
     ``Trainer(log_every_n_steps=...)``).
 
     Raises:
-        ValueError: at setup, before any collective, if the trainer's strategy is not a ``GraVACStrategy`` or if the
-            controller's largest factor exceeds the size of the model's largest gradient.
+        ValueError: at setup, before any collective, if the trainer's strategy is not a ``GraVACStrategy``, if the
+            model has no trainable parameter, or if the controller's largest factor exceeds the size of the model's
+            largest gradient.
     """
 
     def __init__(self, cf: float = 1.0) -> None:
@@ -82,7 +100,8 @@ class Controller(Callback):
                 f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=GraVACStrategy(...))` or drop the callback."
             )
         # A model that builds its layers in `configure_model` (sized by the data) has none yet: checked at fit start.
-        if any(True for _ in pl_module.parameters()):
+        # Only fitting communicates gradients: validating or testing a frozen model is fine.
+        if stage == "fit" and any(True for _ in pl_module.parameters()):
             self._fit_and_check(pl_module)
         self._state = state
         self._hand_over(state)
@@ -110,7 +129,7 @@ class Controller(Callback):
         entries. Called at setup (and again at fit start) before the factors are checked; explicit ones stay."""
 
     def _fit_and_check(self, pl_module: "pl.LightningModule") -> None:
-        largest = max((p.numel() for p in pl_module.parameters() if p.requires_grad), default=0)
+        largest = largest_trainable(pl_module)
         self.fit_to_model(largest)
         argument, factor = self.max_cf
         if factor > largest:

@@ -11,12 +11,13 @@ from lightning_fabric.utilities.types import _PATH
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.callbacks import Checkpoint
 from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, whole
-from lightning_gravac.callbacks.controller import Controller, controllers_of
+from lightning_gravac.callbacks.controller import Controller, controllers_of, largest_trainable
 from lightning_gravac.callbacks.gravac import GraVAC
 from lightning_gravac.callbacks.static import Static
 from lightning_gravac.compressors.base import Compressor, get_compressor
@@ -173,8 +174,13 @@ class GraVACStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         # Before the process group exists, so a bad combination fails at once instead of in a collective, and
         # before the trainer's `setup` hooks, so a default controller added here gets them like any callback.
-        if self.lightning_module is not None:
-            self._attach_controller(self.lightning_module.trainer)
+        module = self.lightning_module
+        if module is not None:
+            self._attach_controller(module.trainer)
+            # Fitting a model with nothing to train fails here, before the process group (one built in
+            # `configure_model` has no parameters yet: checked where DDP wraps it).
+            if module.trainer.state.fn == TrainerFn.FITTING and any(True for _ in module.parameters()):
+                largest_trainable(module)
         super().setup_environment()
 
     def _attach_controller(self, trainer: "pl.Trainer") -> None:
@@ -185,13 +191,28 @@ class GraVACStrategy(DDPStrategy):
                 f"GraVACStrategy takes one compression controller, the trainer has {len(controllers)}: "
                 f"{names}. Keep one."
             )
+        # Known before the process group: the devices and nodes the trainer was given.
+        alone = self.num_nodes * len(self.parallel_devices or []) == 1
+        if controllers and alone and not (isinstance(controllers[0], Static) and controllers[0].cf == 1):
+            rank_zero_warn(
+                f"GraVACStrategy runs on one process: nothing crosses a network, so {controllers[0]!r} saves no time; "
+                "its compression only changes the training, as it would on several processes. Give the Trainer "
+                "`devices=2` or more (or `num_nodes`) to communicate less."
+            )
         if not controllers:
             # A method that sends the gradient unchanged has no factor to choose: a controller at cf 1 only reports. One
             # whose size is fixed by its encoding (a cast, signs) is held there: a search would only ask for factors it
             # clamps.
             method = self.compressor
             default: Controller = GraVAC()
-            if method.passthrough:
+            if alone:
+                default = Static(cf=1)
+                rank_zero_info(
+                    "GraVACStrategy runs on one process: nothing crosses a network, so the gradients are sent dense "
+                    "(cf 1), as compressing would save nothing. Pass a controller (e.g. `callbacks=[Static(cf=100)]`) "
+                    "to see a factor's effect on accuracy."
+                )
+            elif method.passthrough:
                 default = Static(cf=1)
             elif method.fixed_cf:
                 # Never above the model's largest trainable tensor (a factor the controller checks, and a cast
@@ -403,6 +424,7 @@ class GraVACStrategy(DDPStrategy):
         # copies more than pays for it (BENCHMARKS.md). Applied here, where the DDP model is built, rather than in
         # `_ddp_kwargs`, which keeps exactly what the user passed (as DDPStrategy's does); Lightning builds the model
         # from `_ddp_kwargs`, so it is set for that call alone. `gradient_as_bucket_view=False` turns it off.
+        largest_trainable(model)
         passed = self._ddp_kwargs
         self._ddp_kwargs = {"gradient_as_bucket_view": True, **passed}
         try:
