@@ -188,8 +188,8 @@ def _every_compressor(rank, world_size):
     for name in list_compressors():
         pl.seed_everything(0)
         # DGC's momentum correction replaces the optimizer's momentum; the others get none either, to compare alike.
-        # signSGD's steps have magnitude lr whatever the gradient's: it needs a learning rate of its own.
-        model = TeacherRegression(width=128, lr=1e-3 if name == "signsgd" else 0.05)
+        # Every method at the learning rate of the SGD it replaces (signSGD's vote scaled by the mean magnitude).
+        model = TeacherRegression(width=128, lr=0.05)
         trainer = pl.Trainer(strategy=GraVACStrategy(name), callbacks=[Static(cf=10)], max_epochs=6,
                              **trainer_kwargs(world_size))  # fmt: skip
         trainer.fit(model, loader())

@@ -36,39 +36,64 @@ def add_signs_(out: Tensor, bits: Tensor, step: float) -> None:
 class SignSGD(Compressor):
     """Send the sign of every entry, one bit each; the ranks' signs are combined by majority vote.
 
-    The decoded gradient is ``sign(sum of the ranks' signs)``, entries of magnitude 1 (0 on a tie), so the learning
-    rate alone sets the step size: use one suited to signSGD (about ``1e-4`` for SGD on typical nets). The vote needs
-    every rank's bits, which the hook gathers whenever sparse gathering pays (below 64 ranks for fp32); above that
-    it all-reduces each rank's decoded signs, which averages them instead. The factor is fixed (32 from fp32); a
-    requested ``cf`` is clamped to it. Defined without error feedback, so it is off unless asked for; ``efsignsgd``
-    is the variant with it.
+    Args:
+        scaled: multiply the vote by the ranks' mean of ``||g||_1 / n``, each rank's mean gradient magnitude (one
+            float a tensor beside its bits), so that a step is as large as the gradient's and the learning rate of
+            the SGD it replaces applies. ``False`` is the published method: the decoded gradient is ``sign(sum of the
+            ranks' signs)``, entries of magnitude 1 (0 on a tie), so the learning rate alone sets the step size, and
+            it needs one suited to signSGD (about ``1e-4`` for SGD on typical nets; an SGD rate such as 0.05
+            diverges).
+
+    The vote needs every rank's bits, which the hook gathers whenever sparse gathering pays (below 64 ranks for fp32);
+    above that it all-reduces each rank's decoded signs, which averages them instead. The factor is fixed (32 from
+    fp32); a requested ``cf`` is clamped to it. Defined without error feedback, so it is off unless asked for;
+    ``efsignsgd`` is the variant with it.
     """
 
     fixed_cf = 32.0
     name = "signsgd"
+
+    def __init__(self, scaled: bool = True) -> None:
+        self.scaled = scaled
 
     @property
     def error_feedback_default(self) -> bool:
         return False
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
-        payload = Payload((signs(tensor),), tensor.shape, tensor.dtype)
+        wire: tuple[Tensor, ...] = (signs(tensor),)
+        if self.scaled:
+            wire += (torch.linalg.vector_norm(tensor.reshape(-1), 1, dtype=torch.float32).div(tensor.numel()).view(1),)
+        payload = Payload(wire, tensor.shape, tensor.dtype)
         note_clamped(self.name, cf, self.achieved_cf(payload))
         return payload
 
+    def _magnitude(self, payload: Payload) -> float:
+        """The step of one decoded entry: this rank's mean magnitude when scaled, else 1."""
+        return float(payload.wire[1]) if self.scaled else 1.0
+
     def decompress(self, payload: Payload) -> Tensor:
-        return unsigned(payload.wire[0], payload.shape.numel(), payload.dtype).view(payload.shape)
+        signed = unsigned(payload.wire[0], payload.shape.numel(), torch.float32)
+        return signed.mul_(self._magnitude(payload)).to(payload.dtype).view(payload.shape)
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
-        # Every decoded entry is +1 or -1.
-        return torch.tensor(float(payload.shape.numel()), dtype=torch.float64, device=payload.wire[0].device)
+        # Every decoded entry is +-1, or +- the rank's mean magnitude when scaled.
+        step = torch.tensor(self._magnitude(payload), dtype=torch.float32).to(payload.dtype).double()
+        return (step.square() * payload.shape.numel()).to(payload.wire[0].device)
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
-        # Majority vote: the sign of the summed signs, weighted so that the hook's 1/N averaging leaves it at +-1.
+        # Majority vote: the sign of the summed signs, weighted so that the hook's 1/N averaging leaves it at +-1, or,
+        # scaled, at +- the ranks' mean magnitude (their magnitudes summed in rank order, times the hook's 1/N).
         rows = stacked.wire[0]
         ranks, numel = rows.shape[0], stacked.shape.numel()
+        step = scale * ranks
+        if self.scaled:
+            step = scale * float(stacked.wire[1].reshape(-1).double().sum())
         if kernels.usable(out) and rows.stride(1) == 1:  # one pass: count, vote, add
-            kernels.vote_(out, rows, scale * ranks)
+            kernels.vote_(out, rows, step)
             return
         votes = torch.stack([unsigned(bits, numel, torch.float32) for bits in rows]).sum(0)
-        out.add_(votes.sign_().to(out.dtype), alpha=scale * ranks)
+        out.add_(votes.sign_().to(out.dtype), alpha=step)
+
+    def __repr__(self) -> str:
+        return "SignSGD()" if self.scaled else "SignSGD(scaled=False)"
