@@ -1,0 +1,151 @@
+"""Every example in the README runs as written, and every Trainer it shows trains like dense DDP.
+
+The README's ``python`` blocks are read from the file: a block without a ``Trainer`` runs whole (in one namespace,
+in order, as a reader would paste them); each ``Trainer(...)`` call is built on 2 ranks with the block's own imports,
+given a small MLP (SGD with momentum 0.9 at lr 0.05, the optimizer users run) and trained, and its held-out loss is
+held to what the README promises: about dense's.
+"""
+
+import ast
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.strategies import DDPStrategy
+
+from lightning_gravac.launch import run_distributed
+
+from models import trainer_kwargs
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+STEPS = 160
+
+
+def _blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def _trainer_calls(block: str) -> list[ast.Call]:
+    return [
+        node
+        for node in ast.walk(ast.parse(block))
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) == "Trainer" or getattr(node.func, "attr", None) == "Trainer")
+    ]
+
+
+def _examples() -> list[tuple[str, str]]:
+    """``(the block's imports, one Trainer call)`` for every Trainer the README builds."""
+    out = []
+    for block in _blocks():
+        tree = ast.parse(block)
+        imports = "\n".join(ast.unparse(n) for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom))
+        out += [(imports, ast.unparse(call)) for call in _trainer_calls(block)]
+    return out
+
+
+def test_the_readme_shows_trainers_and_plain_examples():
+    assert len(_examples()) >= 3
+    assert any(not _trainer_calls(b) for b in _blocks())
+
+
+def test_every_readme_block_without_a_trainer_runs_as_written():
+    namespace: dict[str, Any] = {"torch": torch}
+    ran = 0
+    for block in _blocks():
+        if not _trainer_calls(block):
+            exec(compile(block, str(README), "exec"), namespace)
+            ran += 1
+    assert ran
+
+
+def _classes(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` Gaussian inputs of 32 features and one of 10 classes each, set by a fixed random two-layer teacher."""
+    teacher = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(32, 64, generator=teacher), torch.randn(64, 10, generator=teacher)
+    x = torch.randn(n, 32, generator=torch.Generator().manual_seed(seed))
+    return x, (torch.tanh(x @ w1 / 32**0.5) @ w2).argmax(1)
+
+
+def _classifier(base: type, momentum: float) -> Any:
+    """A 22K-parameter MLP classifier on :func:`_classes`, SGD at lr 0.05 with ``momentum``, for ``base`` (Lightning's
+    ``LightningModule`` from either package)."""
+
+    class Classifier(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU(),
+                torch.nn.Linear(128, 10),
+            )  # fmt: skip
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=momentum)
+
+    return Classifier()
+
+
+def _held_out(model: torch.nn.Module) -> float:
+    x, y = _classes(2048, seed=1)
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def _train(imports: str, call: str | None, unified: bool) -> float:
+    """Build the Trainer ``call`` (``None``: stock DDP), fit the classifier for :data:`STEPS` steps, and return its
+    held-out accuracy."""
+    if unified:
+        import lightning.pytorch as trainer_pl
+    else:
+        trainer_pl = pl
+    trainer_pl.seed_everything(0)
+    kwargs: dict[str, Any] = {"strategy": DDPStrategy()}
+    if call is not None:
+        namespace: dict[str, Any] = {}
+        exec(imports, namespace)
+
+        def capture(**given: Any) -> dict[str, Any]:
+            return given
+
+        namespace.update(Trainer=capture, L=SimpleNamespace(Trainer=capture), pl=SimpleNamespace(Trainer=capture))
+        kwargs = eval(call, namespace)
+        # These ranks are launched like torchrun's: a strategy asked to spawn its own would start two more each.
+        if getattr(kwargs.get("strategy"), "_start_method", "popen") != "popen":
+            kwargs["strategy"]._start_method = "popen"
+    # DGC applies the momentum itself and refuses an optimizer's: the same model, its momentum in DGC.
+    dgc = getattr(getattr(kwargs.get("strategy"), "compressor", None), "name", "") == "dgc"
+    model = _classifier(trainer_pl.LightningModule, momentum=0.0 if dgc else 0.9)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_classes(8192, seed=0)), batch_size=32,
+                                       shuffle=True)  # fmt: skip
+    trainer = trainer_pl.Trainer(**{**trainer_kwargs(2), **kwargs, "max_steps": STEPS})
+    trainer.fit(model, data)
+    return _held_out(model)
+
+
+def _every_example(rank, world_size, examples):
+    losses = {"dense": _train("", None, unified=False)}
+    for imports, call in examples:
+        losses[call] = _train(imports, call, unified="L.Trainer" in call)
+    return losses
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_every_trainer_in_the_readme_trains_to_dense_accuracy():
+    r0, r1 = run_distributed(_every_example, examples=_examples(), timeout=600)
+    dense = r0.pop("dense")
+    print({call: (round(acc - dense, 3), acc == r1[call]) for call, acc in r0.items()}, dense)
+    for call, accuracy in r0.items():
+        if "model_averaging_period" not in call:  # local SGD's ranks differ between averages
+            assert accuracy == r1[call], f"{call}: the ranks hold different models"
+        assert accuracy >= dense - 0.02, f"{call}: held-out accuracy {accuracy:.3f}, dense DDP {dense:.3f}"
