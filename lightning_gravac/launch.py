@@ -53,7 +53,7 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int = 2, timeout: float = 60, allow_missing: bool = False, **kwargs: Any
+    fn: Callable[..., Any], world_size: int = 2, timeout: float = 300, allow_missing: bool = False, **kwargs: Any
 ) -> list[Any]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` ranks and return the results by rank.
 

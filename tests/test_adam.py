@@ -76,7 +76,7 @@ def _fit(rank, world_size, optimizer, controller, compressor):
     ],
 )
 def test_adam_like_optimizers_get_dense_fp16_or_a_warning(optimizer, controller, compressor, sent, warned):
-    ranks = run_distributed(_fit, optimizer=optimizer, controller=controller, compressor=compressor, timeout=120)
+    ranks = run_distributed(_fit, optimizer=optimizer, controller=controller, compressor=compressor, timeout=300)
     for rank in ranks:
         assert len(rank["cf"]) == 8
         if sent is None:  # compressing: some step above fp16's factor

@@ -169,10 +169,10 @@ def _survivor(rank, world_size, fault, timeout_s):
 @pytest.mark.parametrize("fault", ["exit", "stall"])
 def test_when_a_rank_dies_or_stalls_the_other_raises_within_the_timeout(fault):
     timeout_s = 10
-    survivor, faulty = run_distributed(_survivor, fault=fault, timeout_s=timeout_s, allow_missing=True, timeout=35)
+    survivor, faulty = run_distributed(_survivor, fault=fault, timeout_s=timeout_s, allow_missing=True, timeout=120)
     assert faulty is None, "the faulty rank should not have finished"
     assert survivor["raised"] is not None, f"rank 0 finished although rank 1 {fault}ed"
-    assert survivor["seconds"] < timeout_s + 20, survivor
+    assert survivor["seconds"] < timeout_s + 60, survivor  # raised, rather than waiting for the run to be killed
 
 
 def _precision(rank, world_size, precision, accumulate):

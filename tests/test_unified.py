@@ -37,8 +37,8 @@ def _train(rank, world_size, flavour, controller):
 
 @pytest.mark.distributed
 def test_both_packages_train_alike_bit_for_bit():
-    unified = run_distributed(_train, flavour="lightning.pytorch", controller="static", timeout=120)
-    classic = run_distributed(_train, flavour="pytorch_lightning", controller="static", timeout=120)
+    unified = run_distributed(_train, flavour="lightning.pytorch", controller="static", timeout=300)
+    classic = run_distributed(_train, flavour="pytorch_lightning", controller="static", timeout=300)
     assert unified[0]["trainer"].startswith("lightning.pytorch")
     assert unified[0]["strategy"] == "lightning_gravac.lightning.strategies.gravac"
     assert classic[0]["strategy"] == "lightning_gravac.strategies.gravac"
@@ -53,7 +53,7 @@ def test_both_packages_train_alike_bit_for_bit():
 
 @pytest.mark.distributed
 def test_the_default_controller_and_the_registry_name_under_lightning():
-    ranks = run_distributed(_train, flavour="lightning.pytorch", controller="default", timeout=120)
+    ranks = run_distributed(_train, flavour="lightning.pytorch", controller="default", timeout=300)
     assert ranks[0]["cf"] == ranks[1]["cf"] and len(ranks[0]["cf"]) == 12
     import lightning.pytorch as lpl
 
