@@ -621,3 +621,16 @@ def test_the_paper_is_one_argument_away_and_dgc_keeps_the_error_fed_gain_by_defa
     trainer = SimpleNamespace(strategy=GraVACStrategy("dgc"), world_size=1)
     default.setup(trainer, TeacherRegression(width=256), "fit")  # no error: DGC has no gain of the gradient alone
     assert default.gain_of == "error_fed"
+
+
+def test_the_default_says_what_it_sends_and_why_at_each_change_of_regime(caplog):
+    gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.025}
+    with caplog.at_level("INFO"):
+        fast = _default_on_a_link(1e-9, gain)  # the first window at cf 1000, then dense: one change of regime
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GraVAC: after step")]
+    assert fast.sent[-1] == 1.0 and len(said) == 1, said
+    assert "sending dense (cf 1): the link measured 8000 Mbit/s, so a dense step is predicted at" in said[0]
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        slow = _default_on_a_link(1e-5, gain)  # compressed throughout: cf 1000, then cf 160, the same regime
+    assert slow.sent[-1] == 160 and not [r for r in caplog.records if "after step" in r.getMessage()]

@@ -89,6 +89,11 @@ def fit_link(tallies: dict[float, tuple[int, float, float, float]]) -> _Link | N
     return _Link(other, mean_y / mean_x)
 
 
+def _regime(cf: float, rungs: tuple[float, ...]) -> str:
+    """``"dense"``, ``"fp16"`` (a rung: the whole gradient cast) or ``"compressed"``."""
+    return "dense" if cf == DENSE else "fp16" if cf in rungs else "compressed"
+
+
 def moved_bytes(payload_bytes: float, dense_bytes: float, world_size: int) -> float:
     """Bytes one rank moves on the link for one bucket, with the hook's choice of collective.
 
@@ -560,7 +565,32 @@ class GraVAC(Controller):
             if fresh:
                 self.cf = self._choose()
                 self._hand_over(self.state)
+                self._say_choice(None)
         self._hold_for_adam()
+
+    def _say_choice(self, previous: float | None) -> None:
+        """Say on rank 0 what is sent and why: at fit start (``previous`` ``None``) and whenever the regime changes
+        (dense, whole in fp16, compressed), with the link and the predicted seconds of a dense step and of this one."""
+        if previous is not None and _regime(previous, self.rungs) == _regime(self.cf, self.rungs):
+            return
+        link = self.link if self.link is not None else self._probed_link()
+        dense_bytes = self._bytes_dense or self._model_bytes
+        sending = {"dense": "dense (cf 1)", "fp16": "the whole gradient in fp16"}.get(
+            _regime(self.cf, self.rungs), f"compressed at cf {self.cf:g}"
+        )
+        when = "first steps" if previous is None else f"after step {self._steps}"
+        if link is None or self.probed is None or not dense_bytes:
+            rank_zero_info(f"GraVAC: {when}: sending {sending}.")
+            return
+        why = (
+            f"the link measured {8 / self.probed[1] / 1e6 if self.probed[1] > 0 else math.inf:.0f} Mbit/s, so a "
+            f"dense step is predicted at {1e3 * self._predicted_seconds(link, DENSE, dense_bytes):.1f} ms"
+        )
+        if self.cf != DENSE:
+            why += f" and this one at {1e3 * self._predicted_seconds(link, self.cf, dense_bytes):.1f} ms"
+        if previous is None and self.cf != DENSE:
+            why += " (until the first window has measured the gains, the most aggressive factor)"
+        rank_zero_info(f"GraVAC: {when}: sending {sending}: {why}.")
 
     def _hold_for_adam(self) -> None:
         """Under an Adam-like optimizer held dense or fp16: the factor of the first step (a resumed run's too), and
@@ -778,6 +808,7 @@ class GraVAC(Controller):
                 self._end_window(trainer)
         sent, self.cf = self.cf, self._choose()
         self._back_off(changed=self.cf != sent, probed=probed)
+        self._say_choice(sent)
 
     def _back_off(self, changed: bool, probed: bool) -> None:
         """Space the probes: a probe after the first window that leaves the choice as it was doubles the spacing (up
