@@ -200,3 +200,30 @@ def test_cifar_download_checks_the_md5_and_extracts(tmp_path, monkeypatch):
     monkeypatch.setitem(cifar.ARCHIVES, "cifar10", bad)
     with pytest.raises(OSError, match=r"MD5 [0-9a-f]{32}, expected 0{32}"):
         cifar.download(tmp_path / "elsewhere", "cifar10")
+
+
+def test_read_table_one_hots_categories_standardizes_numbers_and_indexes_classes(tmp_path):
+    import tarfile
+
+    from lightning_gravac.zoo import read_table
+
+    text = (
+        '"","carat","cut","color","price"\n"1",0.5,"Ideal","E",300\n"2",1.5,"Good","J",900\n"3",1.0,"Ideal","E",600\n'
+    )
+    plain = tmp_path / "small.csv"
+    plain.write_text(text)
+    x, y, classes = read_table(plain, target="cut", categorical=["color"])
+    assert classes == ["Good", "Ideal"] and y.tolist() == [1, 0, 1]
+    # carat standardized (-1, 1, 0), color one-hot (E, J), price standardized; the unnamed index column left out
+    assert x.shape == (3, 4)
+    assert torch.allclose(x[:, 0], torch.tensor([-1.0, 1.0, 0.0])) and x[:, 1:3].tolist() == [[1, 0], [0, 1], [1, 0]]
+    assert torch.allclose(x[:, 3], torch.tensor([-1.0, 1.0, 0.0]))
+    archive = tmp_path / "tables.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(plain, arcname="csv/small.csv")
+    packed = read_table(archive, target="cut", categorical=["color"], member="csv/small.csv")
+    assert torch.equal(packed[0], x) and torch.equal(packed[1], y)
+    with pytest.raises(FileNotFoundError, match="No table at"):
+        read_table(tmp_path / "absent.csv", target="cut")
+    with pytest.raises(ValueError, match=r"\['grade'\] are not in"):
+        read_table(plain, target="grade")

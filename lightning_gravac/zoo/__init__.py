@@ -9,6 +9,7 @@ from lightning_gravac.zoo.synthetic import (
     bag_of_words_dataset,
     teacher_dataset,
 )
+from lightning_gravac.zoo.tabular import TabularClassifier, read_table
 from lightning_gravac.zoo.vision import ImageClassifier
 
 __all__ = [
@@ -18,8 +19,10 @@ __all__ = [
     "LSTMLanguageModel",
     "PTBDataModule",
     "SyntheticImages",
+    "TabularClassifier",
     "TeacherDataModule",
     "TeacherRegression",
     "bag_of_words_dataset",
+    "read_table",
     "teacher_dataset",
 ]
