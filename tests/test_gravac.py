@@ -1,5 +1,6 @@
 """The GraVAC controller: scripted decisions, multi-level Top-K, and real 2-rank training."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -472,9 +473,11 @@ def _default_on_a_link(per_byte: float, gain: dict[float, float], state=None, **
     def seconds(cf: float) -> float:
         return 0.1 + 1_000_000 / cf * per_byte  # two ranks: a rank moves the payload, or the dense buffer once
 
+    budget_steps = kwargs.pop("budget_steps", math.inf)
     c = Scripted(lambda cf: gain[cf], seconds, search="model", **kwargs)
     c._world_size = 2
     c._state = state
+    c.budget_steps = budget_steps  # what fit start reads from the trainer
     c.probed = (0.0, per_byte)  # what the fit-start probe would have measured
     c.cast_cost, c.half_per_byte = 0.01, per_byte  # and the fp16 rung: casts 10 ms a step, its bytes as fp32's
     return c.run(4)  # the first window (3 steps), then one step at the factor it chose
@@ -634,3 +637,19 @@ def test_the_default_says_what_it_sends_and_why_at_each_change_of_regime(caplog)
     with caplog.at_level("INFO"):
         slow = _default_on_a_link(1e-5, gain)  # compressed throughout: cf 1000, then cf 160, the same regime
     assert slow.sent[-1] == 160 and not [r for r in caplog.records if "after step" in r.getMessage()]
+
+
+def test_the_budget_leaves_out_factors_whose_entries_would_wait_past_the_run():
+    gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.025}
+    sent = {}
+    for budget in (100, 100_000):
+        # Top-K's entry waits 2 cf steps: a 100-step run admits cf 10, 20 and 40; a long one every factor.
+        c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=budget)
+        assert [cf for cf in c.ladder if c.within_budget(cf)] == ([10, 20, 40] if budget == 100 else list(c.ladder))
+        sent[budget] = c.sent
+    # The first window sends the most aggressive admitted factor, then the best predicted among the admitted ones.
+    assert sent[100][1:3] == [40, 40] and sent[100][-1] == 40
+    assert sent[100_000][1:3] == [1000, 1000] and sent[100_000][-1] == 160
+    # Off: every factor, as the paper's search has it.
+    c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=100, budget=False)
+    assert c.sent[-1] == 160 and GraVAC(search="sequential").budget is False

@@ -210,7 +210,7 @@ class _Model(_Search):
             # The first window, on a measured link: the step's cost is not known yet, the gains may not be either. Send
             # the most aggressive eligible factor, the cheapest on any link: error feedback keeps what it leaves for
             # later, and a few steps at it cost no accuracy (the first decision follows the window).
-            eligible = [cf for cf in c.ladder if c.gains.get(cf, 1.0) >= c.epsilon]
+            eligible = [cf for cf in c.ladder if c.gains.get(cf, 1.0) >= c.epsilon and c.within_budget(cf)]
             return max(eligible, default=DENSE)
         return SEARCHES["sequential"].choose(c)  # no link measured: the paper's rule until the first fit
 
@@ -291,6 +291,12 @@ class GraVAC(Controller):
       was the default's worst). No effect without momentum, with masking off, or for methods that send no entry
       exactly (quantizers, casts, PowerSGD, unbiased Random-K); DGC is weighed by its own momentum.
       ``weigh_masking=False`` turns it off.
+    - *The run's budget bounds the factor.* Error feedback delays what a step does not send: an entry waits
+      ``numel / k`` steps on average (``2 cf`` for Top-K). A factor whose wait exceeds the whole run's steps
+      (``trainer.estimated_stepping_batches``) would hold most of the gradient back past the end, which no measure of
+      one step's energy sees: such factors are left out (each entry is then expected to be sent at least once in
+      the run), and at the end of fit the strategy delivers what is still held back
+      (``GraVACStrategy(flush_at_end=True)``). ``budget=False`` leaves the budget out (as the paper's search does).
     - *``epsilon`` is a floor (0.02), not the gate*: the gain already weighs each factor; the floor only refuses a
       factor that sends almost nothing of each step.
     - *The link is measured, not searched*: the paper finds the best factor by sending each candidate for a window,
@@ -357,6 +363,8 @@ class GraVAC(Controller):
             their own (DGC) or have one factor (casts, sign methods), and for ``cf_min`` of 2 or less.
         weigh_masking: weigh each factor's progress by the momentum that momentum factor masking keeps at it (see
             above; model search only).
+        budget: leave out the factors whose entries would wait longer than the run's steps (see above). ``None``: on
+            for the model search, off for the sequential one.
 
     Raises:
         ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
@@ -384,6 +392,7 @@ class GraVAC(Controller):
         probe_backoff: int | None = None,
         fp16_rung: bool | None = None,
         weigh_masking: bool = True,
+        budget: bool | None = None,
     ) -> None:
         # Which bounds are defaults, fitted to the model at setup (`fit_to_model`), and which the user chose.
         self._fitted = {"cf_min": cf_min is None, "cf_max": cf_max is None}
@@ -415,6 +424,8 @@ class GraVAC(Controller):
         self.fp16_rung = bool(defaults["fp16_rung"] if fp16_rung is None else fp16_rung)
         # The gradients' dtype is the largest trainable parameter's, set at setup (`masking_weight`).
         self.weigh_masking, self._grad_dtype = bool(weigh_masking), torch.float32
+        # `budget_steps`: the fit's steps (`trainer.estimated_stepping_batches`, set at fit start; inf when unknown).
+        self.budget, self.budget_steps = self._rule.models_cost if budget is None else bool(budget), math.inf
         if self.fp16_rung and not self._rule.models_cost:
             raise ValueError("`fp16_rung=True` needs `search='model'`: the sequential search has no cost model for it.")
         # The user's choice, which `fp16_rung` is derived from at each setup and fit; a ladder from 2 or less has the
@@ -422,8 +433,7 @@ class GraVAC(Controller):
         self._rung_asked, self.fp16_rung = self.fp16_rung, self.fp16_rung and cf_min > HALF
         default_first = self._rule.first_window(self.window)
         self.first_window = default_first if first_window is None else whole(first_window, "first_window")
-        self.cf_max = cf_max
-        self.ladder = self._ladder(cf_min, cf_max)
+        self.cf_max, self.ladder = cf_max, self._ladder(cf_min, cf_max)
 
         # The search; identical on every rank.
         self.cf_min = cf_min
@@ -549,6 +559,8 @@ class GraVAC(Controller):
         self._check_rung(pl_module)
         self._model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
         fresh = self._steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
+        if self.budget:  # the same on every rank: the trainer's settings and the data's length
+            self.budget_steps = float(trainer.estimated_stepping_batches)
         self._warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
         if self.link_probe and trainer.world_size > 1:
             self.probed = self.measure_link(trainer)
@@ -590,6 +602,11 @@ class GraVAC(Controller):
             why += f" and this one at {1e3 * self._predicted_seconds(link, self.cf, dense_bytes):.1f} ms"
         if previous is None and self.cf != DENSE:
             why += " (until the first window has measured the gains, the most aggressive factor)"
+        if previous is None and math.isfinite(self.budget_steps):
+            left_out = [f"{cf:g}" for cf in self.ladder if not self.within_budget(cf)]
+            if left_out:
+                why += (f"; cf {', '.join(left_out)} left out: their entries would wait longer than the run's "
+                        f"{self.budget_steps:.0f} steps")  # fmt: skip
         rank_zero_info(f"GraVAC: {when}: sending {sending}: {why}.")
 
     def _hold_for_adam(self) -> None:
@@ -937,6 +954,15 @@ class GraVAC(Controller):
         progress = 1.0 if full else self.gains.get(cf, 0.0) ** self.gain_power * self.masking_weight(cf)
         return progress / seconds if seconds > 0 else math.inf
 
+    def within_budget(self, cf: float) -> bool:
+        """Whether an entry sent at ``cf`` waits no longer than the run's steps (:attr:`budget_steps`) on average; true
+        for methods that send every entry each step (quantizers, casts, low rank). The same on every rank."""
+        state = self._state
+        if not self.budget or state is None or cf in (DENSE, *self.rungs):
+            return True
+        wait = state.compressor.masked_wait(cf, self._grad_dtype)
+        return wait is None or wait <= self.budget_steps
+
     def masking_weight(self, cf: float) -> float:
         """The share of dense momentum's step that momentum factor masking leaves a step sent at ``cf``
         (:func:`~lightning_gravac.compressors.momentum.masking_retention` at the method's mean wait between two sends
@@ -974,7 +1000,9 @@ class GraVAC(Controller):
         return self._rule.gains_can_matter(self)
 
     def _best_predicted(self) -> float:
-        eligible = [DENSE, *self.rungs] + [cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon]
+        eligible = [DENSE, *self.rungs] + [
+            cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon and self.within_budget(cf)
+        ]
         # Ranked without the samples a step (N x this rank's batch, which a last batch can make differ between
         # ranks): every term left is the same on every rank, so is the choice.
         return max(eligible, key=lambda cf: (self._progress_per_second(cf, self._bytes_dense), -cf))
@@ -1050,5 +1078,5 @@ class GraVAC(Controller):
             f"window={self.window}, policy={self.policy!r}, search={self.search!r}, probe_every={self.probe_every}, "
             f"first_window={self.first_window}, gain_of={self.gain_of!r}, gain_power={self.gain_power:.3g}, "
             f"link_probe={self.link_probe}, adam={self.adam!r}, probe_backoff={self.probe_backoff}, "
-            f"fp16_rung={self.fp16_rung}, weigh_masking={self.weigh_masking})"
+            f"fp16_rung={self.fp16_rung}, weigh_masking={self.weigh_masking}, budget={self.budget})"
         )
