@@ -653,3 +653,21 @@ def test_the_budget_leaves_out_factors_whose_entries_would_wait_past_the_run():
     # Off: every factor, as the paper's search has it.
     c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=100, budget=False)
     assert c.sent[-1] == 160 and GraVAC(search="sequential").budget is False
+
+
+def test_the_budget_edge_becomes_a_rung_of_the_ladder():
+    c = GraVAC()
+    c._state = _with_moved_momentum("topk", 0.0)
+    c.budget_steps = 200.0  # Top-K's wait is 2 cf: cf 100 is the most aggressive factor a 200-step run admits
+    c._fit_ladder_to_budget()
+    assert c.ladder == (10, 20, 40, 100)
+    c.budget_steps = 120.0
+    c.ladder = c._ladder(c.cf_min, c.cf_max)
+    c._fit_ladder_to_budget()
+    assert c.ladder == (10, 20, 40, 60)
+    c.budget_steps, c.ladder = 15.0, c._ladder(c.cf_min, c.cf_max)  # too short for any factor: dense alone
+    c._fit_ladder_to_budget()
+    assert c.ladder == () and c._best_predicted() == 1.0
+    c.budget_steps, c.ladder = 1e6, c._ladder(c.cf_min, c.cf_max)  # a long run: the ladder as it was
+    c._fit_ladder_to_budget()
+    assert c.ladder == (10, 20, 40, 160, 1000)

@@ -561,6 +561,7 @@ class GraVAC(Controller):
         fresh = self._steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
         if self.budget:  # the same on every rank: the trainer's settings and the data's length
             self.budget_steps = float(trainer.estimated_stepping_batches)
+            self._fit_ladder_to_budget()
         self._warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
         if self.link_probe and trainer.world_size > 1:
             self.probed = self.measure_link(trainer)
@@ -602,11 +603,6 @@ class GraVAC(Controller):
             why += f" and this one at {1e3 * self._predicted_seconds(link, self.cf, dense_bytes):.1f} ms"
         if previous is None and self.cf != DENSE:
             why += " (until the first window has measured the gains, the most aggressive factor)"
-        if previous is None and math.isfinite(self.budget_steps):
-            left_out = [f"{cf:g}" for cf in self.ladder if not self.within_budget(cf)]
-            if left_out:
-                why += (f"; cf {', '.join(left_out)} left out: their entries would wait longer than the run's "
-                        f"{self.budget_steps:.0f} steps")  # fmt: skip
         rank_zero_info(f"GraVAC: {when}: sending {sending}: {why}.")
 
     def _hold_for_adam(self) -> None:
@@ -953,6 +949,26 @@ class GraVAC(Controller):
         full = cf in (DENSE, *self.rungs)
         progress = 1.0 if full else self.gains.get(cf, 0.0) ** self.gain_power * self.masking_weight(cf)
         return progress / seconds if seconds > 0 else math.inf
+
+    def _fit_ladder_to_budget(self) -> None:
+        """Replace the rungs the budget leaves out by the most aggressive factor it admits (whole, at least
+        ``cf_min``), so that the search can send the edge: a method's wait is proportional to its factor."""
+        state = self._state
+        per_cf = state.compressor.masked_wait(1.0, self._grad_dtype) if state is not None else None
+        if per_cf is None or not math.isfinite(self.budget_steps):
+            return
+        kept = [cf for cf in self.ladder if self.within_budget(cf)]
+        edge = float(math.floor(self.budget_steps / per_cf))
+        if len(kept) == len(self.ladder):
+            return
+        left_out = [f"{cf:g}" for cf in self.ladder if cf not in kept]
+        if edge >= self.cf_min and (not kept or edge > kept[-1]):
+            kept.append(edge)
+        self.ladder = tuple(kept)
+        rank_zero_info(
+            f"GraVAC: a run of {self.budget_steps:.0f} steps: cf {', '.join(left_out)} left out (an entry would wait "
+            f"longer than the run to be sent); factors {', '.join(f'{f:g}' for f in self.ladder) or 'none'}."
+        )
 
     def within_budget(self, cf: float) -> bool:
         """Whether an entry sent at ``cf`` waits no longer than the run's steps (:attr:`budget_steps`) on average; true
