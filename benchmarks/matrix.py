@@ -242,8 +242,8 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return GraVACStrategy(), []
     if row == "default, masking unweighed":
         return GraVACStrategy(), [GraVAC(weigh_masking=False)]
-    if row == "default, no budget":  # the default before the budget rule and the flush at the end of fit
-        return GraVACStrategy(flush_at_end=False), [GraVAC(budget=False)]
+    if row == "default, no budget":  # the default before the budget rule
+        return GraVACStrategy(), [GraVAC(budget=False)]
     if row in FAMILY_SETTINGS:
         method, cf = FAMILY_SETTINGS[row]
         return GraVACStrategy(method), [Static(cf=cf)]

@@ -295,8 +295,7 @@ class GraVAC(Controller):
       ``numel / k`` steps on average (``2 cf`` for Top-K). A factor whose wait exceeds the whole run's steps
       (``trainer.estimated_stepping_batches``) would hold most of the gradient back past the end, which no measure of
       one step's energy sees: such factors are left out (each entry is then expected to be sent at least once in
-      the run), and at the end of fit the strategy delivers what is still held back
-      (``GraVACStrategy(flush_at_end=True)``). ``budget=False`` leaves the budget out (as the paper's search does).
+      the run). ``budget=False`` leaves the budget out (as the paper's search does).
     - *``epsilon`` is a floor (0.02), not the gate*: the gain already weighs each factor; the floor only refuses a
       factor that sends almost nothing of each step.
     - *The link is measured, not searched*: the paper finds the best factor by sending each candidate for a window,

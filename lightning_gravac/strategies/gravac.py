@@ -94,11 +94,6 @@ class GraVACStrategy(DDPStrategy):
             whole momentum (heavy-ball delayed by error feedback): faster at a learning rate well inside dense's
             stable range (VGG-11 with batch norm, Top-K cf 10, 200 steps: held-out loss 0.0073 against 0.035 masked),
             but it diverged near the largest rate dense survives, where masking trained.
-        flush_at_end: at the end of fit, deliver what error feedback still holds back: every rank's residuals are
-            averaged (one all-reduce of the model's size) and applied as one SGD step at each parameter group's
-            current learning rate, so the trained model is not short of the updates compression delayed past the
-            last step. For ``torch.optim.SGD`` groups and ``granularity="layer"``; DGC keeps its own accumulation,
-            which is left as it is. Checkpoints written during fit hold the residuals, so a resumed run flushes once.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
@@ -123,7 +118,6 @@ class GraVACStrategy(DDPStrategy):
         start_local_sgd_step: int = 0,
         momentum_correction: bool = True,
         momentum_masking: bool = True,
-        flush_at_end: bool = True,
         **kwargs: Any,
     ) -> None:
         clashing = [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]
@@ -160,7 +154,7 @@ class GraVACStrategy(DDPStrategy):
             kwargs["model_averaging_period"] = model_averaging_period
             local_sgd = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start_local_sgd_step)
         super().__init__(**kwargs)
-        self.momentum_correction, self.flush_at_end = momentum_correction, flush_at_end
+        self.momentum_correction = momentum_correction
         self.compression_state = CompressionState(
             compressor=compressor,
             error_feedback=compressor.error_feedback_default if error_feedback is None else error_feedback,
@@ -348,50 +342,6 @@ class GraVACStrategy(DDPStrategy):
                 del optimizer.step
             else:
                 optimizer.step = wrapped  # type: ignore[method-assign]
-
-    @override
-    def on_train_end(self) -> None:
-        super().on_train_end()
-        if self.flush_at_end:
-            self._flush_residuals()
-
-    def _flush_residuals(self) -> None:
-        """Apply every rank's mean residual as one SGD step (``p -= lr x mean``) to the parameters of SGD groups: the
-        update error feedback still held back when fit ended. One all-reduce, joined by every rank (the parameters
-        and groups are the same on each; a rank without a residual for one sends zeros)."""
-        state = self.compression_state
-        if not (state.error_feedback and state.granularity == "layer" and dist.is_initialized()):
-            return
-        if not isinstance(self.model, DistributedDataParallel):
-            return
-        rates = {
-            id(p): group["lr"]
-            for optimizer in self.optimizers
-            if isinstance(optimizer, torch.optim.SGD)
-            for group in optimizer.param_groups
-            for p in group["params"]
-        }
-        params = [(n, p) for n, p in self.model.module.named_parameters() if id(p) in rates and p.requires_grad]
-        if not params:  # the same on every rank; whether a rank holds a residual is not asked: each joins alike
-            return
-        pending = [state.memory.get(n) for n, _ in params]
-        flat = torch.cat([(r if r is not None else torch.zeros_like(p)).reshape(-1).float() for r, (_, p) in
-                          zip(pending, params, strict=True)])  # fmt: skip
-        dist.all_reduce(flat, group=state.process_group)
-        if not bool(flat.any()):  # nothing held back on any rank (the same answer on each)
-            return
-        flat.div_(state.world_size)
-        offset = 0
-        with torch.no_grad():
-            for _, p in params:
-                mean = flat[offset : offset + p.numel()].view_as(p)
-                p.sub_(mean.to(p.dtype), alpha=rates[id(p)])
-                offset += p.numel()
-        state.memory.load_state_dict({})
-        rank_zero_info(
-            "GraVACStrategy: delivered what error feedback still held back at the end of fit (one SGD step of the "
-            "ranks' mean residual); `flush_at_end=False` leaves it out."
-        )
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
