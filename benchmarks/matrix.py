@@ -24,8 +24,8 @@ Rows: dense DDP, fp16 all-reduce, Top-K at cf 10, 100 and 1000, DGC at cf 100, A
 gradient norm's change), GraVAC as the paper defines it (gain of the error-fed gradient, sequential search,
 ``epsilon`` 0.7; its window shortened to 25 steps to fit the run) and the zero-argument ``GraVACStrategy()``. On
 request (``--rows``), more fixed methods (``FAMILIES``), Top-K without momentum masking (``UNMASKED``) and the default
-without one of its rules (``ABLATIONS``: ``"default, masking unweighed"``, ``"default, no budget"``), to measure a rule
-side by side.
+without one of its rules or with one more (``ABLATIONS``: ``"default, masking unweighed"``, ``"default, budget"``), to
+measure a rule side by side.
 
 Every row trains ``--steps`` steps from the same seed on the same data. The target of a task is dense DDP's smoothed
 training loss (an EWMA, factor 0.9, of the ranks' mean loss) at half the steps; a row's *time to target* is the wall
@@ -111,7 +111,7 @@ FAMILIES = list(FAMILY_SETTINGS)
 #: Momentum correction without DGC's momentum factor masking, for the masking study (``--tasks cnn``).
 UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
 #: The default without one of its rules, to measure what the rule changes side by side (``weigh_masking``).
-ABLATIONS = ["default, masking unweighed", "default, no budget"]
+ABLATIONS = ["default, masking unweighed", "default, budget"]
 ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS
 #: AdamW's learning rate per task (``--optimizer adamw``).
 ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3, "diamonds": 1e-3}
@@ -242,8 +242,8 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return GraVACStrategy(), []
     if row == "default, masking unweighed":
         return GraVACStrategy(), [GraVAC(weigh_masking=False)]
-    if row == "default, no budget":  # the default before the budget rule
-        return GraVACStrategy(), [GraVAC(budget=False)]
+    if row == "default, budget":  # the default with the budget rule, to measure it side by side
+        return GraVACStrategy(), [GraVAC(budget=True)]
     if row in FAMILY_SETTINGS:
         method, cf = FAMILY_SETTINGS[row]
         return GraVACStrategy(method), [Static(cf=cf)]

@@ -644,19 +644,19 @@ def test_the_budget_leaves_out_factors_whose_entries_would_wait_past_the_run():
     sent = {}
     for budget in (100, 100_000):
         # Top-K's entry waits 2 cf steps: a 100-step run admits cf 10, 20 and 40; a long one every factor.
-        c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=budget)
+        c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=budget, budget=True)
         assert [cf for cf in c.ladder if c.within_budget(cf)] == ([10, 20, 40] if budget == 100 else list(c.ladder))
         sent[budget] = c.sent
     # The first window sends the most aggressive admitted factor, then the best predicted among the admitted ones.
     assert sent[100][1:3] == [40, 40] and sent[100][-1] == 40
     assert sent[100_000][1:3] == [1000, 1000] and sent[100_000][-1] == 160
-    # Off: every factor, as the paper's search has it.
-    c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=100, budget=False)
-    assert c.sent[-1] == 160 and GraVAC(search="sequential").budget is False
+    # Off (the default, and always for the paper's search): every factor.
+    c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=100)
+    assert c.sent[-1] == 160 and GraVAC(search="sequential", budget=True).budget is False
 
 
 def test_the_budget_edge_becomes_a_rung_of_the_ladder():
-    c = GraVAC()
+    c = GraVAC(budget=True)
     c._state = _with_moved_momentum("topk", 0.0)
     c.budget_steps = 200.0  # Top-K's wait is 2 cf: cf 100 is the most aggressive factor a 200-step run admits
     c._fit_ladder_to_budget()
