@@ -185,12 +185,19 @@ def _uneven_batches(rank, batches=64):
 def _gravac_vs_dense(rank, world_size, search):
     data = teacher_dataset()
     out = {}
-    # "default": no controller, so the strategy installs the zero-argument GraVAC() (the model search, link probed).
-    gravac = [] if search == "default" else [GraVAC(**GRAVAC, search=search)]
+    # "default": no controller, so the strategy installs the zero-argument GraVAC() (the model search, link probed,
+    # steps timed: its choices follow the machine's speed). "model": the model search on a modelled link and clock.
+    gravac: list[pl.Callback] = []
+    if search == "model":
+        gravac = [SimulatedLink(**GRAVAC, search="model")]
+    elif search == "sequential":
+        gravac = [GraVAC(**GRAVAC, search=search)]
     for name, callbacks in [("dense", [Static(cf=1)]), ("gravac", gravac)]:
         summary = RunSummary()
         pl.seed_everything(0)
         model = TeacherRegression(width=256, lr=0.1)
+        with torch.no_grad():
+            out["untrained"] = nn.functional.mse_loss(model(data.tensors[0]), data.tensors[1]).item()
         trainer = pl.Trainer(strategy=GraVACStrategy("topk"), callbacks=[*callbacks, summary], max_steps=200,
                              **trainer_kwargs(world_size, use_distributed_sampler=False))  # fmt: skip
         trainer.fit(model, _uneven_batches(rank))
@@ -218,7 +225,7 @@ def test_ranks_on_different_data_decide_alike_and_gravac_learns_like_dense(searc
     assert mine["throughput"] and mine["throughput"] == theirs["throughput"]
     if search == "sequential":
         assert mine["probed"] is None  # the paper's search does not probe the link
-    else:
+    elif search == "default":
         latency, per_byte = mine["probed"]
         assert latency >= 0 and per_byte > 0, "the setup probe did not measure the link"
     cfs = mine["cf"]
@@ -226,8 +233,10 @@ def test_ranks_on_different_data_decide_alike_and_gravac_learns_like_dense(searc
     assert len(cfs) == 200 and cfs[0] == (GRAVAC["cf_min"] if search == "sequential" else GRAVAC["cf_max"])
     if search == "sequential":
         assert max(cfs) > GRAVAC["cf_min"], "the search never moved to a higher factor"
-    # Same steps, loss within 30% of dense training (error-fed Top-K at 10x to 40x on this task).
-    assert ranks[0]["gravac"]["loss"] < 1.3 * ranks[0]["dense"]["loss"]
+    if search == "default":  # factors chosen from timed steps: how far it compresses follows the machine's load
+        assert ranks[0]["gravac"]["loss"] < 0.2 * ranks[0]["untrained"]
+    else:  # scripted decisions: same steps, loss within 30% of dense training (error-fed Top-K at 10x to 40x)
+        assert ranks[0]["gravac"]["loss"] < 1.3 * ranks[0]["dense"]["loss"]
 
 
 def _interrupted_vs_uninterrupted(rank, world_size, ckpt_dir, compressor, search):
