@@ -534,10 +534,8 @@ def check_default(cells: dict[str, Any], tasks: list[str], links: list[str], row
                 rel = d["final"]["loss"] / dense["final"]["loss"] - 1
                 final = f"{rel * 100:+.1f}%"
                 if "accuracy" in d["final"]:
-                    gap = dense["final"]["accuracy"] - d["final"]["accuracy"]
-                    final += f", {-gap * 100:+.1f} points {ok(rel <= 0.01 or gap <= 0.01)}"
-                else:
-                    final += f" {ok(rel <= 0.01)}"
+                    final += f", {(d['final']['accuracy'] - dense['final']['accuracy']) * 100:+.1f} points"
+                final += f" {ok(keeps_fidelity(d['final'], dense['final']))}"
             lines.append(
                 f"| {task} | {link} | {regret} | {vs_dense} | {faster} | {ok(d['seconds'] is not None)} | {final} |"
             )

@@ -270,6 +270,11 @@ def note_clamped(name: str, requested: float, achieved: float) -> None:
 _NORM_CHUNK = 1024
 
 
+def all_finite(tensor: Tensor) -> bool:
+    """Whether every entry is finite, read off the float32 sum (NaN and Inf reach it; one pass, no allocation)."""
+    return bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
+
+
 def sq_norm(tensor: Tensor) -> Tensor:
     """Squared L2 norm as a float64 0-d tensor.
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_gravac.compressors.base import all_finite
+
 
 def masking_retention(wait: float, momentum: float, nesterov: bool = False, random: bool = False) -> float:
     """The fraction of dense momentum's step that momentum factor masking leaves an entry sent once every ``wait``
@@ -235,7 +237,7 @@ class MomentumCorrection:
         deferred, self._deferred = self._deferred, []
         for name, param in deferred:
             grad = param.grad
-            if grad is not None and not grad.is_sparse and bool(torch.isfinite(grad.sum(dtype=torch.float32))):
+            if grad is not None and not grad.is_sparse and all_finite(grad):
                 self.after_dense_([name], [grad], [param])
 
     def drop_deferred(self) -> None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gravac.compressors.base import sq_norm
+from lightning_gravac.compressors.base import all_finite, sq_norm
 from lightning_gravac.compressors.memory import Feedback
 from lightning_gravac.state import HALF, REDUCE, BucketRecord, CompressionState
 from lightning_gravac.strategies.communicators import Segment, Work, communicator_for, received_value, views_like
@@ -109,7 +109,7 @@ def _plain_allreduce(
         # of the bucket), and only when something depends on it: residuals added into it (the first dense step after
         # compressed ones; a finite step has delivered them, a non-finite one keeps them) or momentum buffers. Without
         # either, plain steps pay nothing.
-        if not (carried or momentum) or _finite(result):
+        if not (carried or momentum) or all_finite(result):
             for name in carried:
                 state.memory.discard(name)
             if momentum:
@@ -152,11 +152,6 @@ def _sparse(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
         return result
 
     return work.get_future().then(done)
-
-
-def _finite(tensor: Tensor) -> bool:
-    """Whether every entry is finite, read off the float32 sum (NaN and Inf reach it; one pass, no allocation)."""
-    return bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
 
 
 def _carry_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> list[str]:
