@@ -54,15 +54,15 @@ from lightning_gravac.zoo import BagOfWordsRegression, bag_of_words_dataset
 
 _INSIDE = "GRAVAC_BANDWIDTH_NETNS"
 
-#: The model search as session 6 measured it (BENCHMARKS.md): before the default's link probe and gain weighing.
-SESSION_6_LINK: dict[str, Any] = {"gain_power": 1.0, "link_probe": False}
-SESSION_6: dict[str, Any] = {**SESSION_6_LINK, "gain_of": "error_fed"}
+#: The model search without the default's link probe and gain weighing (its first form, measured in BENCHMARKS.md).
+UNPROBED: dict[str, Any] = {"gain_power": 1.0, "link_probe": False}
+UNPROBED_ERROR_FED: dict[str, Any] = {**UNPROBED, "gain_of": "error_fed"}
 
 
-def _session_6_model(epsilon: float) -> tuple[GraVACStrategy, list[Callback]]:
-    """The model search with the error-fed gain, as session 6 ran it."""
+def _unprobed_model(epsilon: float) -> tuple[GraVACStrategy, list[Callback]]:
+    """The model search with the error-fed gain, the link unprobed and the throughput weighed by the gain itself."""
     controller = GraVAC(cf_min=10, cf_max=1000, epsilon=epsilon, window=25, search="model", probe_every=25,
-                        first_window=3, **SESSION_6)  # fmt: skip
+                        first_window=3, **UNPROBED_ERROR_FED)  # fmt: skip
     return GraVACStrategy("topk"), [controller]
 
 
@@ -96,9 +96,9 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
         ),
         False,
     ),
-    "gravac model": (lambda: _session_6_model(epsilon=0.7), False),
+    "gravac model": (lambda: _unprobed_model(epsilon=0.7), False),
     # The same with epsilon 0.3: with error feedback this task keeps less than 0.7 of the energy beyond cf 40.
-    "gravac model, epsilon 0.3": (lambda: _session_6_model(epsilon=0.3), False),
+    "gravac model, epsilon 0.3": (lambda: _unprobed_model(epsilon=0.3), False),
     # Gains of the step's own gradient (`gain_of="gradient"`), the paper's epsilon: `benchmarks/gains.py` shows the
     # error-fed gain measuring the residual's backlog on this task. The model search decides after one step.
     "gravac sequential, gain of the gradient": (
@@ -131,7 +131,7 @@ CONFIGS: dict[str, tuple[Any, bool]] = {
                     first_window=1,
                     gain_of="gradient",
                     epsilon=0.7,
-                    **SESSION_6_LINK,
+                    **UNPROBED,
                 )
             ],
         ),
