@@ -34,6 +34,8 @@ ROWS: list[tuple[str, str | None, float | None, float]] = [
     ("QSGD", "qsgd", 8, 0.9),
     ("fp16", "fp16", 2, 0.9),
     ("stock DDP, no momentum", None, None, 0.0),
+    ("Top-K cf 100, no momentum", "topk", 100, 0.0),
+    ("default, no momentum", "topk", None, 0.0),
     ("DGC cf 100 (its own momentum)", "dgc", 100, 0.0),
 ]
 

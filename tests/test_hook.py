@@ -365,6 +365,28 @@ def _half_steps(rank, world, granularity):
     return out
 
 
+def _residual_bytes(rank, world, method):
+    """Compressed steps at cf 20, then a half step and compressed again: the bytes the error feedback holds after
+    each step, and the gradients' bytes."""
+    state = CompressionState(get_compressor(method), error_feedback=True, granularity="layer", cf=20)
+    model, reference, ddp = _hooked(state)
+    held = []
+    for step, half in enumerate((False, False, False, True, False, False)):
+        state.half = half
+        _backward_both(ddp, reference, step, rank)
+        held.append(state.memory.nbytes())
+    return held, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "qsgd"])
+def test_error_feedback_keeps_one_residual_buffer_a_parameter(method):
+    """The residual is written over the one it replaces once the step is known finite: no second buffer a
+    parameter, on compressed steps and after a half step (which writes its own before the collective)."""
+    for held, gradient_bytes in run_distributed(_residual_bytes, method=method):
+        assert held[0] == held[1] == held[2] == gradient_bytes, held
+        assert held[-1] == gradient_bytes, held
+
+
 @pytest.mark.parametrize("granularity", ["layer", "bucket"])
 def test_a_half_step_sends_the_error_fed_gradient_in_fp16_and_keeps_the_rounding(granularity):
     for steps in run_distributed(_half_steps, granularity=granularity):

@@ -11,7 +11,7 @@ from torch import Tensor
 from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import Compressor, Payload, sq_norm
 
-Feedback = Literal["recycle", "copy", "off"]
+Feedback = Literal["in_place", "recycle", "copy", "off"]
 
 
 class ErrorFeedback:
@@ -51,6 +51,34 @@ class ErrorFeedback:
             return out.copy_(grad), None
         return torch.add(grad, residual, out=out), None
 
+    def error_fed_in_place_(self, key: str, tensor: Tensor) -> Tensor | None:
+        """Add the residual of ``key`` into ``tensor`` in place (the stored residual is left as it is); ``||x||^2`` of
+        the result (float64, 0-d) where the compiled kernel found it in the same pass, else ``None``."""
+        residual = self._residuals.get(key)
+        residual = None if residual is None else residual.view_as(tensor)
+        if kernels.usable(tensor) and (residual is None or kernels.usable(residual)):
+            flat = tensor.view(-1)
+            return kernels.add_sq(flat, None if residual is None else residual.view(-1), flat)
+        if residual is not None:
+            tensor.add_(residual)
+        return None
+
+    def absorb(self, key: str, error_fed: Tensor, compressor: Compressor, payload: Payload) -> Tensor:
+        """Make ``error_fed - decompress(payload)`` the residual of ``key``, written over the residual it replaces
+        (its own buffer: a step known finite needs the old one no more), so that error feedback keeps one buffer a
+        parameter. ``error_fed`` is left as it is. Returns the new residual."""
+        residual = self._residuals.get(key)
+        if not _fits(residual, error_fed):
+            residual = self._spare.pop(key, None)
+            if not _fits(residual, error_fed):
+                residual = torch.empty_like(error_fed, memory_format=torch.contiguous_format)
+        assert residual is not None
+        self._spare.pop(key, None)  # one buffer a parameter: a spare another path left is let go
+        residual.copy_(error_fed)
+        compressor.residual_(residual, payload)
+        self._residuals[key] = residual
+        return residual
+
     def compensate_(self, key: str, tensor: Tensor) -> bool:
         """Add the stored residual of ``key`` to ``tensor`` in place; whether there was one."""
         residual = self._residuals.get(key)
@@ -88,6 +116,11 @@ class ErrorFeedback:
         """The residual of ``key``, or ``None``."""
         return self._residuals.get(key)
 
+    def nbytes(self) -> int:
+        """Bytes the memory holds: its residuals and the spare buffers it keeps to recycle."""
+        held = {t.data_ptr(): t.untyped_storage().nbytes() for t in (*self._residuals.values(), *self._spare.values())}
+        return sum(held.values())
+
     def __contains__(self, key: str) -> bool:
         return key in self._residuals
 
@@ -107,6 +140,18 @@ class ErrorFeedback:
         self._spare = {}
 
 
+def _fits(buffer: Tensor | None, like: Tensor) -> bool:
+    """Whether ``buffer`` is a tensor of its own (not a view into a bucket's shared residual) shaped as ``like``."""
+    return (
+        buffer is not None
+        and buffer._base is None
+        and buffer.shape == like.shape
+        and buffer.dtype == like.dtype
+        and buffer.device == like.device
+        and buffer.is_contiguous()
+    )
+
+
 @dataclass(frozen=True)
 class Encoded:
     """One tensor error-fed and compressed.
@@ -117,13 +162,18 @@ class Encoded:
             accumulation): the denominator of the gain.
         probes: the kept squared norms at the probe factors (float64), or ``None`` when none were asked for.
         residual: ``x - decompress(payload)``, the next residual, not stored yet (the caller stores it once the step
-            is known finite); ``None`` without error feedback or when the method sends ``x`` unchanged.
+            is known finite); ``None`` without error feedback, when the method sends ``x`` unchanged, or when it is
+            left in ``error_fed``.
+        error_fed: with ``feedback="in_place"``, ``x`` itself (the input, error-fed in place) when the method leaves a
+            residual: the caller makes it the residual with :meth:`ErrorFeedback.absorb` once the step is known
+            finite, before anything overwrites ``x``; else ``None``.
     """
 
     payload: Payload
     basis: Tensor
     probes: Tensor | None
     residual: Tensor | None
+    error_fed: Tensor | None = None
 
 
 def encode(
@@ -145,6 +195,9 @@ def encode(
 
     - ``"recycle"``: ``x = tensor + memory's residual of key``, in a buffer ``memory`` recycles, which then becomes
       the new residual in place (no copy, no allocation; ``tensor`` is left as it is);
+    - ``"in_place"``: ``x = tensor + memory's residual of key``, added into ``tensor`` in place; the stored
+      residual is left as it is and the new one is not computed here (``Encoded.error_fed``): the caller takes it
+      with :meth:`ErrorFeedback.absorb` once the step is known finite, so a residual needs no second buffer;
     - ``"copy"``: ``tensor`` is already error-fed (the caller added the residuals in place); the residual is a copy;
     - ``"off"``: no error feedback; ``x = tensor`` and no residual.
 
@@ -156,10 +209,14 @@ def encode(
     (:meth:`~lightning_gravac.compressors.base.Compressor.compress_into`); other methods ignore it.
     """
     fed_sq = None  # ||x||^2, found with the error feedback's sum where a kernel made it
+    if feedback in ("recycle", "in_place") and memory is None:
+        raise ValueError(f"encode(feedback={feedback!r}) needs the `memory` whose residual is added.")
     if feedback == "recycle":
-        if memory is None:
-            raise ValueError("encode(feedback='recycle') needs the `memory` whose residual is added.")
+        assert memory is not None
         x, fed_sq = memory.error_fed_sq(key, tensor)
+    elif feedback == "in_place":
+        assert memory is not None
+        x, fed_sq = tensor, memory.error_fed_in_place_(key, tensor)
     else:
         x = tensor
     prober = compressor if prober is None else prober
@@ -181,4 +238,5 @@ def encode(
         residual = x
     elif feedback == "copy" and not compressor.passthrough:
         residual = ErrorFeedback.residual_of(compressor, x, payload)
-    return Encoded(payload, basis, probes, residual)
+    error_fed = x if feedback == "in_place" and not compressor.passthrough else None
+    return Encoded(payload, basis, probes, residual, error_fed)

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_gravac.compressors.base import Communication, Compressor, Payload, sq_norm
-from lightning_gravac.compressors.memory import Feedback, encode
+from lightning_gravac.compressors.memory import ErrorFeedback, Feedback, encode
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.compressors.powersgd import PowerSGD, add_product_, as_matrix, average_product_, right_factor
 from lightning_gravac.state import GATHER, REDUCE, BucketRecord, Collective, CompressionState, gathers
@@ -121,6 +121,9 @@ class Work:
     wire: Tensor | None = None  # the recycled buffer that holds every segment's payload in order (summed casts)
     header: Tensor | None = None
     pending: dict[str, Tensor | None] = field(default_factory=dict)
+    # Segments error-fed in place (``feedback="in_place"``) whose residual is taken once the step is known finite,
+    # before the decoded average overwrites them (`land`): (key, error-fed tensor, its method, its payload).
+    deferred: list[tuple[str, Tensor, Compressor, Payload]] = field(default_factory=list)
 
     @property
     def dense_bytes(self) -> int:
@@ -163,11 +166,11 @@ class _Encoded(Communicator):
             sent.append(s.compressor.sent_sq_norm(encoded.payload))
             if encoded.probes is not None:
                 probes.append(encoded.probes)
-            if state.error_feedback:
+            if encoded.error_fed is not None:
+                work.deferred.append((s.key, encoded.error_fed, s.compressor, encoded.payload))
+            elif state.error_feedback:
                 _keep_residual(work, s, encoded.residual)
         work.header = Header.pack(torch.stack(basis).sum(), sent, probes, work.fresh)
-        if state.error_feedback and state.momentum:
-            state.momentum.mask_(work.pending)
         return self.exchange(work)
 
     def wire_views(self, work: Work) -> list[Tensor | None]:
@@ -187,6 +190,7 @@ class Gathered(_Encoded):
         assert work.header is not None
         layout = Layout.of(work.payloads, header_numel=work.header.numel())
         if not gathers(layout.nbytes, work.dense_bytes, work.state.world_size):
+            _materialize(work)  # the bucket, which holds the error-fed gradients, is overwritten before the collective
             _decode_into(work, [_stack_one(p) for p in work.payloads], 1.0 / work.state.world_size)
             return reduce_with_header(work, work.buffer, lambda: work.buffer)
         state, world = work.state, work.state.world_size
@@ -200,8 +204,9 @@ class Gathered(_Encoded):
             received_value(fut, state, "all-gather of the packed payloads")
             received = time.perf_counter()
             headers, stacked = layout.unpack(gathered.view(world, layout.nbytes), work.payloads)
+            header = land(work, headers.sum(0))
             _decode_into(work, stacked, 1.0 / world)
-            return settle(work, layout.nbytes, GATHER, headers.sum(0), encode_s, received, launched)
+            return settle(work, layout.nbytes, GATHER, header, encode_s, received, launched)
 
         return handle.get_future().then(decode)
 
@@ -224,6 +229,7 @@ class Summed(_Encoded):
     def exchange(self, work: Work) -> Future[Tensor]:
         # Divide before summing: a half-precision sum of N undivided gradients can overflow.
         if work.wire is not None:
+            _materialize(work)  # the payloads are the wire itself, which the collective overwrites
             flat = work.wire.div_(work.state.world_size)
         else:
             flat = torch.cat([w.reshape(-1) for p in work.payloads for w in p.wire]).div_(work.state.world_size)
@@ -322,7 +328,7 @@ class LowRank(Communicator):
                 s.out.view(-1).copy_(summed[offset : offset + s.tensor.numel()])
                 offset += s.tensor.numel()
             received = time.perf_counter()
-            return settle(work, sent_bytes, REDUCE, header, encode_s, received, launched)
+            return settle(work, sent_bytes, REDUCE, land(work, header), encode_s, received, launched)
 
         return torch.futures.collect_all(futures).then(finish)
 
@@ -428,27 +434,50 @@ def reduce_with_header(work: Work, tensor: Tensor, finish: Callable[[], Tensor])
     def done(fut: Future[list[Future[object]]]) -> Tensor:
         all_received(fut, work.state, "all-reduce of the bucket and its header")
         received = time.perf_counter()
+        landed = land(work, header)
         finish()
-        return settle(work, sent, REDUCE, header, encode_s, received, launched)
+        return settle(work, sent, REDUCE, landed, encode_s, received, launched)
 
     return torch.futures.collect_all(futures).then(done)
+
+
+def _materialize(work: Work) -> None:
+    """The residuals of the segments error-fed in place, as pending tensors of their own: for a path that overwrites
+    the bucket before the step is known finite."""
+    for key, error_fed, method, payload in work.deferred:
+        work.pending[key] = ErrorFeedback.residual_of(method, error_fed, payload)
+    work.deferred = []
+
+
+def land(work: Work, norms: Tensor) -> Header:
+    """The summed header of an arrived bucket, before its decoded average overwrites the bucket: on a finite step the
+    residuals of the segments error-fed in place are taken into the memory (over the residuals they replace); on a
+    non-finite one they are dropped and the stored residuals stay as they were."""
+    header = Header.unpack(norms, work.fresh is not None)
+    if math.isfinite(header.basis):
+        memory = work.state.memory
+        for key, error_fed, method, payload in work.deferred:
+            work.pending[key] = memory.absorb(key, error_fed, method, payload)
+    work.deferred = []
+    return header
 
 
 def settle(
     work: Work,
     bytes_sent: int,
     collective: Collective,
-    norms: Tensor,
+    header: Header,
     encode_s: float,
     received: float,
     launched: float,
 ) -> Tensor:
     """Commit the residuals of a finite step (or poison the result of a non-finite one) and record the stats."""
-    header = Header.unpack(norms, work.fresh is not None)
     keys = [s.key for s in work.segments]
     state = work.state
     if math.isfinite(header.basis):
         state.compressor.commit(keys)
+        if state.error_feedback and state.momentum:
+            state.momentum.mask_(work.pending)
         state.momentum.commit(work.names)
         for key, residual in work.pending.items():
             if residual is None:

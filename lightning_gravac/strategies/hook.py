@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gravac.compressors.base import all_finite, sq_norm
+from lightning_gravac.compressors.base import Communication, all_finite, sq_norm
 from lightning_gravac.compressors.memory import Feedback
 from lightning_gravac.state import HALF, REDUCE, BucketRecord, CompressionState
 from lightning_gravac.strategies.communicators import Segment, Work, communicator_for, received_value, views_like
@@ -61,11 +61,16 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
     fresh, measuring = _fresh_gains(state, names, grads, buffer)
     start += measuring  # not compression's cost: the controller weighs what sending a factor costs, measuring aside
-    # Per layer, the error-fed gradient goes into a buffer the memory recycles (`encode`), which then becomes the new
-    # residual in place: no copy of the gradient and no allocation. Dense steps and whole buckets add it in place.
+    # Per layer, the residual is added into the gradient in place, in the bucket, and the new residual is written over
+    # the old one once the step is known finite (`communicators.land`): error feedback keeps one buffer a parameter.
+    # PowerSGD's rounds write the residual before the step is known finite: the memory recycles a second buffer there.
+    # Dense steps and whole buckets add it in place and copy the new residual.
     feedback: Feedback = "off"
     if state.error_feedback:
-        feedback = "recycle" if state.granularity == "layer" and not dense else "copy"
+        feedback = "copy"
+        if state.granularity == "layer" and not dense:
+            rounds = state.compressor.communication is Communication.ROUNDS and not state.half
+            feedback = "recycle" if rounds else "in_place"
         if feedback == "copy":
             for name, grad in zip(names, grads, strict=True):
                 state.memory.compensate_(name, grad)
