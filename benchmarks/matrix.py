@@ -102,12 +102,15 @@ from bandwidth import (  # (the same token-bucket shaping as the bandwidth bench
 )
 
 _INSIDE = "GRAVAC_MATRIX_NETNS"
-FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc cf=100"]
+FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc cf=100", "qsgd 4-bit", "qsgd 2-bit"]
 ROWS = [*FIXED, "accordion 10/1000", "gravac (paper)", "default"]
 #: More compressor families, for the optimizer study (``--optimizer adamw --links unlimited``): fixed settings.
 FAMILY_SETTINGS = {"qsgd 4-bit": ("qsgd", 8.0), "powersgd cf=100": ("powersgd", 100.0),
-                   "randomk cf=100": ("randomk", 100.0), "efsignsgd": ("efsignsgd", 32.0)}  # fmt: skip
-FAMILIES = list(FAMILY_SETTINGS)
+                   "randomk cf=100": ("randomk", 100.0), "efsignsgd": ("efsignsgd", 32.0),
+                   "qsgd 2-bit": ("qsgd", 15.5), "qsgd 3-bit": ("qsgd", 10.0),
+                   "qsgd 2-bit ef": ("qsgd", 15.5), "qsgd 3-bit ef": ("qsgd", 10.0),
+                   "qsgd 4-bit ef": ("qsgd", 8.0)}  # fmt: skip
+FAMILIES = [row for row in FAMILY_SETTINGS if row not in FIXED]
 #: Momentum correction without DGC's momentum factor masking, for the masking study (``--tasks cnn``).
 UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
 #: The default without one of its rules, to measure what the rule changes side by side (``weigh_masking``).
@@ -246,7 +249,8 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return GraVACStrategy(), [GraVAC(budget=True)]
     if row in FAMILY_SETTINGS:
         method, cf = FAMILY_SETTINGS[row]
-        return GraVACStrategy(method), [Static(cf=cf)]
+        # "ef": error-fed, and SGD's momentum moved into the hook with it (the default leaves it in the optimizer).
+        return GraVACStrategy(method, error_feedback=True if row.endswith(" ef") else None), [Static(cf=cf)]
     raise ValueError(row)
 
 

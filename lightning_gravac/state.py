@@ -179,6 +179,12 @@ class CompressionState:
         self.compressor.setup(self.world_size, dist.get_rank(process_group))
         self.param_names = {id(p): name for name, p in module.named_parameters()}
 
+    def use_method(self, compressor: Compressor, error_feedback: bool) -> None:
+        """Send with ``compressor`` from now on (set up for this process group when bound); before any step."""
+        self.compressor, self.error_feedback = compressor, error_feedback
+        if self.world_size and dist.is_initialized():
+            compressor.setup(self.world_size, dist.get_rank(self.process_group))
+
     def cf_of(self, name: str) -> float:
         """The factor in force for parameter ``name``: its own if the controller set one, else the global one."""
         if self.compressor.passthrough:

@@ -680,3 +680,28 @@ def test_the_budget_edge_becomes_a_rung_of_the_ladder():
     c.budget_steps, c.ladder = 1e6, c._ladder(c.cf_min, c.cf_max)  # a long run: the ladder as it was
     c._fit_ladder_to_budget()
     assert c.ladder == (10, 20, 40, 160, 1000)
+
+
+def test_an_unbiased_method_keeps_one_over_its_gain_and_its_factors_follow_its_reach():
+    """QSGD's gain is ``1 + w`` (its variance ``w`` added to the gradient's energy): a step keeps ``1 / (1 + w)``
+    of a dense one, so its most aggressive codes are not mistaken for the best; a biased method keeps its gain. The
+    default bounds follow QSGD's 2- to 8-bit codes, capped by the model's largest gradient."""
+    c = GraVAC()
+    c._state = _with_moved_momentum("qsgd", 0.0)
+    c.gains = {4.0: 1.01, 8.0: 2.5, 15.5: 16.0}
+    assert c.kept(4.0) == pytest.approx(1 / 1.01) and c.kept(8.0) == pytest.approx(0.4) and c.kept(15.5) == 1 / 16
+    c.fit_to_model(10_000)
+    lo, hi = 32 / (8 + 1 / 16), 32 / (2 + 1 / 16)
+    assert c.ladder == pytest.approx((lo, 2 * lo, hi)) and (c.cf_min, c.cf_max) == (lo, hi)
+    c.fit_to_model(10)  # a model whose largest gradient has 10 entries
+    assert c.ladder == pytest.approx((lo, 2 * lo, 10.0))
+    topk = GraVAC()
+    topk._state = _with_moved_momentum("topk", 0.0)
+    topk.gains = {10.0: 0.4, 20.0: 1.2}  # a biased method's gain above 1 is rounding: it keeps everything
+    assert topk.kept(10.0) == 0.4 and topk.kept(20.0) == 1.0
+    topk.fit_to_model(10_000)
+    assert topk.ladder == (10, 20, 40, 160, 1000)
+    explicit = GraVAC(cf_min=5, cf_max=12)
+    explicit._state = _with_moved_momentum("qsgd", 0.0)
+    explicit.fit_to_model(10_000)
+    assert explicit.ladder == (5, 10, 12)  # what the user passed stays

@@ -331,3 +331,41 @@ def test_on_one_process_an_explicit_factor_is_honoured_with_a_warning():
     with pytest.warns(UserWarning, match=r"runs on one process: nothing crosses a network, so Static\(cf=10\.0\)"):
         trainer.fit(TeacherRegression(), loader())
     assert trainer.callback_metrics["gravac/achieved_cf"] > 5
+
+
+def _method_by_optimizer(rank, world_size, momentum, strategy_args, controller):
+    """Which method the strategy sends with, where SGD's momentum is, and the default controller's factors."""
+    strategy = GraVACStrategy(*strategy_args)
+    _, trainer = _fit(world_size, strategy, [] if controller is None else [controller], steps=6, momentum=momentum)
+    group = trainer.optimizers[0].param_groups[0]
+    chosen = next(c for c in trainer.callbacks if isinstance(c, Controller))
+    return {
+        "method": strategy.compressor.name,
+        "error_feedback": strategy.compression_state.error_feedback,
+        "optimizer_momentum": group["momentum"],
+        "moved": bool(strategy.compression_state.momentum),
+        "ladder": getattr(chosen, "ladder", None),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("momentum", "strategy_args", "controller", "method"),
+    [(0.9, (), None, "qsgd"), (0.0, (), None, "topk"), (0.9, ("topk",), None, "topk"),
+     (0.9, (), Static(cf=100), "topk"), (0.9, (None, "layer", True), None, "topk")],
+)  # fmt: skip
+def test_the_zero_argument_default_sends_qsgd_under_sgd_momentum_and_keeps_the_momentum_in_the_optimizer(
+    momentum, strategy_args, controller, method
+):
+    """Under SGD with momentum a sparsifier's momentum factor masking restarts each sent entry's momentum, so the
+    zero-argument default sends QSGD, with the momentum left to the optimizer and GraVAC's factors fitted to QSGD's
+    reach; a named method, a controller of the user's or an explicit error feedback keeps Top-K."""
+    for got in run_distributed(_method_by_optimizer, momentum=momentum, strategy_args=strategy_args,
+                               controller=controller):  # fmt: skip
+        assert got["method"] == method
+        if method == "qsgd":
+            assert not got["error_feedback"] and not got["moved"] and got["optimizer_momentum"] == 0.9
+            assert got["ladder"] == pytest.approx((32 / (8 + 1 / 16), 64 / (8 + 1 / 16), 32 / (2 + 1 / 16)))
+        else:
+            assert got["error_feedback"]
+            assert got["moved"] == (momentum > 0) and got["optimizer_momentum"] == 0.0

@@ -469,23 +469,22 @@ class GraVAC(Controller):
 
     @override
     def fit_to_model(self, largest: int) -> None:
-        """Cap the default bounds (those not passed) at ``largest``, the size of the model's largest gradient."""
-        capped = []
-        if self._fitted["cf_max"] and self.cf_max > largest:
-            self.cf_max = float(largest)
-            capped.append("cf_max")
-        if self._fitted["cf_min"] and self.cf_min > self.cf_max:
-            self.cf_min = self.cf_max
-            capped.append("cf_min")
-        if not capped:
+        """Fit the default bounds (those not passed) to the method's reach (:meth:`Compressor.factor_range`, once the
+        strategy's method is known: QSGD's 2- to 8-bit codes), else 10 and 1000, capped at ``largest``, the size of
+        the model's largest gradient. Said when they change."""
+        reach = self._state.compressor.factor_range(self._grad_dtype) if self._state is not None else None
+        cf_min, cf_max = reach if reach is not None else (DEFAULT_CF_MIN, DEFAULT_CF_MAX)
+        cf_max = min(cf_max, float(largest)) if self._fitted["cf_max"] else self.cf_max
+        cf_min = min(cf_min, cf_max) if self._fitted["cf_min"] else self.cf_min
+        if (cf_min, cf_max) == (self.cf_min, self.cf_max):
             return
-        self.ladder = self._ladder(self.cf_min, self.cf_max)
-        self.candidate = min(self.candidate, self.cf_max)
-        self.cf = min(self.cf, self.cf_max)
-        rank_zero_info(
-            f"GraVAC: the model's largest gradient has {largest} entries; {' and '.join(capped)} fitted to it "
-            f"(factors {', '.join(f'{f:g}' for f in self.ladder)})."
-        )
+        self.cf_min, self.cf_max, self.ladder = cf_min, cf_max, self._ladder(cf_min, cf_max)
+        self.candidate = min(max(self.candidate, cf_min), cf_max)
+        self.cf = min(max(self.cf, cf_min), cf_max)
+        why = f"{self.state.compressor.name!r} sends from {reach[0]:.3g} to {reach[1]:.3g}" if reach else ""
+        if largest in (cf_max, cf_min):
+            why += ("; " if why else "") + f"the model's largest gradient has {largest} entries"
+        rank_zero_info(f"GraVAC: factors {', '.join(f'{f:.3g}' for f in self.ladder)} ({why or 'the defaults'}).")
 
     def _ladder(self, cf_min: float, cf_max: float) -> tuple[float, ...]:
         factors, scale = [cf_min], 2.0
@@ -947,8 +946,17 @@ class GraVAC(Controller):
         seconds = self._predicted_seconds(self.link, cf, dense_bytes)
         # fp16 keeps all but the rounding, which error feedback carries to the next step.
         full = cf in (DENSE, *self.rungs)
-        progress = 1.0 if full else self.gains.get(cf, 0.0) ** self.gain_power * self.masking_weight(cf)
+        progress = 1.0 if full else self.kept(cf) ** self.gain_power * self.masking_weight(cf)
         return progress / seconds if seconds > 0 else math.inf
+
+    def kept(self, cf: float) -> float:
+        """What a step at ``cf`` keeps of a dense step, from its gain: the gain itself for a biased method (the energy
+        it sends now, error feedback delaying the rest); for an unbiased one, whose gain is ``1 + w`` (``w`` the
+        variance it adds, relative to the gradient's energy), ``1 / (1 + w)``, as that variance costs steps."""
+        gain = self.gains.get(cf, 0.0)
+        if self._state is not None and not self._state.compressor.biased and gain > 1.0:
+            return 1.0 / gain
+        return min(gain, 1.0)
 
     def _fit_ladder_to_budget(self) -> None:
         """Replace the rungs the budget leaves out by the most aggressive factor it admits (whole, at least

@@ -230,6 +230,12 @@ class Compressor(ABC):
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore :meth:`state_dict`."""
 
+    def factor_range(self, dtype: torch.dtype) -> tuple[float, float] | None:
+        """The least and the most aggressive factor the method reaches on ``dtype`` gradients, when it clamps what it
+        is asked for to a range (an adaptive controller's default bounds follow it); ``None`` when any factor from 1
+        to the tensor's size can be sent."""
+        return None
+
     def achieved_cf(self, payload: Payload) -> float:
         """Dense bytes / wire bytes of ``payload``."""
         dense = math.prod(payload.shape) * torch.empty((), dtype=payload.dtype).element_size()

@@ -59,6 +59,13 @@ class QSGD(Compressor):
         bits = min(range(2, 9), key=lambda b: abs(math.log((b + overhead) / exact)))
         return 2 ** (bits - 1) - 1
 
+    def factor_range(self, dtype: torch.dtype) -> tuple[float, float] | None:
+        if self.levels is not None:  # one code width whatever the factor
+            return None
+        value_bits = 8 * torch.empty((), dtype=dtype).element_size()
+        overhead = _NORM_BITS / self.bucket_size
+        return value_bits / (8 + overhead), value_bits / (2 + overhead)
+
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         s = self.levels_for(cf, tensor.dtype)
         flat = tensor.reshape(-1).float()

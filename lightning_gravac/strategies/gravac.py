@@ -60,6 +60,10 @@ def gather_rows(tensors: dict[str, Any], world_size: int, group: Any = None) -> 
     return out
 
 
+#: The method of ``GraVACStrategy()``, and the one its zero-argument default sends under SGD with momentum.
+DEFAULT_METHOD, MOMENTUM_METHOD = "topk", "qsgd"
+
+
 class GraVACStrategy(DDPStrategy):
     """Distributed data-parallel training with compressed gradients and an adaptive compression factor.
 
@@ -70,6 +74,12 @@ class GraVACStrategy(DDPStrategy):
 
     Args:
         compressor: a registered compressor name (see :func:`~lightning_gravac.list_compressors`) or an instance.
+            ``None`` (the default): Top-K, except that the zero-argument default (no controller among the callbacks,
+            ``error_feedback`` and ``momentum_masking`` unset) sends QSGD when the optimizer is ``torch.optim.SGD``
+            with momentum. There a sparsifier restarts the momentum of every entry it sends (momentum factor masking,
+            which keeps training stable near the largest learning rate), so each step moves the weights less than
+            dense SGD's and a run of the same length ends behind; QSGD sends every entry every step, unbiased, and
+            leaves the momentum to the optimizer (measurements in BENCHMARKS.md). Said once at setup.
         granularity: ``"layer"`` compresses each parameter's gradient on its own (per-layer factors possible);
             ``"bucket"`` compresses each DDP bucket as one tensor (fewer, larger selections).
         error_feedback: keep what compression dropped and add it to the next gradient. ``None`` turns it on for
@@ -90,10 +100,10 @@ class GraVACStrategy(DDPStrategy):
             ``backward`` (e.g. by gradient clipping) are then update directions, momentum included. Not applied under
             a gradient scaler (fp16 mixed precision), whose scale changes from step to step.
         momentum_masking: with momentum correction, restart a parameter's moved momentum from 0 where its entry was
-            just sent (Deep Gradient Compression's momentum factor masking; on, as published). ``False`` keeps the
-            whole momentum (heavy-ball delayed by error feedback): faster at a learning rate well inside dense's
-            stable range (VGG-11 with batch norm, Top-K cf 10, 200 steps: held-out loss 0.0073 against 0.035 masked),
-            but it diverged near the largest rate dense survives, where masking trained.
+            just sent (Deep Gradient Compression's momentum factor masking; ``None``: on, as published). ``False``
+            keeps the whole momentum (heavy-ball delayed by error feedback): faster at a learning rate well inside
+            dense's stable range, but it diverged near the largest rate dense survives, where masking trained
+            (BENCHMARKS.md).
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
@@ -111,13 +121,13 @@ class GraVACStrategy(DDPStrategy):
 
     def __init__(
         self,
-        compressor: str | Compressor = "topk",
+        compressor: str | Compressor | None = None,
         granularity: Granularity = "layer",
         error_feedback: bool | None = None,
         model_averaging_period: int | None = None,
         start_local_sgd_step: int = 0,
         momentum_correction: bool = True,
-        momentum_masking: bool = True,
+        momentum_masking: bool | None = None,
         **kwargs: Any,
     ) -> None:
         clashing = [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]
@@ -126,6 +136,11 @@ class GraVACStrategy(DDPStrategy):
                 f"GraVACStrategy registers its own DDP comm hook; remove {', '.join(clashing)} "
                 "or use DDPStrategy for a hook of your own."
             )
+        # The zero-argument default may send QSGD under SGD momentum (`_method_for_momentum`): decided at setup.
+        self._method_open = compressor is None and error_feedback is None and momentum_masking is None
+        self._default_controller = False
+        if compressor is None:
+            compressor = DEFAULT_METHOD
         if isinstance(compressor, str):
             compressor = get_compressor(compressor)
         elif not isinstance(compressor, Compressor):
@@ -161,7 +176,7 @@ class GraVACStrategy(DDPStrategy):
             granularity=granularity,
             local_sgd_from=start_local_sgd_step if model_averaging_period is not None else None,
         )
-        self.compression_state.momentum.masking = momentum_masking
+        self.compression_state.momentum.masking = momentum_masking is not False
         if model_averaging_period is not None:
             self._ddp_comm_state = local_sgd
 
@@ -207,6 +222,7 @@ class GraVACStrategy(DDPStrategy):
                 "its compression only changes the training, as it would on several processes. Give the Trainer "
                 "`devices=2` or more (or `num_nodes`) to communicate less."
             )
+        self._default_controller = not controllers
         if not controllers:
             # A method that sends the gradient unchanged has no factor to choose: a controller at cf 1 only reports. One
             # whose size is fixed by its encoding (a cast, signs) is held there: a search would only ask for factors it
@@ -238,6 +254,7 @@ class GraVACStrategy(DDPStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
         # Optimizers exist from here on; no gradient has been communicated yet.
+        self._method_for_momentum()
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
         state = self.compression_state
@@ -260,6 +277,25 @@ class GraVACStrategy(DDPStrategy):
                         f"{len(moved)} parameters is applied in the comm hook before compression and set to 0 in the "
                         "optimizer. `GraVACStrategy(momentum_correction=False)` leaves the optimizer alone."
                     )
+
+    def _method_for_momentum(self) -> None:
+        """The zero-argument default under ``torch.optim.SGD`` with momentum: send QSGD instead of Top-K (see the
+        ``compressor`` argument), with the momentum left in the optimizer. Decided identically on every rank (the
+        optimizer's settings are), before any gradient is sent."""
+        state = self.compression_state
+        if not (self._method_open and self._default_controller) or state.local_sgd_from is not None:
+            return
+        groups = [g for opt in self.optimizers for g in getattr(opt, "param_groups", [])]
+        sgd = all(isinstance(getattr(opt, "_optimizer", opt), torch.optim.SGD) for opt in self.optimizers)
+        if not (sgd and any(g.get("momentum", 0) for g in groups)):
+            return
+        method = get_compressor(MOMENTUM_METHOD)
+        state.use_method(method, error_feedback=method.error_feedback_default)
+        rank_zero_info(
+            f"GraVACStrategy: the optimizer is SGD with momentum, so the default sends {method!r} (every entry every "
+            "step, unbiased; the momentum stays in the optimizer) rather than Top-K, which restarts the momentum of "
+            "each entry it sends. `GraVACStrategy('topk')` sends Top-K."
+        )
 
     def _sparse_parameters(self) -> set[int]:
         """The parameters whose gradients are sparse, found as DDP finds them: of an embedding with ``sparse=True``."""
