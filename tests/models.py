@@ -96,17 +96,20 @@ class Snapshot(Callback):
 class FaultyRegression(TeacherRegression):
     """The teacher task, with one fault on one rank at one step: a NaN or Inf loss, an exit or a stall."""
 
-    def __init__(self, fault: str = "nan", at_step: int = 5, on_rank: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self, fault: str = "nan", at_step: int = 5, on_rank: int = 1, stall_s: float = 600, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.fault, self.at_step, self.on_rank = fault, at_step, on_rank
+        self.fault, self.at_step, self.on_rank, self.stall_s = fault, at_step, on_rank, stall_s
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
         if self.global_step == self.at_step and self.global_rank == self.on_rank:
             if self.fault == "exit":
                 os._exit(0)
-            if self.fault == "stall":
-                time.sleep(600)
+            if self.fault == "stall":  # for `stall_s`, then gone (a test need not wait for it to be killed)
+                time.sleep(self.stall_s)
+                os._exit(0)
             return loss * float(self.fault)  # "nan" or "inf": every gradient of this rank is non-finite
         return loss
 

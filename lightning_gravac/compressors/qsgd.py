@@ -83,7 +83,8 @@ class QSGD(Compressor):
         # `s` is derived from `cf` identically on every rank: it decodes locally and never crosses the network.
         levels = torch.tensor(s)
         payload = Payload((packed, norms), tensor.shape, tensor.dtype, local=(levels,))
-        note_clamped(self.name, cf, self.achieved_cf(payload))
+        if flat.numel() >= self.bucket_size:  # a smaller tensor pays a whole bucket's norm: its size sets its factor
+            note_clamped(self.name, cf, self.achieved_cf(payload))
         return payload
 
     def decompress(self, payload: Payload) -> Tensor:
