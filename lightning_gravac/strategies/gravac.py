@@ -285,9 +285,8 @@ class GraVACStrategy(DDPStrategy):
         state = self.compression_state
         if not (self._method_open and self._default_controller) or state.local_sgd_from is not None:
             return
-        groups = [g for opt in self.optimizers for g in getattr(opt, "param_groups", [])]
-        sgd = all(isinstance(getattr(opt, "_optimizer", opt), torch.optim.SGD) for opt in self.optimizers)
-        if not (sgd and any(g.get("momentum", 0) for g in groups)):
+        sgd = all(isinstance(opt, torch.optim.SGD) for opt in self.optimizers)
+        if not (sgd and any(g["momentum"] for opt in self.optimizers for g in opt.param_groups)):
             return
         method = get_compressor(MOMENTUM_METHOD)
         state.use_method(method, error_feedback=method.error_feedback_default)
