@@ -87,3 +87,27 @@ def test_a_lightning_facing_module_is_read_for_lightning_and_a_shared_one_is_not
 
     assert compressors is lightning_gravac.compressors
     assert rewrite("lightning_gravac.callbacks.gravac.GraVAC") == "lightning_gravac.lightning.callbacks.gravac.GraVAC"
+
+
+def test_every_module_that_reaches_lightning_is_read_for_lightning(tmp_path, monkeypatch):
+    """The list is found from the sources: a module naming ``pytorch_lightning``, or importing one that does, is read
+    for ``lightning``; a module that touches neither is shared."""
+    import lightning.pytorch as lpl
+
+    import lightning_gravac.lightning as unified
+    from lightning_gravac.lightning.zoo import TabularClassifier
+
+    assert issubclass(TabularClassifier, lpl.LightningModule)  # a zoo model of its own module
+    assert {"callbacks.gravac", "strategies.gravac", "zoo.tabular", "callbacks"} <= unified.LIGHTNING_FACING
+    assert not {"compressors.topk", "state", "strategies.hook", "cli"} & unified.LIGHTNING_FACING
+
+    # A new module: one that imports Lightning, one that imports it only through a facing module, one with neither.
+    package = tmp_path / "lightning_gravac"
+    (package / "extra").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "extra" / "__init__.py").write_text("from lightning_gravac.extra.direct import A\n")
+    (package / "extra" / "direct.py").write_text("import pytorch_lightning as pl\nA = pl.Callback\n")
+    (package / "extra" / "through.py").write_text("from lightning_gravac.extra import A\n")
+    (package / "extra" / "plain.py").write_text("import torch\n")
+    monkeypatch.setattr(unified, "_ROOT", package)
+    assert unified.lightning_facing() == {"extra", "extra.direct", "extra.through"}

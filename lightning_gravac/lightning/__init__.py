@@ -32,27 +32,50 @@ from types import ModuleType
 _ROOT = Path(__file__).resolve().parent.parent  # the lightning_gravac package
 _PREFIX = __name__ + "."
 
+#: Modules that stay on ``pytorch_lightning`` whatever they import: the command line, and this package.
+_NOT_LOADED_AGAIN = ("cli", "__main__", "lightning")
+_LIGHTNING = re.compile(r"\b(?:pytorch_lightning|lightning_fabric)\b")
+_IMPORT = re.compile(r"^\s*(?:from|import)\s+lightning_gravac((?:\.\w+)*)", re.MULTILINE)
+
+
+def _sources() -> dict[str, str]:
+    """Every module of ``lightning_gravac`` by relative name ("" for the package), with its source."""
+    modules = {}
+    for path in sorted(_ROOT.rglob("*.py")):
+        parts = list(path.relative_to(_ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path.read_text(encoding="utf-8")
+    return modules
+
+
+def lightning_facing() -> frozenset[str]:
+    """The modules of ``lightning_gravac`` (relative names; "" is the package) loaded again for ``lightning``: those
+    whose source names ``pytorch_lightning`` or ``lightning_fabric``, and those that import one of them, found from
+    the sources so that a new module cannot be missed."""
+    sources = _sources()
+
+    def imported(source: str) -> set[str]:
+        # The module a name comes from: the longest module path (`lightning_gravac.callbacks.gravac`, not the
+        # packages Python runs on the way).
+        found = set()
+        for match in _IMPORT.finditer(source):
+            parts = match.group(1).lstrip(".").split(".") if match.group(1) else []
+            found.add(next(m for n in range(len(parts), -1, -1) if (m := ".".join(parts[:n])) in sources))
+        return found
+
+    own = {name: source for name, source in sources.items() if name.split(".")[0] not in _NOT_LOADED_AGAIN}
+    facing = {name for name, source in own.items() if _LIGHTNING.search(source)}
+    edges = {name: imported(source) for name, source in own.items()}
+    while True:  # the closure over imports
+        more = {name for name, targets in edges.items() if targets & facing} - facing
+        if not more:
+            return frozenset(facing)
+        facing |= more
+
+
 #: Modules of ``lightning_gravac`` (relative names; "" is the package) that import Lightning, loaded again here.
-LIGHTNING_FACING = frozenset(
-    {
-        "",
-        "callbacks",
-        "callbacks.accordion",
-        "callbacks.controller",
-        "callbacks.gravac",
-        "callbacks.static",
-        "callbacks.summary",
-        "strategies",
-        "strategies.gravac",
-        "meprop",
-        "loggers",
-        "zoo",
-        "zoo.cifar",
-        "zoo.language",
-        "zoo.synthetic",
-        "zoo.vision",
-    }
-)
+LIGHTNING_FACING = lightning_facing()
 
 
 def rewrite(source: str) -> str:
