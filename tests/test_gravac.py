@@ -705,3 +705,10 @@ def test_an_unbiased_method_keeps_one_over_its_gain_and_its_factors_follow_its_r
     explicit._state = _with_moved_momentum("qsgd", 0.0)
     explicit.fit_to_model(10_000)
     assert explicit.ladder == (5, 10, 12)  # what the user passed stays
+    # A resumed run's dense factor (restored before fit start fits the bounds to the method) stays dense.
+    resumed = GraVAC()
+    resumed.fit_to_model(64)  # at setup, before the strategy's method is known
+    resumed.load_state_dict({**resumed.state_dict(), "cf": 1.0})
+    resumed._state = _with_moved_momentum("qsgd", 0.0)
+    resumed.fit_to_model(64)
+    assert resumed.cf == 1.0 and resumed.cf_min == pytest.approx(lo)

@@ -480,7 +480,8 @@ class GraVAC(Controller):
             return
         self.cf_min, self.cf_max, self.ladder = cf_min, cf_max, self._ladder(cf_min, cf_max)
         self.candidate = min(max(self.candidate, cf_min), cf_max)
-        self.cf = min(max(self.cf, cf_min), cf_max)
+        if self.cf not in (DENSE, HALF):  # dense or fp16 (a resumed run's factor) stay what they are
+            self.cf = min(max(self.cf, cf_min), cf_max)
         why = f"{self.state.compressor.name!r} sends from {reach[0]:.3g} to {reach[1]:.3g}" if reach else ""
         if largest in (cf_max, cf_min):
             why += ("; " if why else "") + f"the model's largest gradient has {largest} entries"
