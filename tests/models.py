@@ -65,6 +65,18 @@ class SimulatedLink(GraVAC):
         return 8 / 10e6, 0.0  # an fp16 byte costs an fp32 one's; the casts nothing
 
 
+class StopAfter(Callback):
+    """Stop a fit after ``steps`` optimizer steps. With a large ``max_steps`` it gives a short test run a long budget:
+    GraVAC's factors are bounded by the run's length (``trainer.estimated_stepping_batches``)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
 class Snapshot(Callback):
     """Records the controller's state, the step counter and this rank's residuals: at the end of epoch ``at_epoch``
     (as the checkpoint then written holds them), or at train start (as a resumed run begins)."""

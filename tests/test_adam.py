@@ -11,7 +11,7 @@ from lightning_gravac.launch import run_distributed
 from lightning_gravac.state import CompressionState
 from lightning_gravac.zoo import TeacherRegression
 
-from models import loader, trainer_kwargs
+from models import StopAfter, loader, trainer_kwargs
 
 
 class AdamW(TeacherRegression):
@@ -51,8 +51,9 @@ def _fit(rank, world_size, optimizer, controller, compressor):
     }[controller]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = pl.Trainer(strategy=GraVACStrategy(compressor), callbacks=[*callbacks, summary], max_steps=8,
-                             **trainer_kwargs(world_size))  # fmt: skip
+        # Eight steps of a long run: the factors a run admits follow its length.
+        trainer = pl.Trainer(strategy=GraVACStrategy(compressor), callbacks=[*callbacks, summary, StopAfter(8)],
+                             max_steps=100_000, **trainer_kwargs(world_size))  # fmt: skip
         trainer.fit(model, loader())
     said = [str(w.message) for w in caught if "second moment" in str(w.message)]
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

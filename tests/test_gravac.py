@@ -229,8 +229,9 @@ def test_ranks_on_different_data_decide_alike_and_gravac_learns_like_dense(searc
         latency, per_byte = mine["probed"]
         assert latency >= 0 and per_byte > 0, "the setup probe did not measure the link"
     cfs = mine["cf"]
-    # The paper starts at cf_min; on a probed link the model search's first window sends the most aggressive factor.
-    assert len(cfs) == 200 and cfs[0] == (GRAVAC["cf_min"] if search == "sequential" else GRAVAC["cf_max"])
+    # The paper starts at cf_min; on a probed link the model search's first window sends the most aggressive factor
+    # the run admits: Top-K's entry waits 2 cf steps, so a 200-step run admits cf 100.
+    assert len(cfs) == 200 and cfs[0] == (GRAVAC["cf_min"] if search == "sequential" else 100)
     if search == "sequential":
         assert max(cfs) > GRAVAC["cf_min"], "the search never moved to a higher factor"
     if search == "default":  # factors chosen from timed steps: how far it compresses follows the machine's load
@@ -653,19 +654,19 @@ def test_the_budget_leaves_out_factors_whose_entries_would_wait_past_the_run():
     sent = {}
     for budget in (100, 100_000):
         # Top-K's entry waits 2 cf steps: a 100-step run admits cf 10, 20 and 40; a long one every factor.
-        c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=budget, budget=True)
+        c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=budget)
         assert [cf for cf in c.ladder if c.within_budget(cf)] == ([10, 20, 40] if budget == 100 else list(c.ladder))
         sent[budget] = c.sent
     # The first window sends the most aggressive admitted factor, then the best predicted among the admitted ones.
     assert sent[100][1:3] == [40, 40] and sent[100][-1] == 40
     assert sent[100_000][1:3] == [1000, 1000] and sent[100_000][-1] == 160
-    # Off (the default, and always for the paper's search): every factor.
-    c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=100)
+    # Off (asked, and always for the paper's search): every factor.
+    c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=100, budget=False)
     assert c.sent[-1] == 160 and GraVAC(search="sequential", budget=True).budget is False
 
 
 def test_the_budget_edge_becomes_a_rung_of_the_ladder():
-    c = GraVAC(budget=True)
+    c = GraVAC()
     c._state = _with_moved_momentum("topk", 0.0)
     c.budget_steps = 200.0  # Top-K's wait is 2 cf: cf 100 is the most aggressive factor a 200-step run admits
     c._fit_ladder_to_budget()

@@ -12,9 +12,9 @@ from torch import nn
 from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, RunSummary, Static, list_compressors
 from lightning_gravac.compressors import DGC
 from lightning_gravac.launch import run_distributed
-from lightning_gravac.zoo import TeacherRegression, teacher_dataset
+from lightning_gravac.zoo import BagOfWordsRegression, TeacherRegression, teacher_dataset
 
-from models import ExitCleanly, loader, trainer_kwargs, weights
+from models import ExitCleanly, bag_loader, loader, trainer_kwargs, weights
 
 
 def _fit(world_size: int, strategy, callbacks=(), steps: int = 12, **model_kwargs) -> tuple[nn.Module, pl.Trainer]:
@@ -89,7 +89,9 @@ def _by_registry_name(rank, world_size):
 def test_registry_name_runs_with_the_default_controller():
     for strategy, controllers, cf, cf_max in run_distributed(_by_registry_name):
         assert strategy == "GraVACStrategy"
-        assert controllers == [repr(GraVAC())]
+        # The default controller, its factors fitted to the method the default sends (QSGD: plain SGD, dense model).
+        (controller,) = controllers
+        assert controller.startswith("GraVAC(cf_min=3.96899, cf_max=15.5152") and controller.endswith("budget=True)")
         assert cf == cf_max  # on the probed link, the first window sends the most aggressive factor
 
 
@@ -333,10 +335,16 @@ def test_on_one_process_an_explicit_factor_is_honoured_with_a_warning():
     assert trainer.callback_metrics["gravac/achieved_cf"] > 5
 
 
-def _method_by_optimizer(rank, world_size, momentum, strategy_args, controller):
+def _method_by_optimizer(rank, world_size, momentum, strategy_args, controller, model):
     """Which method the strategy sends with, where SGD's momentum is, and the default controller's factors."""
     strategy = GraVACStrategy(*strategy_args)
-    _, trainer = _fit(world_size, strategy, [] if controller is None else [controller], steps=6, momentum=momentum)
+    callbacks = [] if controller is None else [controller]
+    if model == "bag":  # mostly an embedding table
+        pl.seed_everything(0)
+        trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, max_steps=6, **trainer_kwargs(world_size))
+        trainer.fit(BagOfWordsRegression(vocab=256, dim=64, momentum=momentum), bag_loader())
+    else:
+        _, trainer = _fit(world_size, strategy, callbacks, steps=6, momentum=momentum)
     group = trainer.optimizers[0].param_groups[0]
     chosen = next(c for c in trainer.callbacks if isinstance(c, Controller))
     return {
@@ -350,21 +358,23 @@ def _method_by_optimizer(rank, world_size, momentum, strategy_args, controller):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("momentum", "strategy_args", "controller", "method"),
-    [(0.9, (), None, "qsgd"), (0.0, (), None, "topk"), (0.9, ("topk",), None, "topk"),
-     (0.9, (), Static(cf=100), "topk"), (0.9, (None, "layer", True), None, "topk")],
+    ("momentum", "strategy_args", "controller", "model", "method"),
+    [(0.9, (), None, "mlp", "qsgd"), (0.0, (), None, "mlp", "qsgd"), (0.9, (), None, "bag", "topk"),
+     (0.0, (), None, "bag", "topk"), (0.9, ("topk",), None, "mlp", "topk"),
+     (0.9, (), Static(cf=100), "mlp", "topk"), (0.9, (None, "layer", True), None, "mlp", "topk")],
 )  # fmt: skip
-def test_the_zero_argument_default_sends_qsgd_under_sgd_momentum_and_keeps_the_momentum_in_the_optimizer(
-    momentum, strategy_args, controller, method
+def test_the_zero_argument_default_sends_qsgd_under_sgd_and_keeps_the_momentum_in_the_optimizer(
+    momentum, strategy_args, controller, model, method
 ):
-    """Under SGD with momentum a sparsifier's momentum factor masking restarts each sent entry's momentum, so the
-    zero-argument default sends QSGD, with the momentum left to the optimizer and GraVAC's factors fitted to QSGD's
-    reach; a named method, a controller of the user's or an explicit error feedback keeps Top-K."""
+    """Under SGD, Top-K's error feedback delays what it does not send (and momentum factor masking restarts each
+    sent entry's momentum), so on a dense gradient the zero-argument default sends QSGD, any momentum left to the
+    optimizer and GraVAC's factors fitted to QSGD's reach. A model that is mostly an embedding table (a gradient of
+    zero rows), a named method, a controller of the user's or an explicit error feedback keeps Top-K."""
     for got in run_distributed(_method_by_optimizer, momentum=momentum, strategy_args=strategy_args,
-                               controller=controller):  # fmt: skip
+                               controller=controller, model=model):  # fmt: skip
         assert got["method"] == method
         if method == "qsgd":
-            assert not got["error_feedback"] and not got["moved"] and got["optimizer_momentum"] == 0.9
+            assert not got["error_feedback"] and not got["moved"] and got["optimizer_momentum"] == momentum
             assert got["ladder"] == pytest.approx((32 / (8 + 1 / 16), 64 / (8 + 1 / 16), 32 / (2 + 1 / 16)))
         else:
             assert got["error_feedback"]

@@ -291,12 +291,12 @@ class GraVAC(Controller):
       was the default's worst). No effect without momentum, with masking off, or for methods that send no entry
       exactly (quantizers, casts, PowerSGD, unbiased Random-K); DGC is weighed by its own momentum.
       ``weigh_masking=False`` turns it off.
-    - *The run's budget may bound the factor* (``budget=True``). Error feedback delays what a step does not send: an
-      entry waits ``numel / k`` steps on average (``2 cf`` for Top-K). A factor whose wait exceeds the whole run's steps
+    - *The run's budget bounds the factor.* Error feedback delays what a step does not send: an entry waits
+      ``numel / k`` steps on average (``2 cf`` for Top-K). A factor whose wait exceeds the whole run's steps
       (``trainer.estimated_stepping_batches``) would hold most of the gradient back past the end, which no measure of
-      one step's energy sees: such factors are left out (each entry is then expected to be sent at least once in
-      the run). ``budget=True`` turns it on (off by default until the benchmark matrix has measured it; the paper's
-      search never uses it).
+      one step's energy sees: such factors are left out (each entry is then expected to be sent at least once in the
+      run), and the most aggressive factor the run admits becomes the ladder's last rung. ``budget=False`` turns it
+      off (the paper's search never uses it).
     - *``epsilon`` is a floor (0.02), not the gate*: the gain already weighs each factor; the floor only refuses a
       factor that sends almost nothing of each step.
     - *The link is measured, not searched*: the paper finds the best factor by sending each candidate for a window,
@@ -364,7 +364,7 @@ class GraVAC(Controller):
         weigh_masking: weigh each factor's progress by the momentum that momentum factor masking keeps at it (see
             above; model search only).
         budget: leave out the factors whose entries would wait longer than the run's steps (see above; model search
-            only). Off by default until measured across the benchmark matrix.
+            only).
 
     Raises:
         ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
@@ -392,7 +392,7 @@ class GraVAC(Controller):
         probe_backoff: int | None = None,
         fp16_rung: bool | None = None,
         weigh_masking: bool = True,
-        budget: bool = False,
+        budget: bool = True,
     ) -> None:
         # Which bounds are defaults, fitted to the model at setup (`fit_to_model`), and which the user chose.
         self._fitted = {"cf_min": cf_min is None, "cf_max": cf_max is None}

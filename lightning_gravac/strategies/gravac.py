@@ -60,8 +60,10 @@ def gather_rows(tensors: dict[str, Any], world_size: int, group: Any = None) -> 
     return out
 
 
-#: The method of ``GraVACStrategy()``, and the one its zero-argument default sends under SGD with momentum.
-DEFAULT_METHOD, MOMENTUM_METHOD = "topk", "qsgd"
+#: The method of ``GraVACStrategy()``, and the one its zero-argument default sends under SGD (``_method_for_sgd``).
+DEFAULT_METHOD, SGD_METHOD = "topk", "qsgd"
+#: The share of the trainable parameters above which a model counts as mostly embedding tables.
+EMBEDDING_SHARE = 0.5
 
 
 class GraVACStrategy(DDPStrategy):
@@ -76,10 +78,11 @@ class GraVACStrategy(DDPStrategy):
         compressor: a registered compressor name (see :func:`~lightning_gravac.list_compressors`) or an instance.
             ``None`` (the default): Top-K, except that the zero-argument default (no controller among the callbacks,
             ``error_feedback`` and ``momentum_masking`` unset) sends QSGD when the optimizer is ``torch.optim.SGD``
-            with momentum. There a sparsifier restarts the momentum of every entry it sends (momentum factor masking,
-            which keeps training stable near the largest learning rate), so each step moves the weights less than
-            dense SGD's and a run of the same length ends behind; QSGD sends every entry every step, unbiased, and
-            leaves the momentum to the optimizer (measurements in BENCHMARKS.md). Said once at setup.
+            and the model is not mostly embedding tables. Top-K's error feedback delays what it does not send, so
+            a run of the user's length ends behind dense on a dense gradient (and under momentum, masking restarts
+            the momentum of each entry sent); QSGD sends every entry every step, unbiased, and leaves any momentum to
+            the optimizer. An embedding table's gradient is mostly zero rows, which Top-K sends nearly exactly and
+            QSGD would spend bits on (measurements in BENCHMARKS.md). Said once at setup.
         granularity: ``"layer"`` compresses each parameter's gradient on its own (per-layer factors possible);
             ``"bucket"`` compresses each DDP bucket as one tensor (fewer, larger selections).
         error_feedback: keep what compression dropped and add it to the next gradient. ``None`` turns it on for
@@ -136,7 +139,7 @@ class GraVACStrategy(DDPStrategy):
                 f"GraVACStrategy registers its own DDP comm hook; remove {', '.join(clashing)} "
                 "or use DDPStrategy for a hook of your own."
             )
-        # The zero-argument default may send QSGD under SGD momentum (`_method_for_momentum`): decided at setup.
+        # The zero-argument default may send QSGD under SGD (`_method_for_sgd`): decided at setup.
         self._method_open = compressor is None and error_feedback is None and momentum_masking is None
         self._default_controller = False
         if compressor is None:
@@ -254,7 +257,7 @@ class GraVACStrategy(DDPStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
         # Optimizers exist from here on; no gradient has been communicated yet.
-        self._method_for_momentum()
+        self._method_for_sgd()
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
         state = self.compression_state
@@ -278,23 +281,43 @@ class GraVACStrategy(DDPStrategy):
                         "optimizer. `GraVACStrategy(momentum_correction=False)` leaves the optimizer alone."
                     )
 
-    def _method_for_momentum(self) -> None:
-        """The zero-argument default under ``torch.optim.SGD`` with momentum: send QSGD instead of Top-K (see the
-        ``compressor`` argument), with the momentum left in the optimizer. Decided identically on every rank (the
-        optimizer's settings are), before any gradient is sent."""
+    def _method_for_sgd(self) -> None:
+        """The zero-argument default under ``torch.optim.SGD``: send QSGD instead of Top-K (see the ``compressor``
+        argument), with any momentum left in the optimizer, unless most trainable parameters are embedding tables.
+        Decided identically on every rank (the model and the optimizer's class are), before any gradient is sent."""
         state = self.compression_state
         if not (self._method_open and self._default_controller) or state.local_sgd_from is not None:
             return
-        sgd = all(isinstance(opt, torch.optim.SGD) for opt in self.optimizers)
-        if not (sgd and any(g["momentum"] for opt in self.optimizers for g in opt.param_groups)):
+        if not (self.optimizers and all(isinstance(opt, torch.optim.SGD) for opt in self.optimizers)):
             return
-        method = get_compressor(MOMENTUM_METHOD)
+        share = self._embedding_share()
+        if share >= EMBEDDING_SHARE:
+            rank_zero_info(
+                f"GraVACStrategy: {share:.0%} of the trainable parameters are embedding tables, whose gradient is "
+                "mostly zero rows: the default sends Top-K, which sends those nearly exactly."
+            )
+            return
+        method = get_compressor(SGD_METHOD)
         state.use_method(method, error_feedback=method.error_feedback_default)
         rank_zero_info(
-            f"GraVACStrategy: the optimizer is SGD with momentum, so the default sends {method!r} (every entry every "
-            "step, unbiased; the momentum stays in the optimizer) rather than Top-K, which restarts the momentum of "
-            "each entry it sends. `GraVACStrategy('topk')` sends Top-K."
+            f"GraVACStrategy: the optimizer is SGD and the gradient dense, so the default sends {method!r}: every "
+            "entry every step, unbiased, any momentum staying in the optimizer; a run of the length asked for ends "
+            "where dense training would, where Top-K's error feedback delays what it does not send. "
+            "`GraVACStrategy('topk')` sends Top-K."
         )
+
+    def _embedding_share(self) -> float:
+        """The share of the trainable parameters' entries held by embedding tables (``nn.Embedding``,
+        ``nn.EmbeddingBag``) that no other layer shares: a table tied to an output layer gets a dense gradient."""
+        module = self.lightning_module
+        if module is None:
+            return 0.0
+        embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+        tables = {id(p): p for m in module.modules() if isinstance(m, embeddings) for p in m.parameters(False)}
+        tied = {id(p) for m in module.modules() if not isinstance(m, embeddings) for p in m.parameters(False)}
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        own = sum(p.numel() for i, p in tables.items() if p.requires_grad and i not in tied)
+        return own / trainable if trainable else 0.0
 
     def _sparse_parameters(self) -> set[int]:
         """The parameters whose gradients are sparse, found as DDP finds them: of an embedding with ``sparse=True``."""
