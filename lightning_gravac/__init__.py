@@ -1,15 +1,24 @@
 """lightning-gravac: compressed, adaptive gradient communication for PyTorch Lightning DDP."""
 
-from pytorch_lightning.strategies import StrategyRegistry
+import importlib
+import itertools
+import sys
+from typing import TYPE_CHECKING, Any
 
-from lightning_gravac.callbacks import Accordion, Controller, DivergenceGuard, GraVAC, RunSummary, Static
-from lightning_gravac.compressors import Compressor, ErrorFeedback, Payload, get_compressor, list_compressors
-from lightning_gravac.strategies import CompressionState, GraVACStrategy, StepStats
-
-if "gravac" not in StrategyRegistry:
-    GraVACStrategy.register_strategies(StrategyRegistry)
+if TYPE_CHECKING:
+    from lightning_gravac.callbacks import Accordion, Controller, DivergenceGuard, GraVAC, RunSummary, Static
+    from lightning_gravac.compressors import Compressor, ErrorFeedback, Payload, get_compressor, list_compressors
+    from lightning_gravac.strategies import CompressionState, GraVACStrategy, StepStats
 
 __version__ = "0.1.0"
+
+#: The public names, by the module that defines them: imported on first use (PEP 562).
+_HOMES = {
+    "lightning_gravac.callbacks": ("Accordion", "Controller", "DivergenceGuard", "GraVAC", "RunSummary", "Static"),
+    "lightning_gravac.compressors": ("Compressor", "ErrorFeedback", "Payload", "get_compressor", "list_compressors"),
+    "lightning_gravac.strategies": ("CompressionState", "GraVACStrategy", "StepStats"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
     "Accordion",
@@ -26,4 +35,36 @@ __all__ = [
     "StepStats",
     "get_compressor",
     "list_compressors",
+    "register_strategies",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def register_strategies() -> None:
+    """Register ``"gravac"`` (and its variants) in Lightning's strategy registry, once."""
+    from pytorch_lightning.strategies import StrategyRegistry  # noqa: PLC0415 - see below
+
+    from lightning_gravac.strategies import GraVACStrategy  # noqa: PLC0415
+
+    if "gravac" not in StrategyRegistry:
+        GraVACStrategy.register_strategies(StrategyRegistry)
+
+
+def _run_as_command() -> bool:
+    """Whether this process is ``python -m lightning_gravac ...``."""
+    argv = getattr(sys, "orig_argv", [])
+    return any(flag == "-m" and module == __name__ for flag, module in itertools.pairwise(argv))
+
+
+# Importing the package registers `Trainer(strategy="gravac")`, which needs torch and Lightning (seconds of CPU). The
+# command line runs this file first: its help and recipe list need neither, and it registers when it trains.
+if not _run_as_command():
+    register_strategies()

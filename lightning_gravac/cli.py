@@ -2,9 +2,11 @@
 
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from omegaconf import OmegaConf
@@ -13,7 +15,8 @@ if sys.version_info >= (3, 11):
     from importlib.resources.abc import Traversable
 else:  # its home before 3.11 (and gone from there in later versions)
     from importlib.abc import Traversable
-from pytorch_lightning.cli import LightningCLI
+if TYPE_CHECKING:
+    from pytorch_lightning.cli import LightningCLI
 
 #: The recipes shipped inside the package (package data), so that an installed wheel runs them from any directory.
 RECIPES: Traversable = resources.files("lightning_gravac") / "recipes"
@@ -38,17 +41,25 @@ def find_recipe(recipe: str | Path) -> Traversable:
     return RECIPES / f"{name}.yaml"
 
 
-def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:
+def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningCLI":
     """``python -m lightning_gravac fit --config recipe.yaml``: the LightningCLI, models and data by class path."""
-    import lightning_gravac  # noqa: F401, PLC0415 - registers the "gravac" strategy names (run as `-m`, late)
+    # Imported here, not at the top: `--help` and `recipes` answer without torch and Lightning (seconds of CPU).
+    from pytorch_lightning.cli import LightningCLI  # noqa: PLC0415
 
-    return LightningCLI(
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=list(args) if args is not None else None,
-        run=run,
-    )
+    from lightning_gravac import register_strategies  # noqa: PLC0415
+
+    register_strategies()  # the "gravac" names, for a recipe that asks for the strategy by name
+    with warnings.catch_warnings():
+        # LightningCLI warns whenever `args` is given, in case a script meant its own command line; here it is meant:
+        # the resolved recipe, or the arguments after `python -m lightning_gravac`.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return LightningCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=list(args) if args is not None else None,
+            run=run,
+        )
 
 
 def resolve_recipe(recipe: str | Path, overrides: Sequence[str] = ()) -> dict:
@@ -95,7 +106,12 @@ USAGE = """usage: python -m lightning_gravac COMMAND
   quickstart [dotted.key=value ...]        the quickstart recipe (2 CPU processes, synthetic data)
   run RECIPE [dotted.key=value ...]        a packaged recipe by name, or a recipe yaml by path
   recipes                                  list the packaged recipes
-  fit|validate|test|predict ...            LightningCLI (e.g. fit --config my.yaml)"""
+  fit|validate|test|predict ...            LightningCLI (e.g. fit --config my.yaml)
+
+examples:
+  python -m lightning_gravac quickstart trainer.max_steps=5
+  python -m lightning_gravac run vgg16_cifar100 data.init_args.synthetic=true trainer.max_steps=100
+  python -m lightning_gravac run lstm_ptb 'trainer.callbacks[0].init_args.cf_max=100'"""
 
 
 def main(argv: Sequence[str]) -> None:

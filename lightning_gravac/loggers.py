@@ -41,4 +41,12 @@ class WandbLogger(_LightningWandbLogger):
                     f"W&B: no API key found (WANDB_API_KEY or `wandb login`); logging offline to {where}. "
                     f"Upload the run later with: wandb sync {where}/offline-run-*"
                 )
+        run_dir = kwargs.get("save_dir") or kwargs.get("dir")
+        if run_dir:  # W&B looks for a git repository there before creating it, and warns when it does not exist yet
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
         super().__init__(offline=offline, **kwargs)
+        if kwargs.get("anonymous") is None:
+            # Lightning passes `anonymous=None` to `wandb.init` whatever was asked, and W&B warns that the setting
+            # has no effect whenever it is passed: leave it out unless the user set it (`_wandb_init` is Lightning's
+            # own record of the arguments it will pass).
+            self._wandb_init.pop("anonymous", None)

@@ -56,6 +56,14 @@ def test_the_module_lists_its_recipes_and_explains_its_commands(tmp_path):
     assert [line.split()[0] for line in listed.stdout.splitlines()] == ALL_RECIPES
     usage = module("run")
     assert usage.returncode != 0 and "quickstart [dotted.key=value ...]" in usage.stderr
+    # Help and the list answer without loading torch or Lightning (seconds of CPU): the package defers both.
+    for args in (["--help"], ["recipes"]):
+        timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_gravac", *args], check=True,
+                               cwd=tmp_path, env=env, capture_output=True, text=True)  # fmt: skip
+        loaded = {line.split("|")[-1].strip().split(".")[0] for line in timed.stderr.splitlines() if "|" in line}
+        assert not loaded & {"torch", "pytorch_lightning", "lightning"}, args
+    helped = module("--help")
+    assert "trainer.max_steps=5" in helped.stdout  # an override example
 
 
 def _run(args: list[str], timeout: int, module: bool = False, cwd: Path = ROOT) -> subprocess.CompletedProcess:
