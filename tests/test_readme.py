@@ -1,6 +1,7 @@
-"""Every example in the README runs as written, and every Trainer it shows trains like dense DDP.
+"""Every example in the README and the guides in ``docs/`` runs as written, and every Trainer they show trains like
+dense DDP.
 
-The README's ``python`` blocks are read from the file: a block without a ``Trainer`` runs whole (in one namespace,
+The ``python`` blocks are read from the files: a block without a ``Trainer`` runs whole (in one namespace,
 in order, as a reader would paste them); each ``Trainer(...)`` call is built on 2 ranks with the block's own imports,
 given a small MLP (SGD with momentum 0.9 at lr 0.05, the optimizer users run) and trained, and its held-out loss is
 held to what the README promises: about dense's.
@@ -21,12 +22,14 @@ from lightning_gravac.launch import run_distributed
 
 from models import trainer_kwargs
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 STEPS = 160
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    return [block for page in PAGES for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
 
 
 def _trainer_calls(block: str) -> list[ast.Call]:
