@@ -1,5 +1,6 @@
 """The command line: LightningCLI over any LightningModule and DataModule, with recipes resolved by omegaconf."""
 
+import os
 import sys
 import tempfile
 import warnings
@@ -83,6 +84,32 @@ def resolve_recipe(recipe: str | Path, overrides: Sequence[str] = ()) -> dict:
     return resolved
 
 
+def fit_to_machine(config: dict) -> None:
+    """Fit a recipe's ``devices: auto`` and data loader workers to this machine, in place, and say so.
+
+    Without a GPU, Lightning's ``devices: auto`` starts one CPU process, which has nothing to communicate: a recipe
+    then starts two, so that it trains data-parallel as it would on GPUs. Workers are capped at the CPUs this process
+    may use (the DataLoader warns above that).
+    """
+    trainer, data = config.get("trainer") or {}, (config.get("data") or {}).get("init_args") or {}
+    if trainer.get("devices", "auto") == "auto" and trainer.get("accelerator", "auto") in ("auto", "cpu"):
+        import torch  # noqa: PLC0415 - only when a recipe is run
+
+        if not torch.cuda.is_available():
+            trainer["accelerator"], trainer["devices"] = "cpu", 2
+            _say("no GPU here, so the recipe runs 2 CPU processes (set trainer.devices to change)")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if isinstance(data.get("num_workers"), int) and data["num_workers"] > cpus:
+        _say(f"{data['num_workers']} data loader workers asked, {cpus} CPUs here: using {cpus}")
+        data["num_workers"] = cpus
+
+
+def _say(message: str) -> None:
+    """Once, from the process the user started (Lightning starts the other ranks with ``LOCAL_RANK`` set)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"lightning_gravac: {message}.", file=sys.stderr)
+
+
 def run_recipe(argv: Sequence[str]) -> None:
     """``recipes/run.py [recipe] [dotted.key=value ...]``: resolve the recipe (a yaml path or a packaged recipe's
     name; the quickstart when none is given), then fit it with the CLI."""
@@ -91,6 +118,7 @@ def run_recipe(argv: Sequence[str]) -> None:
         raise SystemExit(f"usage: run [recipe] [dotted.key=value ...]; got several recipes: {paths}")
     recipe = paths[0] if paths else QUICKSTART
     config = resolve_recipe(recipe, [a for a in argv if "=" in a])
+    fit_to_machine(config)
     # LightningCLI reads files; the resolved recipe goes to one the other ranks can read too (Lightning
     # re-executes this command line for them, which resolves the same file again).
     stem = Path(recipe).name.removesuffix(".yaml")

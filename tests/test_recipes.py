@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_gravac.cli import QUICKSTART, cli_main, find_recipe, list_recipes, resolve_recipe
+from lightning_gravac.cli import QUICKSTART, cli_main, find_recipe, fit_to_machine, list_recipes, resolve_recipe
 
 from conftest import LAUNCHER_VARIABLES
 from wandb_offline import history
@@ -111,3 +111,19 @@ def test_recipe_trains_two_steps_on_synthetic_data_with_two_cpu_ranks(recipe, tm
     assert "traffic saved" in done.stdout
     (run_dir,) = tmp_path.glob("wandb/offline-run-*")
     assert sum("gravac/bytes_sent" in r for r in history(run_dir)) >= 1
+
+
+def test_a_recipe_is_fitted_to_the_machine(capsys):
+    """``devices: auto`` without a GPU would start one process, with nothing to communicate: two CPU processes
+    instead; workers beyond this process's CPUs are capped. An explicit device count is kept."""
+    import torch
+
+    config = resolve_recipe("vgg16_cifar100", ["data.init_args.num_workers=4096"])
+    fit_to_machine(config)
+    if not torch.cuda.is_available():
+        assert (config["trainer"]["accelerator"], config["trainer"]["devices"]) == ("cpu", 2)
+    assert 1 <= config["data"]["init_args"]["num_workers"] < 4096
+    assert "4096 data loader workers asked" in capsys.readouterr().err
+    kept = resolve_recipe("vgg16_cifar100", ["trainer.devices=3", "data.init_args.num_workers=1"])
+    fit_to_machine(kept)
+    assert kept["trainer"]["devices"] == 3 and kept["data"]["init_args"]["num_workers"] == 1
