@@ -50,7 +50,7 @@ def __getattr__(name: str) -> Any:
 
 def register_strategies() -> None:
     """Register ``"gravac"`` (and its variants) in Lightning's strategy registry, once."""
-    from pytorch_lightning.strategies import StrategyRegistry  # noqa: PLC0415 - see below
+    from pytorch_lightning.strategies import StrategyRegistry  # noqa: PLC0415 - on use: see the end of this file
 
     from lightning_gravac.strategies import GraVACStrategy  # noqa: PLC0415
 

@@ -231,93 +231,30 @@ SEARCHES: dict[str, _Search] = {"sequential": _Sequential(), "model": _Model()}
 class GraVAC(Controller):
     """Adapt the compression factor to what compression loses (gain) and what the link costs (step time).
 
-    **The default** (``GraVAC()``, which ``GraVACStrategy()`` installs) sends, at every step, the factor with the
-    highest predicted *compression throughput*, ``samples/s x gain^p``, among dense and the factors of the ladder
-    ``cf_min, cf_min x 2, x 4, x 16, ...`` up to ``cf_max`` (10, 20, 40, 160, 1000); with ``fp16_rung=True`` also the
-    whole gradient in fp16 (a factor of 2 that keeps all but the rounding, which error feedback carries). What it
-    measures:
+    **The default** (``GraVAC()``, which ``GraVACStrategy()`` installs) sends, each step, the factor of highest
+    predicted progress a second among dense and a ladder of factors (``cf_min, x2, x4, x16, ...`` up to ``cf_max``):
 
-    - the **link**, at fit start (again on resume): all-reduces of 1 KB and of 64 KB, 256 KB, ... (until one takes
-      20 ms or reaches the model's size), each the best of three, timed on every rank (the slowest rank's times, so
-      every rank holds the same numbers), give a per-message and a per-byte cost. So the first decision knows what
-      a dense step costs on this network without sending one (with the fp16 rung, also an fp16 all-reduce and the
-      casts);
-    - the **rest of a step** (forward, backward, optimizer) and what compressing costs, from the steps it sends,
-      every ``window`` steps (a fit's first step, which warms up, is left out; so is the time spent measuring the
-      gains);
-    - the **gains** ``sum_ranks ||C_cf(grad)||^2 / sum_ranks ||grad||^2`` of the step's own gradient at every factor
-      of the ladder, on one step in ``probe_every`` (every step of the first window), smoothed by a bias-corrected
-      EWMA (the first probe does not weigh as the whole history).
+    - the **link** is measured at fit start (all-reduces of growing size, the slowest rank's times): a cost a message
+      and a cost a byte, so the first decision knows what a dense step costs without sending one;
+    - the **rest of a step** and what compressing costs are measured on the steps sent, refitted every ``window``;
+    - the **gains** ``sum ||C_cf(g)||^2 / sum ||g||^2`` of the step's own gradient at every factor are probed on one
+      step in ``probe_every`` (backing off while they change nothing), smoothed by a bias-corrected EWMA;
+    - a step at ``f`` makes :meth:`kept` ``(f) ** gain_power`` of a dense step's progress, times the momentum that
+      masking leaves (:meth:`masking_weight`); factors whose entries would wait longer than the run
+      (:meth:`within_budget`) are left out.
 
-    A step at factor ``f`` is predicted to take ``rest + compress(f) + messages x latency + bytes(f) x
-    seconds_per_byte`` (bytes as the hook's collective moves them), and to make ``gain(f)^p`` of a dense step's
-    progress; a factor must keep at least ``epsilon`` of the gradient's energy to be eligible. Until the first window
-    ends (3 steps) it sends the most aggressive eligible factor, the cheapest on any link (error feedback keeps what
-    it leaves, and three steps cost no accuracy). Deterministic on every rank: every input crossed the network or
-    was reduced over ranks.
+    Until the first window ends (3 steps) it sends the most aggressive admitted factor. Under an Adam-like optimizer
+    and a lossy method it sends dense or whole in fp16, whichever the link makes faster (``adam``). It says what it
+    sends and why at fit start and at every change between dense, fp16 and compressed. Every input of a decision
+    crossed the network or was reduced over ranks, so every rank decides alike. Why each rule departs from the
+    paper, and the measurements behind it: ``docs/algorithms.md``.
 
-    **Where the default departs from the paper, and why** (Tyagi & Swany, IEEE CLOUD 2023: error-fed gain, a
-    sequential search that moves the candidate factor once a window, ``epsilon`` 0.7 as the gate, throughput
-    ``samples/s x gain``):
-
-    - *The gain of the step's own gradient, not of the error-fed one.* Under error feedback the residual holds what
-      earlier steps did not send; it grows to many times the gradient's norm (19x on an embedding bag, 20-38x on a
-      dense MLP), so the error-fed gain falls to 0.01-0.25 at every factor while training loses nothing: with
-      ``epsilon`` 0.7 the paper's rule sends dense. (Methods with an accumulation of their own, DGC, keep the
-      error-fed gain.)
-    - *Progress weighed as gain^(1/3), not gain.* Error feedback delays what a step does not send instead of losing
-      it, so a factor that keeps a fraction ``g`` of each step's energy does not need ``1/g`` times the steps. On a
-      10M-parameter dense-gradient MLP, Top-K at cf 10, 100 and 1000 (fresh gains about 0.45, 0.13 and 0.04) needed
-      1.2x, 1.6x and 2.8x dense's steps: ``g^(-1/3)`` is 1.3x, 2.0x and 2.9x, a slightly pessimistic fit; ``1/g``
-      predicts 2x, 8x and 25x. On an embedding bag (gains 0.6-0.9) no factor cost steps. Theory brackets it: error
-      feedback's slowdown vanishes where gradient noise dominates and grows like ``1/g`` where it does not.
-    - *fp16 as a rung is available, off by default* (``fp16_rung=True``): on a 2.3M-parameter CNN with SGD momentum
-      at 1 Gbit/s fp16 all-reduce was the best fixed choice (0.7-0.8x Top-K cf 10's time to target), but through the
-      rung a half step carries error feedback and the hook's momentum correction: 159 ms a step against the fp16
-      method's 136 ms and Top-K cf 10's 105 ms, so the search left it after 25 steps; and on gloo an fp16 sum costs
-      about 4x an fp32 byte on loopback, so its fit-start measurement (0.2 s) is noisy enough to pick it there now
-      and then. It paid on no cell of the matrix of four tasks and three links (an earlier run, with it on).
-    - *A factor's progress also weighs the momentum masking drops.* With SGD momentum moved into the hook and
-      momentum factor masking on (the strategy's defaults), an entry a sparsifier sends restarts its momentum. An
-      entry sent once every ``T`` steps then applies ``r(T) = 1 - m (1 - m^T) / ((1 - m) T)`` of dense momentum's
-      step (:func:`~lightning_gravac.compressors.momentum.masking_retention`; Nesterov and Random-K's random sends
-      have their own forms there), and ``T`` is the method's mean wait ``numel / k`` at the factor (Top-K with fp32
-      values and int32 indices: ``2 cf``). At ``m`` 0.9 Top-K keeps 0.61 at cf 10, 0.89 at cf 40, 0.97 at cf 160.
-      Progress is weighed ``gain^p x r``: linear in ``r``, as progress is in a step's size at a rate inside the stable
-      range. Measured on a 2.3M-parameter CNN (SGD lr 0.005, momentum 0.9, 2 ranks): masked Top-K took 1.65x the
-      unmasked run's time to target at cf 10 (``1 / r``: 1.65x) and 1.13x at cf 100 (1.05x). At 1 Gbit/s, in three
-      paired repeats, the search without the weight sent cf 10 and took 1.44x the best fixed factor's time; with it,
-      dense then cf 40, 1.30x (1.27x in a later run of the whole matrix: four tasks x three links, where that cell
-      was the default's worst). No effect without momentum, with masking off, or for methods that send no entry
-      exactly (quantizers, casts, PowerSGD, unbiased Random-K); DGC is weighed by its own momentum.
-      ``weigh_masking=False`` turns it off.
-    - *The run's budget bounds the factor.* Error feedback delays what a step does not send: an entry waits
-      ``numel / k`` steps on average (``2 cf`` for Top-K). A factor whose wait exceeds the whole run's steps
-      (``trainer.estimated_stepping_batches``) would hold most of the gradient back past the end, which no measure of
-      one step's energy sees: such factors are left out (each entry is then expected to be sent at least once in the
-      run), and the most aggressive factor the run admits becomes the ladder's last rung. ``budget=False`` turns it
-      off (the paper's search never uses it).
-    - *``epsilon`` is a floor (0.02), not the gate*: the gain already weighs each factor; the floor only refuses a
-      factor that sends almost nothing of each step.
-    - *The link is measured, not searched*: the paper finds the best factor by sending each candidate for a window,
-      which on a slow link means sending dense for a window (minutes on 100 Mbit/s). Here the first decision
-      follows the third step.
-    - *Probes on one step in 25* after the first window (the paper: every step), so a run that settles on dense
-      pays stock DDP's price on the other 24; while probes leave the choice as it was, the spacing doubles up to 200
-      steps (a probe costs a selection at every factor: 30-80 ms on a 2.3M-parameter CNN whose dense step takes
-      90 ms). And none at all while no factor could beat dense even if it kept all of the gradient (compressing
-      costs more time than its bytes save, as on a fast link): no gain could change that choice.
-
-    **The paper's GraVAC** is ``GraVAC(search="sequential")``: every argument left at ``None`` then takes the
-    paper's value (error-fed gain, ``epsilon`` 0.7, window 500, probes every step). Every step it measures the gain at
-    ``cf_min`` and at a more aggressive *candidate* (Top-K selects once, at ``cf_min``; the candidate is a prefix),
-    and sends the candidate if its gain is at least ``epsilon``, else ``cf_min`` if that is, else dense. Every
-    ``window`` steps (or epochs) it measures each sent factor's throughput ``Tc = samples / t_step * gain``
-    (the samples of every rank while it was sent, ``N * batch`` a step with even batches; ``t_step`` of the slowest
-    rank), promotes the candidate to ``cf_min`` when their gains are within ``omega``,
-    advances the candidate (``policy``: exponential ``cf_min * 2, 4, 16, 256...`` or geometric ``cf_min * 2, 4, 8,
-    ...``, never above ``cf_max``), and settles on the less aggressive of the two best factors when their throughputs
-    are within ``omega`` (checked again every window).
+    **The paper's GraVAC** (Tyagi & Swany, IEEE CLOUD 2023) is ``GraVAC(search="sequential")``: the arguments left at
+    ``None`` take the paper's values (error-fed gain, ``epsilon`` 0.7 as the gate, window 500, probes every step).
+    Each step it sends a candidate factor if its gain reaches ``epsilon``, else ``cf_min`` if that does, else dense;
+    each window it measures every sent factor's throughput ``samples / t_step x gain``, promotes the candidate when
+    the gains agree within ``omega``, advances it (``policy``) and settles when two throughputs agree within
+    ``omega``.
 
     Args:
         cf_min: least aggressive factor, where compression starts. ``None``: 10, or the size of the model's largest
@@ -350,21 +287,21 @@ class GraVAC(Controller):
             (its rounding error-fed), whichever the cost model predicts faster from the link and the fp16 all-reduce
             measured at fit start and the steps sent since (model search, fp32 parameters, a method without an
             accumulation of its own; otherwise dense), and say so once. ``"dense"``: hold factor 1. ``"compress"``:
-            search as with SGD. With AdamW on an embedding bag, Top-K with error feedback ended at 17-20x dense's loss
-            at every factor from 10 to 1000 and Random-K diverged, while fp16 matched dense (0.0478 against 0.0483; on
-            an LSTM 5.716 against 5.717): error-fed sparse updates upset Adam's per-coordinate normalisation, a
-            16-bit cast does not. fp16 halves the bytes; it pays where bytes cost more than gloo's slower fp16 sum.
+            search as with SGD. Error-fed sparse and quantized updates upset Adam's per-coordinate normalisation; a
+            16-bit cast does not (``docs/optimizers.md``).
         probe_backoff: after the first window, each probe that leaves the choice as it was doubles the spacing of
             the probes, up to ``probe_every x probe_backoff`` steps; a change of choice brings it back to
             ``probe_every`` (1: no back-off). ``None``: 8 (model: probes between 25 and 200 steps apart), 1
             (sequential).
-        fp16_rung: let the model search send a step whole in fp16 (``None``: off; see above why). When on, it is
+        fp16_rung: let the model search send a step whole in fp16 (``None``: off: it paid on no cell of the benchmark
+            matrix, ``docs/algorithms.md``). When on, it is
             turned off at setup for 16-bit parameters (nothing to halve), for methods that keep an accumulation of
             their own (DGC) or have one factor (casts, sign methods), and for ``cf_min`` of 2 or less.
-        weigh_masking: weigh each factor's progress by the momentum that momentum factor masking keeps at it (see
-            above; model search only).
-        budget: leave out the factors whose entries would wait longer than the run's steps (see above; model search
-            only).
+        weigh_masking: weigh each factor's progress by the momentum that momentum factor masking keeps at it (model
+            search only).
+        budget: leave out the factors whose entries would wait longer than the run's steps
+            (``trainer.estimated_stepping_batches``), and make the most aggressive one it admits the ladder's last
+            rung (model search only).
 
     Raises:
         ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
@@ -710,8 +647,7 @@ class GraVAC(Controller):
             sending = f"sending dense (factor 1): {self._why_no_half()}"
         rank_zero_warn(
             f"GraVAC: the optimizer scales each coordinate by a running second moment (Adam-like), which lossy "
-            f"{self.state.compressor.name!r} gradients upset (with AdamW, Top-K ended at 17-20x dense's loss on an "
-            f"embedding-bag benchmark; fp16 matched dense): {sending}. `GraVAC(adam='compress')` searches anyway."
+            f"{self.state.compressor.name!r} gradients upset: {sending}. `GraVAC(adam='compress')` compresses anyway."
         )
 
     def _why_no_half(self) -> str:
