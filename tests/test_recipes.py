@@ -127,3 +127,19 @@ def test_a_recipe_is_fitted_to_the_machine(capsys):
     kept = resolve_recipe("vgg16_cifar100", ["trainer.devices=3", "data.init_args.num_workers=1"])
     fit_to_machine(kept)
     assert kept["trainer"]["devices"] == 3 and kept["data"]["init_args"]["num_workers"] == 1
+
+
+def test_the_run_summary_weighs_the_factors_by_bytes_and_says_when_more_was_sent():
+    from lightning_gravac import RunSummary
+
+    def step(cf: float, sent: float) -> dict[str, float]:
+        return {"gravac/cf": cf, "gravac/bytes_sent": sent, "gravac/bytes_dense": 1000.0, "train_loss": 0.5}
+
+    summary = RunSummary()
+    summary.history = [step(10.0, 100.0), step(1000.0, 1.0)]  # as asked: 101 bytes of 2000
+    table = summary.table(1.0)
+    rows = {line[:14].strip(): line[14:].strip() for line in table.splitlines()}
+    assert rows["traffic saved"] == "19.8x" and rows["cf asked, mean"] == "19.8"  # not the mean of 10 and 1000
+    assert "sent more on some steps" not in table
+    summary.history = [step(100.0, 250.0)] + [step(100.0, 10.0)] * 3  # a warm-up step sent 25x what was asked
+    assert "sent more on some steps" in summary.table(1.0)
