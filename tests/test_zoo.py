@@ -200,6 +200,12 @@ def test_cifar_download_checks_the_md5_and_extracts(tmp_path, monkeypatch):
     monkeypatch.setitem(cifar.ARCHIVES, "cifar10", bad)
     with pytest.raises(OSError, match=r"MD5 [0-9a-f]{32}, expected 0{32}"):
         cifar.download(tmp_path / "elsewhere", "cifar10")
+    # No network (here: nothing at the address): an error that says how to do without, and no partial archive left.
+    gone = real.__class__(**{**vars(real), "url": (tmp_path / "nowhere.tar.gz").as_uri()})
+    monkeypatch.setitem(cifar.ARCHIVES, "cifar10", gone)
+    with pytest.raises(ConnectionError, match=r"could not download .* data\.init_args\.synthetic=true"):
+        cifar.download(tmp_path / "offline", "cifar10")
+    assert not list((tmp_path / "offline").iterdir())
 
 
 def test_read_table_one_hots_categories_standardizes_numbers_and_indexes_classes(tmp_path):

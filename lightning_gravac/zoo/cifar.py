@@ -8,6 +8,7 @@ and ``b"labels"`` (CIFAR-10) or ``b"fine_labels"`` (CIFAR-100).
 
 import hashlib
 import pickle
+import shutil
 import tarfile
 import urllib.request
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ ARCHIVES = {
 }  # fmt: skip
 #: Images in the real training and test splits.
 TRAIN_SIZE, TEST_SIZE = 50_000, 10_000
+#: Seconds a download waits for the server before saying how to do without it.
+DOWNLOAD_TIMEOUT = 30
 
 
 def read_split(root: Path, variant: Variant, train: bool) -> tuple[Tensor, Tensor]:
@@ -93,7 +96,18 @@ def download(root: Path, variant: Variant) -> None:
     target = root / archive.url.rsplit("/", 1)[1]
     if not target.is_file():
         rank_zero_info(f"Downloading {archive.url} to {target}")
-        urllib.request.urlretrieve(archive.url, target)
+        partial = target.with_name(target.name + ".part")  # renamed once whole: a failed download leaves no archive
+        try:
+            with urllib.request.urlopen(archive.url, timeout=DOWNLOAD_TIMEOUT) as response, open(partial, "wb") as f:
+                shutil.copyfileobj(response, f)
+        except OSError as error:  # no network, a refused or timed-out connection (URLError is an OSError)
+            partial.unlink(missing_ok=True)
+            raise ConnectionError(
+                f"{variant}: could not download {archive.url} ({getattr(error, 'reason', error)}). Place the "
+                f"extracted archive in {root / archive.folder}, or train on images of the same shapes with "
+                "`synthetic: true` (on the command line: data.init_args.synthetic=true)."
+            ) from error
+        partial.replace(target)
     digest = hashlib.md5(target.read_bytes()).hexdigest()
     if digest != archive.md5:
         raise OSError(f"{target}: MD5 {digest}, expected {archive.md5}. Delete it and download again.")
