@@ -405,7 +405,7 @@ def test_the_model_search_sends_fp16_where_no_factor_keeps_enough_and_bytes_cost
     # Dense: 1 s + 10 s of bytes. fp16: 1 s + 5 s + 0.5 s of casts.
     assert poor.cf == 2.0 and state.half and state.cf == 2.0
     poor.run(3, state)  # a window at fp16, whose steps take 1 s + 5 s (the casts' time as measured: none)
-    assert poor._predicted_seconds(poor.link, 2.0, 1_000_000) == pytest.approx(6.0, rel=1e-6)
+    assert poor.predicted_seconds(poor.link, 2.0, 1_000_000) == pytest.approx(6.0, rel=1e-6)
     # Casting dearer than the bytes it saves: dense.
     poor.cast_cost = 6.0
     poor.run(1, state)
@@ -677,7 +677,7 @@ def test_the_budget_edge_becomes_a_rung_of_the_ladder():
     assert c.ladder == (10, 20, 40, 60)
     c.budget_steps, c.ladder = 15.0, c._ladder(c.cf_min, c.cf_max)  # too short for any factor: dense alone
     c._fit_ladder_to_budget()
-    assert c.ladder == () and c._best_predicted() == 1.0
+    assert c.ladder == () and c.best_predicted() == 1.0
     c.budget_steps, c.ladder = 1e6, c._ladder(c.cf_min, c.cf_max)  # a long run: the ladder as it was
     c._fit_ladder_to_budget()
     assert c.ladder == (10, 20, 40, 160, 1000)

@@ -1,9 +1,11 @@
-"""GraVAC: gradient-variance-aware adaptive compression (Tyagi & Swany, IEEE CLOUD 2023)."""
+"""GraVAC: gradient-variance-aware adaptive compression (Tyagi & Swany, IEEE CLOUD 2023), the controller.
+
+Its rules (``search.py``), the cost model of a step (``cost.py``) and the link probe (``probe.py``) live beside it.
+"""
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -16,92 +18,20 @@ from typing_extensions import override
 
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
+from lightning_gravac.callbacks.gravac.cost import DENSE, Link, Tally, fit_link, moved_bytes, regime
+from lightning_gravac.callbacks.gravac.probe import PROBE_BYTES, LinkProbe
+from lightning_gravac.callbacks.gravac.search import (
+    DEFAULT_CF_MAX,
+    DEFAULT_CF_MIN,
+    SEARCH_DEFAULTS,
+    SEARCHES,
+    Interval,
+    Policy,
+    Search,
+)
 from lightning_gravac.compressors.base import validate_cf
 from lightning_gravac.compressors.momentum import SGDMomentum, masking_retention
-from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats, gathers, ring_share
-
-Policy = Literal["exponential", "geometric"]
-Search = Literal["sequential", "model"]
-Interval = Literal["step", "epoch"]
-
-DENSE = 1.0
-#: The factors GraVAC searches between by default (each capped at the size of the model's largest gradient).
-DEFAULT_CF_MIN, DEFAULT_CF_MAX = 10.0, 1000.0
-
-#: What the arguments left at ``None`` mean, per search. ``"sequential"`` is the paper's GraVAC; ``"model"`` is the
-#: default (see the class docstring for each departure and the measurement behind it).
-SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sequential": {"epsilon": 0.7, "window": 500, "probe_every": 1, "gain_of": "error_fed", "gain_power": 1.0,
-                   "link_probe": False, "probe_backoff": 1, "fp16_rung": False},
-    "model": {"epsilon": 0.02, "window": 50, "probe_every": 25, "gain_of": "gradient", "gain_power": 1 / 3,
-              "link_probe": True, "probe_backoff": 8, "fp16_rung": False},
-}  # fmt: skip
-#: The link probe: the all-reduce that measures a message's cost, and the first that measures a byte's (it grows 4x
-#: until one takes ``PROBE_SECONDS`` or reaches the model's gradient bytes).
-PROBE_BYTES = (1024, 64 * 1024)
-PROBE_SECONDS = 0.02
-
-
-@dataclass
-class _Tally:
-    """What one factor cost and kept while it was sent during the current window."""
-
-    steps: int = 0
-    seconds: float = 0.0  # this rank's; reduced with MAX at the window's end
-    comm_seconds: float = 0.0  # this rank's; reduced with MAX at the window's end
-    gain: float = 0.0
-    moved_bytes: float = 0.0  # bytes a rank moves on the link, ring model
-    compress_seconds: float = 0.0  # this rank's selection and encoding (probes included); reduced with MAX
-    plain_steps: int = 0  # steps without probes, and their compression seconds: what sending the factor costs
-    plain_compress_seconds: float = 0.0
-    samples: int = 0  # this rank's; summed over ranks at the window's end
-
-
-@dataclass
-class _Link:
-    """A fitted model of a step: ``seconds = other + per_step + moved_bytes * seconds_per_byte``."""
-
-    other_seconds: float
-    seconds_per_byte: float
-    per_step: float = 0.0  # communication time that does not grow with the bytes (latency, the header)
-
-
-def fit_link(tallies: dict[float, tuple[int, float, float, float]]) -> _Link | None:
-    """The link model from ``{cf: (steps, seconds, comm_seconds, moved_bytes)}`` summed over a window's steps.
-
-    Communication a step is fitted as ``per_step + bytes * seconds_per_byte`` by least squares over the factors
-    sent (weighted by their steps) when they moved different byte counts and the slope comes out positive; else as
-    proportional to the bytes. ``other`` is the mean of the rest of the step. ``None`` when nothing was moved.
-    """
-    rows = [(n, sec / n, comm / n, moved / n) for n, sec, comm, moved in tallies.values() if n > 0]
-    steps = sum(r[0] for r in rows)
-    moved_total = sum(r[0] * r[3] for r in rows)
-    if not rows or moved_total <= 0:
-        return None
-    other = max(0.0, sum(n * (sec - comm) for n, sec, comm, _ in rows) / steps)
-    mean_x = moved_total / steps
-    mean_y = sum(n * comm for n, _, comm, _ in rows) / steps
-    spread = sum(n * (x - mean_x) ** 2 for n, _, _, x in rows)
-    if spread > 0:
-        slope = sum(n * (x - mean_x) * (y - mean_y) for n, _, y, x in rows) / spread
-        if slope > 0:
-            return _Link(other, slope, max(0.0, mean_y - slope * mean_x))
-    return _Link(other, mean_y / mean_x)
-
-
-def _regime(cf: float, rungs: tuple[float, ...]) -> str:
-    """``"dense"``, ``"fp16"`` (a rung: the whole gradient cast) or ``"compressed"``."""
-    return "dense" if cf == DENSE else "fp16" if cf in rungs else "compressed"
-
-
-def moved_bytes(payload_bytes: float, dense_bytes: float, world_size: int) -> float:
-    """Bytes one rank moves on the link for one bucket, with the hook's choice of collective.
-
-    Ring all-reduce moves ``2 (N-1)/N`` of the buffer; all-gather moves ``(N-1)`` payloads. The hook gathers when
-    that is fewer bytes, so the cost is the smaller of the two.
-    """
-    n = world_size
-    return (n - 1) * payload_bytes if gathers(payload_bytes, dense_bytes, n) else ring_share(n) * dense_bytes
+from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats, ring_share
 
 
 def _gain_power(value: float) -> float:
@@ -109,123 +39,6 @@ def _gain_power(value: float) -> float:
     if not (math.isfinite(power) and power >= 0):
         raise ValueError(f"`gain_power` must be a finite number >= 0, got {value}.")
     return power
-
-
-#: A window's steps by factor: ``(steps, seconds, comm seconds, moved bytes)``, summed.
-Measured = dict[float, tuple[int, float, float, float]]
-
-
-class _Search:
-    """One of GraVAC's decision rules: which factors the hook probes, how their gains are smoothed, what to send next
-    and what a window's end changes. A rule holds no state of its own: it reads and writes the controller's, so both
-    rules checkpoint alike and a subclass of :class:`GraVAC` reaches every value it decides from."""
-
-    #: Whether the rule predicts a step's cost from a measured link (and so measures it at fit start).
-    models_cost = False
-
-    def first_window(self, window: int) -> int:
-        """The first window's length when the user leaves it unset."""
-        return window
-
-    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
-        raise NotImplementedError
-
-    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
-        """Take a probe of the gain at ``cf`` that weighs ``weight`` into ``c.gains``."""
-        raise NotImplementedError
-
-    def choose(self, c: "GraVAC") -> float:
-        """The factor to send next step, from values every rank holds identically."""
-        raise NotImplementedError
-
-    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
-        """What a window's end changes, given its steps by factor (``(steps, seconds, comm seconds, moved bytes)``,
-        the slowest rank's) once ``c.windows`` counts it."""
-        raise NotImplementedError
-
-    def gains_can_matter(self, c: "GraVAC") -> bool:
-        """Whether measuring gains could change the choice."""
-        return True
-
-
-class _Sequential(_Search):
-    """The paper's search: the gains at ``cf_min`` and a candidate each step; the candidate if its gain reaches
-    ``epsilon``, else ``cf_min`` if that does, else dense; each window promotes and advances the candidate."""
-
-    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
-        factors = {c.cf_min, c.candidate}
-        if c.settled is not None and c.settled != DENSE:
-            factors.add(c.settled)
-        return tuple(sorted(factors))
-
-    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
-        # The paper's EWMA, started at the first value.
-        c.gains[cf] = gain if cf not in c.gains else (1 - weight) * c.gains[cf] + weight * gain
-
-    def choose(self, c: "GraVAC") -> float:
-        order = [c.settled] if c.settled is not None else [c.candidate, c.cf_min]
-        for cf in order:
-            if cf == DENSE or c.gains.get(cf, 0.0) >= c.epsilon:
-                return cf
-        return DENSE
-
-    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
-        if c.settled is not None:
-            return
-        gain_min, gain_candidate = c.gains.get(c.cf_min), c.gains.get(c.candidate)
-        if (
-            c.candidate > c.cf_min
-            and gain_min
-            and gain_candidate is not None
-            and abs(gain_min - gain_candidate) / gain_min <= c.omega
-        ):
-            c.cf_min = c.candidate
-        c.scale = c._next_scale(c.scale)
-        c.candidate = min(c.cf_min * c.scale, c.cf_max)
-
-
-class _Model(_Search):
-    """The default: the factor of highest predicted compression throughput, by a cost model of the step fitted to a
-    link measured at fit start and to the steps sent; the gains of every factor of the ladder, bias-corrected."""
-
-    models_cost = True
-
-    def first_window(self, window: int) -> int:
-        return min(window, 3)
-
-    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
-        return c.ladder
-
-    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
-        # Bias-corrected: the weights of the probes so far, normalised.
-        total, mass = c._gain_sums.get(cf, (0.0, 0.0))
-        total, mass = (1 - weight) * total + weight * gain, (1 - weight) * mass + weight
-        c._gain_sums[cf] = (total, mass)
-        c.gains[cf] = total / mass
-
-    def choose(self, c: "GraVAC") -> float:
-        if c.link is not None:
-            return c._best_predicted()
-        if c.probed is not None:
-            # The first window, on a measured link: the step's cost is not known yet, the gains may not be either. Send
-            # the most aggressive eligible factor, the cheapest on any link: error feedback keeps what it leaves for
-            # later, and a few steps at it cost no accuracy (the first decision follows the window).
-            eligible = [cf for cf in c.ladder if c.gains.get(cf, 1.0) >= c.epsilon and c.within_budget(cf)]
-            return max(eligible, default=DENSE)
-        return SEARCHES["sequential"].choose(c)  # no link measured: the paper's rule until the first fit
-
-    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
-        c.link = c._fit(measured, slowest, factors) or c.link
-
-    def gains_can_matter(self, c: "GraVAC") -> bool:
-        if c.link is None:
-            return True
-        dense = c._predicted_seconds(c.link, DENSE, c._bytes_dense)
-        return any(c._predicted_seconds(c.link, cf, c._bytes_dense) < dense for cf in c.ladder)
-
-
-#: GraVAC's decision rules by the name ``search`` takes.
-SEARCHES: dict[str, _Search] = {"sequential": _Sequential(), "model": _Model()}
 
 
 class GraVAC(Controller):
@@ -379,7 +192,7 @@ class GraVAC(Controller):
         self.settled: float | None = None
         self.gains: dict[float, float] = {}
         self.throughput: dict[float, float] = {}
-        self.link: _Link | None = None
+        self.link: Link | None = None
         self.windows = 0
         #: The setup probe's ``(seconds a message, seconds a moved byte)``, identical on every rank; None: not run.
         self.probed: tuple[float, float] | None = None
@@ -389,16 +202,16 @@ class GraVAC(Controller):
         #: Seconds a moved byte of an fp16 all-reduce (probed at fit start with the link); None: the rung is unknown.
         self.half_per_byte: float | None = None
         self.payload_fixed = 0.0  # bytes a compressed step sends beyond dense / cf (headers, minimum entries), measured
-        self._gain_sums: dict[float, tuple[float, float]] = {}  # bias-corrected EWMA: (weighted sum, weight)
+        self.gain_sums: dict[float, tuple[float, float]] = {}  # bias-corrected EWMA: (weighted sum, weight)
         # The largest all-reduce the link probe timed; the trainable parameters' bytes (a dense step's before one is
         # measured), set at fit start.
         self._buckets, self._probe_bytes, self._model_bytes = 1, PROBE_BYTES[1], 0
         self._warm_up = False  # the next observed step is a fit's first: its time is not tallied
 
         # The current window.
-        self._tally: dict[float, _Tally] = {}
+        self._tally: dict[float, Tally] = {}
         self._progress = 0
-        self._world_size, self._batch_size, self._bytes_dense = 1, 1, 0
+        self._world_size, self._batch_size, self.bytes_dense = 1, 1, 0
         self._step_start, self._steps = 0.0, 0
         # The step of the last probe, and the spacing of probes, which grows while they leave the choice as it was
         # (`probe_backoff`).
@@ -428,10 +241,10 @@ class GraVAC(Controller):
         factors, scale = [cf_min], 2.0
         while factors[-1] < cf_max:
             factors.append(min(cf_min * scale, cf_max))
-            scale = self._next_scale(scale)
+            scale = self.next_scale(scale)
         return tuple(factors)
 
-    def _next_scale(self, scale: float) -> float:
+    def next_scale(self, scale: float) -> float:
         """The policy: exponential squares the scale (2, 4, 16, 256, ...), geometric doubles it."""
         return scale * scale if self.policy == "exponential" else 2 * scale
 
@@ -521,12 +334,12 @@ class GraVAC(Controller):
     def _say_choice(self, previous: float | None) -> None:
         """Say on rank 0 what is sent and why: at fit start (``previous`` ``None``) and whenever the regime changes
         (dense, whole in fp16, compressed), with the link and the predicted seconds of a dense step and of this one."""
-        if previous is not None and _regime(previous, self.rungs) == _regime(self.cf, self.rungs):
+        if previous is not None and regime(previous, self.rungs) == regime(self.cf, self.rungs):
             return
         link = self.link if self.link is not None else self._probed_link()
-        dense_bytes = self._bytes_dense or self._model_bytes
+        dense_bytes = self.bytes_dense or self._model_bytes
         sending = {"dense": "dense (cf 1)", "fp16": "the whole gradient in fp16"}.get(
-            _regime(self.cf, self.rungs), f"compressed at cf {self.cf:g}"
+            regime(self.cf, self.rungs), f"compressed at cf {self.cf:g}"
         )
         when = "first steps" if previous is None else f"after step {self._steps}"
         if link is None or self.probed is None or not dense_bytes:
@@ -534,10 +347,10 @@ class GraVAC(Controller):
             return
         why = (
             f"the link measured {8 / self.probed[1] / 1e6 if self.probed[1] > 0 else math.inf:.0f} Mbit/s, so a "
-            f"dense step is predicted at {1e3 * self._predicted_seconds(link, DENSE, dense_bytes):.1f} ms"
+            f"dense step is predicted at {1e3 * self.predicted_seconds(link, DENSE, dense_bytes):.1f} ms"
         )
         if self.cf != DENSE:
-            why += f" and this one at {1e3 * self._predicted_seconds(link, self.cf, dense_bytes):.1f} ms"
+            why += f" and this one at {1e3 * self.predicted_seconds(link, self.cf, dense_bytes):.1f} ms"
         if previous is None and self.cf != DENSE:
             why += " (until the first window has measured the gains, the most aggressive factor)"
         rank_zero_info(f"GraVAC: {when}: sending {sending}: {why}.")
@@ -551,87 +364,18 @@ class GraVAC(Controller):
             self._say_hold()
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
-        """``(seconds a message, seconds a moved byte)`` of this process group's all-reduce, the same on every rank.
-
-        Times an all-reduce of 1 KB (the cost a message), then of 64 KB, 256 KB, 1 MB, ... (4x each time) until one
-        takes :data:`PROBE_SECONDS` or reaches the model's gradient bytes: a fast link is measured at the sizes it
-        will carry, a slow one stops early (100 Mbit/s: at 256 KB, in about 0.1 s). Each size is timed as the best of
-        three after one to warm up; the slowest rank's time decides (a MAX all-reduce), so every rank fits the same
-        ``t = latency + moved x per_byte``, ``moved = 2 (N - 1) / N x bytes`` (a ring). Runs on every rank, from the
-        training thread, before the first step: no comm hook is in flight. A subclass may return a model (tests).
-        """
-        share = ring_share(trainer.world_size)
-        small = PROBE_BYTES[0]
-        t_small = self._timed_all_reduce(trainer, small, torch.float32)
-        size, t_large = self._grown_all_reduce(trainer, torch.float32)
-        self._probe_bytes = size
-        per_byte = (t_large - t_small) / (share * (size - small))
-        if per_byte <= 0:  # noise on a fast link: all of it per byte
-            return 0.0, t_large / (share * size)
-        return max(0.0, t_small - per_byte * share * small), per_byte
+        """``(seconds a message, seconds a moved byte)`` of the compression group's all-reduce, the same on every rank
+        (:meth:`LinkProbe.message_and_byte`). A subclass may return a model (tests)."""
+        probe = LinkProbe(trainer, self.state.process_group)
+        measured = probe.message_and_byte()
+        self._probe_bytes = probe.largest
+        return measured
 
     def measure_half(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``, the same on every
-        rank: what the fp16 rung costs, measured rather than assumed (an fp16 sum is not always half an fp32 one's
-        time: gloo reduces fp16 on the CPU element by element). The all-reduce carries as many entries as the largest
-        of :meth:`measure_link`'s (one size: the per-message cost is the fp32 probe's); the casts are the fp16
-        method's compress, rounding residual and decode on the model's gradient size, best of three. The slowest
-        rank's times decide. A subclass may return a model (tests)."""
-        share = ring_share(trainer.world_size)
+        rank (:meth:`LinkProbe.half`). A subclass may return a model (tests)."""
         latency = self.probed[0] if self.probed is not None else 0.0
-        size = max(2, self._probe_bytes // 2)
-        seconds = self._timed_all_reduce(trainer, size, torch.float16)
-        per_byte = max(0.0, seconds - latency) / (share * size)
-        numel = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
-        device = trainer.strategy.root_device
-        gradient = torch.zeros(max(1, numel), device=device)
-        method = self.state.cast
-
-        def casts() -> None:
-            payload = method.compress(gradient, HALF)
-            method.residual_(gradient, payload)
-            method.decode_(gradient, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
-
-        return per_byte, self._slowest(trainer, self._best_of_three(trainer, casts))
-
-    def _grown_all_reduce(self, trainer: "pl.Trainer", dtype: torch.dtype) -> tuple[int, float]:
-        """``(bytes, seconds)`` of the all-reduce from 64 KB up, 4x a time, until one takes ``PROBE_SECONDS`` or
-        carries the model's gradient (in ``dtype``)."""
-        width = torch.empty((), dtype=dtype).element_size()
-        model_bytes = sum(p.numel() * width for p in trainer.lightning_module.parameters() if p.requires_grad)
-        size = PROBE_BYTES[1]
-        seconds = self._timed_all_reduce(trainer, size, dtype)
-        while seconds < PROBE_SECONDS and size < model_bytes:
-            size = min(4 * size, max(model_bytes, PROBE_BYTES[1]))
-            seconds = self._timed_all_reduce(trainer, size, dtype)
-        return size, seconds
-
-    def _timed_all_reduce(self, trainer: "pl.Trainer", nbytes: int, dtype: torch.dtype) -> float:
-        """The slowest rank's best of three all-reduces of ``nbytes`` of ``dtype`` (after one to warm up)."""
-        group = self.state.process_group
-        width = torch.empty((), dtype=dtype).element_size()
-        tensor = torch.zeros(max(1, nbytes // width), dtype=dtype, device=trainer.strategy.root_device)
-        dist.all_reduce(tensor, group=group)
-        return self._slowest(trainer, self._best_of_three(trainer, lambda: dist.all_reduce(tensor, group=group)))
-
-    @staticmethod
-    def _best_of_three(trainer: "pl.Trainer", work: Callable[[], object]) -> float:
-        # A CUDA collective or kernel returns before it completes: wait for the device around each timing (untested
-        # here, no GPU). Gloo's all-reduce and CPU ops are synchronous.
-        device = trainer.strategy.root_device
-        synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        best = math.inf
-        for _ in range(3):
-            synchronize()
-            start = time.perf_counter()
-            work()
-            synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    def _slowest(self, trainer: "pl.Trainer", seconds: float) -> float:
-        """The largest of every rank's ``seconds`` (a MAX all-reduce): the same number on every rank."""
-        return float(self._all_reduce(trainer, torch.tensor([seconds], dtype=torch.float64), dist.ReduceOp.MAX).item())
+        return LinkProbe(trainer, self.state.process_group).half(self.state.cast, latency, self._probe_bytes)
 
     @override
     def _on_adaptive_optimizer(self) -> None:
@@ -708,7 +452,7 @@ class GraVAC(Controller):
     @override
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
         self._steps += 1
-        self._bytes_dense = stats.bytes_dense
+        self.bytes_dense = stats.bytes_dense
         gains = stats.probe_gains()
         if gains:  # the EWMA decays per step: a probe after p steps without one weighs 1 - (1 - alpha)^p
             weight = 1 - (1 - self.ewma_alpha) ** (self._steps - self._last_probe)
@@ -724,7 +468,7 @@ class GraVAC(Controller):
             self._warm_up = False
             self._after_step(trainer, probed=bool(gains))
             return
-        tally = self._tally.setdefault(self.cf, _Tally())
+        tally = self._tally.setdefault(self.cf, Tally())
         tally.steps += 1
         tally.samples += self._batch_size
         tally.seconds += seconds
@@ -794,9 +538,9 @@ class GraVAC(Controller):
         link = self.link if self.link is not None else self._probed_link()
         if self.adam == "dense" or not self.rungs or link is None:
             return DENSE
-        dense_bytes = self._bytes_dense or self._model_bytes
-        half = self._predicted_seconds(link, HALF, dense_bytes)
-        return HALF if half < self._predicted_seconds(link, DENSE, dense_bytes) else DENSE
+        dense_bytes = self.bytes_dense or self._model_bytes
+        half = self.predicted_seconds(link, HALF, dense_bytes)
+        return HALF if half < self.predicted_seconds(link, DENSE, dense_bytes) else DENSE
 
     def _end_window(self, trainer: "pl.Trainer | None") -> None:
         self._progress = 0
@@ -836,9 +580,9 @@ class GraVAC(Controller):
         self._rule.end_window(self, measured, slowest.tolist(), factors)
         self._check_plateau()
 
-    def _fit(
+    def fit_step_model(
         self, measured: dict[float, tuple[int, float, float, float]], slowest: list[list[float]], factors: list[float]
-    ) -> _Link | None:
+    ) -> Link | None:
         """The step's cost model from this window's steps: the link from the setup probe when it ran (else fitted to
         the measured communication times), the rest of the step as measured minus communication and compression."""
         steps = sum(m[0] for m in measured.values())
@@ -857,13 +601,13 @@ class GraVAC(Controller):
         link.other_seconds = max(0.0, (seconds - comm - compress_total) / steps)
         return link
 
-    def _probed_link(self) -> _Link | None:
+    def _probed_link(self) -> Link | None:
         """The cost model of the fit-start probe (``None`` when it did not run): a message a bucket and its seconds a
         moved byte; the rest of the step 0, for the caller to set once measured."""
         if self.probed is None:
             return None
         latency, per_byte = self.probed
-        return _Link(0.0, per_byte, latency * self._buckets)
+        return Link(0.0, per_byte, latency * self._buckets)
 
     def _check_plateau(self) -> None:
         ranked = sorted(self.throughput.items(), key=lambda item: item[1], reverse=True)
@@ -880,7 +624,7 @@ class GraVAC(Controller):
         """``gain(cf) ** gain_power`` over the predicted seconds of a step at ``cf``: the same on every rank."""
         if self.link is None:
             return math.nan
-        seconds = self._predicted_seconds(self.link, cf, dense_bytes)
+        seconds = self.predicted_seconds(self.link, cf, dense_bytes)
         # fp16 keeps all but the rounding, which error feedback carries to the next step.
         full = cf in (DENSE, *self.rungs)
         progress = 1.0 if full else self.kept(cf) ** self.gain_power * self.masking_weight(cf)
@@ -941,7 +685,7 @@ class GraVAC(Controller):
         kept = [masking_retention(wait, s.momentum, s.nesterov, method.random_sends) for s in settings]
         return min(kept, default=1.0)
 
-    def _predicted_seconds(self, link: _Link, cf: float, dense_bytes: float) -> float:
+    def predicted_seconds(self, link: Link, cf: float, dense_bytes: float) -> float:
         """A step's seconds at ``cf`` by the fitted model: the rest, compressing, a message a bucket, the bytes."""
         per_byte = link.seconds_per_byte
         if cf == DENSE:
@@ -960,13 +704,13 @@ class GraVAC(Controller):
         stops measuring them. True for the sequential search and before the step's cost is known."""
         return self._rule.gains_can_matter(self)
 
-    def _best_predicted(self) -> float:
+    def best_predicted(self) -> float:
         eligible = [DENSE, *self.rungs] + [
             cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon and self.within_budget(cf)
         ]
         # Ranked without the samples a step (N x this rank's batch, which a last batch can make differ between
         # ranks): every term left is the same on every rank, so is the choice.
-        return max(eligible, key=lambda cf: (self._progress_per_second(cf, self._bytes_dense), -cf))
+        return max(eligible, key=lambda cf: (self._progress_per_second(cf, self.bytes_dense), -cf))
 
     @override
     def metrics(self, stats: StepStats) -> dict[str, float]:
@@ -1002,7 +746,7 @@ class GraVAC(Controller):
             "probe_interval": self._probe_interval,
             "tally": {f: asdict(t) for f, t in self._tally.items()},
             "gain_of": self.gain_of,
-            "gain_sums": {f: list(v) for f, v in self._gain_sums.items()},
+            "gain_sums": {f: list(v) for f, v in self.gain_sums.items()},
             "compress_cost": self.compress_cost,
             "cast_cost": self.cast_cost,
             "payload_fixed": self.payload_fixed,
@@ -1018,15 +762,15 @@ class GraVAC(Controller):
             state_dict["progress"],
         )
         self.gains, self.throughput = dict(state_dict["gains"]), dict(state_dict["throughput"])
-        self.link = _Link(**state_dict["link"]) if state_dict["link"] is not None else None
+        self.link = Link(**state_dict["link"]) if state_dict["link"] is not None else None
         # A window's tallies from a checkpoint before samples were counted are dropped: half a window without them
         # would weigh that factor's throughput low. The window goes on; it measures from here.
-        self._tally = {f: _Tally(**t) for f, t in state_dict["tally"].items() if "samples" in t}
+        self._tally = {f: Tally(**t) for f, t in state_dict["tally"].items() if "samples" in t}
         self._steps = state_dict.get("steps", 0)
         self._last_probe = state_dict.get("last_probe", self._steps)
         self._probe_interval = state_dict.get("probe_interval", self.probe_every)
         self.gain_of = state_dict.get("gain_of", self.gain_of)
-        self._gain_sums = {f: (v[0], v[1]) for f, v in state_dict.get("gain_sums", {}).items()}
+        self.gain_sums = {f: (v[0], v[1]) for f, v in state_dict.get("gain_sums", {}).items()}
         self.compress_cost = state_dict.get("compress_cost", 0.0)
         self.cast_cost = state_dict.get("cast_cost", 0.0)
         self.payload_fixed = state_dict.get("payload_fixed", 0.0)

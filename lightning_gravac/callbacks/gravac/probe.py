@@ -1,0 +1,107 @@
+"""GraVAC's link probe: timed all-reduces at fit start, so that the first decision knows what a dense step costs."""
+
+import math
+import time
+from collections.abc import Callable
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from lightning_gravac.compressors.base import Compressor
+from lightning_gravac.state import HALF, ring_share
+
+#: The all-reduce that measures a message's cost, and the first that measures a byte's (it grows 4x until one takes
+#: ``PROBE_SECONDS`` or reaches the model's gradient bytes).
+PROBE_BYTES = (1024, 64 * 1024)
+PROBE_SECONDS = 0.02
+
+
+class LinkProbe:
+    """Times all-reduces of a process group on every rank; every result is the slowest rank's, the same everywhere.
+
+    Runs from the training thread, before the first step (or between steps): no comm hook is in flight, and every
+    rank must make the same calls.
+    """
+
+    def __init__(self, trainer: "pl.Trainer", group: dist.ProcessGroup | None) -> None:
+        self.group, self.device, self.world_size = group, trainer.strategy.root_device, trainer.world_size
+        self.numel = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
+        #: The bytes of the largest all-reduce :meth:`message_and_byte` timed.
+        self.largest = PROBE_BYTES[1]
+
+    def message_and_byte(self) -> tuple[float, float]:
+        """``(seconds a message, seconds a moved byte)`` of the group's all-reduce.
+
+        Times an all-reduce of 1 KB (the cost a message), then of 64 KB, 256 KB, 1 MB, ... (4x each time) until one
+        takes :data:`PROBE_SECONDS` or reaches the model's gradient bytes: a fast link is measured at the sizes it
+        will carry, a slow one stops early (100 Mbit/s: at 256 KB, in about 0.1 s). Each size is timed as the best of
+        three after one to warm up, and every rank fits the same ``t = latency + moved x per_byte``,
+        ``moved = 2 (N - 1) / N x bytes`` (a ring).
+        """
+        share = ring_share(self.world_size)
+        small = PROBE_BYTES[0]
+        t_small = self.timed(small, torch.float32)
+        size, t_large = self.grown(torch.float32)
+        self.largest = size
+        per_byte = (t_large - t_small) / (share * (size - small))
+        if per_byte <= 0:  # noise on a fast link: all of it per byte
+            return 0.0, t_large / (share * size)
+        return max(0.0, t_small - per_byte * share * small), per_byte
+
+    def half(self, cast: Compressor, latency: float, largest: int) -> tuple[float, float]:
+        """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``: what sending a step
+        whole in fp16 costs, measured rather than assumed (gloo reduces fp16 on the CPU element by element, so an
+        fp16 sum is not always half an fp32 one's time). The all-reduce carries as many entries as the largest fp32
+        probe (``largest`` bytes; its cost a message is ``latency``); the casts are ``cast``'s compress, rounding
+        residual and decode on the model's gradient size, best of three."""
+        share = ring_share(self.world_size)
+        size = max(2, largest // 2)
+        seconds = self.timed(size, torch.float16)
+        per_byte = max(0.0, seconds - latency) / (share * size)
+        gradient = torch.zeros(max(1, self.numel), device=self.device)
+
+        def casts() -> None:
+            payload = cast.compress(gradient, HALF)
+            cast.residual_(gradient, payload)
+            cast.decode_(gradient, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
+
+        return per_byte, self.slowest(self.best_of_three(casts))
+
+    def grown(self, dtype: torch.dtype) -> tuple[int, float]:
+        """``(bytes, seconds)`` of the all-reduce from 64 KB up, 4x a time, until one takes ``PROBE_SECONDS`` or
+        carries the model's gradient (in ``dtype``)."""
+        model_bytes = self.numel * torch.empty((), dtype=dtype).element_size()
+        size = PROBE_BYTES[1]
+        seconds = self.timed(size, dtype)
+        while seconds < PROBE_SECONDS and size < model_bytes:
+            size = min(4 * size, max(model_bytes, PROBE_BYTES[1]))
+            seconds = self.timed(size, dtype)
+        return size, seconds
+
+    def timed(self, nbytes: int, dtype: torch.dtype) -> float:
+        """The slowest rank's best of three all-reduces of ``nbytes`` of ``dtype`` (after one to warm up)."""
+        width = torch.empty((), dtype=dtype).element_size()
+        tensor = torch.zeros(max(1, nbytes // width), dtype=dtype, device=self.device)
+        dist.all_reduce(tensor, group=self.group)
+        return self.slowest(self.best_of_three(lambda: dist.all_reduce(tensor, group=self.group)))
+
+    def best_of_three(self, work: Callable[[], object]) -> float:
+        """This rank's fastest of three runs of ``work``."""
+        # A CUDA collective or kernel returns before it completes: wait for the device around each timing (untested
+        # here, no GPU). Gloo's all-reduce and CPU ops are synchronous.
+        synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        best = math.inf
+        for _ in range(3):
+            synchronize()
+            start = time.perf_counter()
+            work()
+            synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def slowest(self, seconds: float) -> float:
+        """The largest of every rank's ``seconds`` (a MAX all-reduce on the group's device)."""
+        shared = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
+        return float(shared.cpu().item())

@@ -1,0 +1,141 @@
+"""GraVAC's decision rules: the paper's sequential search and the default's cost model, behind one interface.
+
+A rule holds no state of its own: it reads and writes the controller's public search state (``cf_min``,
+``candidate``, ``gains``, ``gain_sums``, ``link``, ...), so both rules checkpoint alike.
+"""
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning_gravac.callbacks.gravac.cost import DENSE, Measured
+
+if TYPE_CHECKING:
+    from lightning_gravac.callbacks.gravac.controller import GraVAC
+
+Policy = Literal["exponential", "geometric"]
+Search = Literal["sequential", "model"]
+Interval = Literal["step", "epoch"]
+
+#: The factors GraVAC searches between by default (each capped at the size of the model's largest gradient).
+DEFAULT_CF_MIN, DEFAULT_CF_MAX = 10.0, 1000.0
+
+#: What the arguments left at ``None`` mean, per search. ``"sequential"`` is the paper's GraVAC; ``"model"`` is the
+#: default (see the class docstring for each departure and the measurement behind it).
+SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sequential": {"epsilon": 0.7, "window": 500, "probe_every": 1, "gain_of": "error_fed", "gain_power": 1.0,
+                   "link_probe": False, "probe_backoff": 1, "fp16_rung": False},
+    "model": {"epsilon": 0.02, "window": 50, "probe_every": 25, "gain_of": "gradient", "gain_power": 1 / 3,
+              "link_probe": True, "probe_backoff": 8, "fp16_rung": False},
+}  # fmt: skip
+
+
+class SearchRule:
+    """One of GraVAC's decision rules: which factors the hook probes, how their gains are smoothed, what to send next
+    and what a window's end changes. A rule holds no state of its own: it reads and writes the controller's, so both
+    rules checkpoint alike and a subclass of :class:`GraVAC` reaches every value it decides from."""
+
+    #: Whether the rule predicts a step's cost from a measured link (and so measures it at fit start).
+    models_cost = False
+
+    def first_window(self, window: int) -> int:
+        """The first window's length when the user leaves it unset."""
+        return window
+
+    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
+        """Take a probe of the gain at ``cf`` that weighs ``weight`` into ``c.gains``."""
+        raise NotImplementedError
+
+    def choose(self, c: "GraVAC") -> float:
+        """The factor to send next step, from values every rank holds identically."""
+        raise NotImplementedError
+
+    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
+        """What a window's end changes, given its steps by factor (``(steps, seconds, comm seconds, moved bytes)``,
+        the slowest rank's) once ``c.windows`` counts it."""
+        raise NotImplementedError
+
+    def gains_can_matter(self, c: "GraVAC") -> bool:
+        """Whether measuring gains could change the choice."""
+        return True
+
+
+class Sequential(SearchRule):
+    """The paper's search: the gains at ``cf_min`` and a candidate each step; the candidate if its gain reaches
+    ``epsilon``, else ``cf_min`` if that does, else dense; each window promotes and advances the candidate."""
+
+    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
+        factors = {c.cf_min, c.candidate}
+        if c.settled is not None and c.settled != DENSE:
+            factors.add(c.settled)
+        return tuple(sorted(factors))
+
+    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
+        # The paper's EWMA, started at the first value.
+        c.gains[cf] = gain if cf not in c.gains else (1 - weight) * c.gains[cf] + weight * gain
+
+    def choose(self, c: "GraVAC") -> float:
+        order = [c.settled] if c.settled is not None else [c.candidate, c.cf_min]
+        for cf in order:
+            if cf == DENSE or c.gains.get(cf, 0.0) >= c.epsilon:
+                return cf
+        return DENSE
+
+    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
+        if c.settled is not None:
+            return
+        gain_min, gain_candidate = c.gains.get(c.cf_min), c.gains.get(c.candidate)
+        if (
+            c.candidate > c.cf_min
+            and gain_min
+            and gain_candidate is not None
+            and abs(gain_min - gain_candidate) / gain_min <= c.omega
+        ):
+            c.cf_min = c.candidate
+        c.scale = c.next_scale(c.scale)
+        c.candidate = min(c.cf_min * c.scale, c.cf_max)
+
+
+class Model(SearchRule):
+    """The default: the factor of highest predicted compression throughput, by a cost model of the step fitted to a
+    link measured at fit start and to the steps sent; the gains of every factor of the ladder, bias-corrected."""
+
+    models_cost = True
+
+    def first_window(self, window: int) -> int:
+        return min(window, 3)
+
+    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
+        return c.ladder
+
+    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
+        # Bias-corrected: the weights of the probes so far, normalised.
+        total, mass = c.gain_sums.get(cf, (0.0, 0.0))
+        total, mass = (1 - weight) * total + weight * gain, (1 - weight) * mass + weight
+        c.gain_sums[cf] = (total, mass)
+        c.gains[cf] = total / mass
+
+    def choose(self, c: "GraVAC") -> float:
+        if c.link is not None:
+            return c.best_predicted()
+        if c.probed is not None:
+            # The first window, on a measured link: the step's cost is not known yet, the gains may not be either. Send
+            # the most aggressive eligible factor, the cheapest on any link: error feedback keeps what it leaves for
+            # later, and a few steps at it cost no accuracy (the first decision follows the window).
+            eligible = [cf for cf in c.ladder if c.gains.get(cf, 1.0) >= c.epsilon and c.within_budget(cf)]
+            return max(eligible, default=DENSE)
+        return SEARCHES["sequential"].choose(c)  # no link measured: the paper's rule until the first fit
+
+    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
+        c.link = c.fit_step_model(measured, slowest, factors) or c.link
+
+    def gains_can_matter(self, c: "GraVAC") -> bool:
+        if c.link is None:
+            return True
+        dense = c.predicted_seconds(c.link, DENSE, c.bytes_dense)
+        return any(c.predicted_seconds(c.link, cf, c.bytes_dense) < dense for cf in c.ladder)
+
+
+#: GraVAC's decision rules by the name ``search`` takes.
+SEARCHES: dict[str, SearchRule] = {"sequential": Sequential(), "model": Model()}
