@@ -110,11 +110,12 @@ class RunSummary(Callback):
 
         matplotlib.use("Agg")  # files only: no display on a training node
         import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.ticker  # noqa: PLC0415
 
         steps = [r["step"] for r in self.history]
         series = [("gravac/cf", "compression factor", True), ("gravac/gain", "gain ||C(g)||²/||g||²", False)]
         if any("gravac/compression_throughput" in r for r in self.history):  # GraVAC's T_sys x gain
-            series.append(("gravac/compression_throughput", "compression throughput", False))
+            series.append(("gravac/compression_throughput", "samples/s x gain", False))
         series.append((self.monitor, self.monitor, False))
         fig, axes = plt.subplots(len(series), 1, sharex=True, figsize=(8, 2.4 * len(series)))
         for ax, (key, label, log) in zip(axes, series, strict=True):
@@ -122,6 +123,9 @@ class RunSummary(Callback):
             ax.set_ylabel(label)
             if log:
                 ax.set_yscale("log")
+                # Plain numbers at the factors sent (10, 20, 100), not matplotlib's 2x10^1 and blank decades.
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
             ax.grid(alpha=0.3)
         axes[-1].set_xlabel("step")
         fig.tight_layout()
