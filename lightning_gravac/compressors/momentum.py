@@ -153,13 +153,9 @@ class MomentumCorrection:
         0), this rank's pending buffer restarts from 0 there, so that stale momentum does not keep pushing a
         coordinate that was just updated. Sparsifiers send entries exactly; quantizers almost never do.
 
-        A trade, measured (VGG-11 with batch norm, SGD momentum 0.9, 2 ranks, 200 steps, held-out loss). Masking drops
-        the momentum an entry would have carried after it is sent; without it the update is heavy-ball momentum
-        delayed by error feedback, every step's ``u`` applied in the end. At a learning rate well inside dense's
-        stable range (0.005) masking cost Top-K cf 10 steps: 0.035 masked, 0.0073 unmasked (dense 0.0095). Near the
-        largest rate dense survives (0.02, cosine), delayed momentum diverged unmasked (cf 10: 4.0, accuracy 0.11;
-        cf 100: 0.20) and trained masked (0.017 and 0.040; dense 0.020). Masking stays on: slow training is the milder
-        failure. Restarting only the entries that had waited (a residual before this step) did as full masking."""
+        A trade: without masking the update is heavy-ball momentum delayed by error feedback, faster well inside
+        dense's stable learning rates; near the largest rate dense survives it diverged where masking trained. Masking
+        stays on: slow training is the milder failure (measurements in ``docs/optimizers.md``)."""
         if not self.masking:
             return
         for name, residual in residuals.items():
