@@ -366,7 +366,7 @@ class GraVAC(Controller):
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the compression group's all-reduce, the same on every rank
         (:meth:`LinkProbe.message_and_byte`). A subclass may return a model (tests)."""
-        probe = LinkProbe(trainer, self.state.process_group)
+        probe = self._link_probe(trainer)
         measured = probe.message_and_byte()
         self._probe_bytes = probe.largest
         return measured
@@ -375,7 +375,13 @@ class GraVAC(Controller):
         """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``, the same on every
         rank (:meth:`LinkProbe.half`). A subclass may return a model (tests)."""
         latency = self.probed[0] if self.probed is not None else 0.0
-        return LinkProbe(trainer, self.state.process_group).half(self.state.cast, latency, self._probe_bytes)
+        return self._link_probe(trainer).half(self.state.cast, latency, self._probe_bytes)
+
+    def _link_probe(self, trainer: "pl.Trainer") -> LinkProbe:
+        """A probe of the compression group, its slowest-rank values reduced as every decision input is."""
+        return LinkProbe(
+            trainer, self.state.process_group, lambda values: self._all_reduce(trainer, values, dist.ReduceOp.MAX)
+        )
 
     @override
     def _on_adaptive_optimizer(self) -> None:

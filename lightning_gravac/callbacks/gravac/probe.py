@@ -24,8 +24,12 @@ class LinkProbe:
     rank must make the same calls.
     """
 
-    def __init__(self, trainer: "pl.Trainer", group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, trainer: "pl.Trainer", group: dist.ProcessGroup | None, reduce_max: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """``reduce_max``: a MAX all-reduce over ``group`` (the controller's), called on every rank."""
         self.group, self.device, self.world_size = group, trainer.strategy.root_device, trainer.world_size
+        self.reduce_max = reduce_max
         self.numel = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
         #: The bytes of the largest all-reduce :meth:`message_and_byte` timed.
         self.largest = PROBE_BYTES[1]
@@ -101,7 +105,5 @@ class LinkProbe:
         return best
 
     def slowest(self, seconds: float) -> float:
-        """The largest of every rank's ``seconds`` (a MAX all-reduce on the group's device)."""
-        shared = torch.tensor([seconds], dtype=torch.float64, device=self.device)
-        dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
-        return float(shared.cpu().item())
+        """The largest of every rank's ``seconds``."""
+        return float(self.reduce_max(torch.tensor([seconds], dtype=torch.float64)).item())
