@@ -49,6 +49,21 @@ def _sources() -> dict[str, str]:
     return modules
 
 
+def _parts(dotted: str) -> list[str]:
+    """``".callbacks.gravac"`` (what follows ``lightning_gravac`` in a source) as ``["callbacks", "gravac"]``."""
+    return dotted.lstrip(".").split(".") if dotted else []
+
+
+def _module_of(dotted: str) -> str:
+    """The longest leading module path of ``lightning_gravac<dotted>`` (relative; "" is the package)."""
+    parts = _parts(dotted)
+    for n in range(len(parts), 0, -1):
+        where = _ROOT.joinpath(*parts[:n])
+        if (where / "__init__.py").is_file() or where.with_suffix(".py").is_file():
+            return ".".join(parts[:n])
+    return ""
+
+
 def lightning_facing() -> frozenset[str]:
     """The modules of ``lightning_gravac`` (relative names; "" is the package) loaded again for ``lightning``: those
     whose source names ``pytorch_lightning`` or ``lightning_fabric``, and those that import one of them, found from
@@ -56,13 +71,8 @@ def lightning_facing() -> frozenset[str]:
     sources = _sources()
 
     def imported(source: str) -> set[str]:
-        # The module a name comes from: the longest module path (`lightning_gravac.callbacks.gravac`, not the
-        # packages Python runs on the way).
-        found = set()
-        for match in _IMPORT.finditer(source):
-            parts = match.group(1).lstrip(".").split(".") if match.group(1) else []
-            found.add(next(m for n in range(len(parts), -1, -1) if (m := ".".join(parts[:n])) in sources))
-        return found
+        # The module a name comes from (`lightning_gravac.callbacks.gravac`, not the packages Python runs on the way).
+        return {_module_of(match.group(1)) for match in _IMPORT.finditer(source)}
 
     own = {name: source for name, source in sources.items() if name.split(".")[0] not in _NOT_LOADED_AGAIN}
     facing = {name for name, source in own.items() if _LIGHTNING.search(source)}
@@ -84,22 +94,13 @@ def rewrite(source: str) -> str:
     source = re.sub(r"\blightning_fabric\b", "lightning.fabric", source)
 
     def module(match: re.Match[str]) -> str:
-        parts = match.group(1).lstrip(".").split(".") if match.group(1) else []
-        # The longest leading module path that is Lightning-facing (``lightning_gravac.callbacks.gravac.GraVAC``:
-        # the module ``callbacks.gravac``, then an attribute).
-        for n in range(len(parts), 0, -1):
-            if _is_module(parts[:n]):  # the longest module path: Lightning-facing or shared
-                facing = ".".join(parts[:n]) in LIGHTNING_FACING
-                return ".".join([__name__, *parts]) if facing else match.group(0)
-        return ".".join([__name__, *parts])  # the package itself, or one of its attributes
+        # ``lightning_gravac.callbacks.gravac.GraVAC``: the module ``callbacks.gravac``, then an attribute. The package
+        # itself ("") is Lightning-facing, so are its attributes.
+        facing = _module_of(match.group(1)) in LIGHTNING_FACING
+        return ".".join([__name__, *_parts(match.group(1))]) if facing else match.group(0)
 
     # Imports of other Lightning-facing modules go to their flavour too; shared modules stay as they are.
     return re.sub(r"\blightning_gravac((?:\.[A-Za-z_]\w*)*)", module, source)
-
-
-def _is_module(parts: list[str]) -> bool:
-    where = _ROOT.joinpath(*parts)
-    return (where / "__init__.py").is_file() or where.with_suffix(".py").is_file()
 
 
 class _Loader(importlib.abc.SourceLoader):
