@@ -256,13 +256,15 @@ class Compressor(ABC):
 _CLAMPED: set[tuple[str, float]] = set()
 
 
-def note_clamped(name: str, requested: float, achieved: float) -> None:
+def note_clamped(method: "Compressor", requested: float, achieved: float) -> None:
     """Warn, once per ``(method, requested)``, that a factor was clamped to one the method can reach.
 
     Methods with a fixed or stepped factor (1-bit, TernGrad, QSGD's bit widths, fp16) call it when they differ from
-    the request by more than 10%; the step's ``gravac/achieved_cf`` metric logs what was achieved.
+    the request by more than 10%; the step's ``gravac/achieved_cf`` metric logs what was achieved. A request of the
+    method's own fixed factor is not a clamp: a small tensor's scale and padding only make it send a little more.
     """
-    if abs(achieved - requested) <= 0.1 * requested or (name, requested) in _CLAMPED:
+    name = method.name
+    if abs(achieved - requested) <= 0.1 * requested or requested == method.fixed_cf or (name, requested) in _CLAMPED:
         return
     _CLAMPED.add((name, requested))
     warnings.warn(

@@ -46,7 +46,7 @@ class _Cast(Compressor):
             payload = Payload((out,), tensor.shape, tensor.dtype, basis=basis, sent=sent)
         else:
             payload = Payload((out.copy_(flat),), tensor.shape, tensor.dtype)
-        note_clamped(self.name, cf, self.achieved_cf(payload))
+        note_clamped(self, cf, self.achieved_cf(payload))
         return payload
 
     def decompress(self, payload: Payload) -> Tensor:

@@ -22,7 +22,7 @@ class EFSignSGD(Compressor):
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         scale = torch.linalg.vector_norm(tensor.reshape(-1), 1, dtype=torch.float32) / tensor.numel()
         payload = Payload((signs(tensor), scale.view(1)), tensor.shape, tensor.dtype)
-        note_clamped(self.name, cf, self.achieved_cf(payload))
+        note_clamped(self, cf, self.achieved_cf(payload))
         return payload
 
     def decompress(self, payload: Payload) -> Tensor:

@@ -69,7 +69,7 @@ class Natural(Compressor):
             byte, top = _encode(flat, maxexp, stream)
             sent = _energy(torch.bincount(byte, minlength=256), top, smallest)
         payload = Payload((byte, top), tensor.shape, tensor.dtype, sent=sent)
-        note_clamped(self.name, cf, self.achieved_cf(payload))
+        note_clamped(self, cf, self.achieved_cf(payload))
         return payload
 
     def decompress(self, payload: Payload) -> Tensor:

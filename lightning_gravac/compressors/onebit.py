@@ -52,7 +52,7 @@ class OneBit(Compressor):
         counts = torch.stack([count, rows - count]).double()
         sent = (counts * means.double().square()).sum()
         payload = Payload((bits, means), tensor.shape, tensor.dtype, sent=sent)
-        note_clamped(self.name, cf, self.achieved_cf(payload))
+        note_clamped(self, cf, self.achieved_cf(payload))
         return payload
 
     def decompress(self, payload: Payload) -> Tensor:

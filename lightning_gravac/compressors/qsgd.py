@@ -84,7 +84,7 @@ class QSGD(Compressor):
         levels = torch.tensor(s)
         payload = Payload((packed, norms), tensor.shape, tensor.dtype, local=(levels,))
         if flat.numel() >= self.bucket_size:  # a smaller tensor pays a whole bucket's norm: its size sets its factor
-            note_clamped(self.name, cf, self.achieved_cf(payload))
+            note_clamped(self, cf, self.achieved_cf(payload))
         return payload
 
     def decompress(self, payload: Payload) -> Tensor:

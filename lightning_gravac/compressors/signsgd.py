@@ -65,7 +65,7 @@ class SignSGD(Compressor):
         if self.scaled:
             wire += (torch.linalg.vector_norm(tensor.reshape(-1), 1, dtype=torch.float32).div(tensor.numel()).view(1),)
         payload = Payload(wire, tensor.shape, tensor.dtype)
-        note_clamped(self.name, cf, self.achieved_cf(payload))
+        note_clamped(self, cf, self.achieved_cf(payload))
         return payload
 
     def _magnitude(self, payload: Payload) -> float:

@@ -65,7 +65,7 @@ class TernGrad(Compressor):
             keep = uniforms(stream, flat.numel(), flat.device).mul_(scale) < clipped.abs()
             packed = pack_bits(torch.where(keep, clipped.sign(), 0).add_(1), 2)
         payload = Payload((packed, scale.view(1)), tensor.shape, tensor.dtype)
-        note_clamped(self.name, cf, self.achieved_cf(payload))
+        note_clamped(self, cf, self.achieved_cf(payload))
         return payload
 
     def decompress(self, payload: Payload) -> Tensor:
