@@ -15,6 +15,7 @@ from lightning_gravac.compressors.cast import FP16
 from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.momentum import MomentumCorrection
 from lightning_gravac.compressors.none import NoCompression
+from lightning_gravac.feedback.adam import AdamMoments
 
 Granularity = Literal["layer", "bucket"]
 GainOf = Literal["error_fed", "gradient"]
@@ -160,6 +161,7 @@ class CompressionState:
     # Carried across steps: written by the hook (memory, momentum) and the strategy (the step's bookkeeping).
     memory: ErrorFeedback = field(default_factory=ErrorFeedback)
     momentum: MomentumCorrection = field(default_factory=MomentumCorrection)  # the optimizer's, when moved here
+    adam: AdamMoments = field(default_factory=AdamMoments)  # Adam's first moment, when moved here
     step: int = 0  # steps that communicated: advanced by `end_step` only (it seeds every method's draws)
     epoch: int = -1  # the training epoch the compressor was last told of (`begin_step`)
     grad_scale: float | None = None  # the mixed-precision gradient scale the residuals are in (None: none or unknown)

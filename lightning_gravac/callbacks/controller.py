@@ -6,11 +6,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning import Callback
 from typing_extensions import override
 
 from lightning_gravac.callbacks.guard import DivergenceGuard
+from lightning_gravac.feedback.adam import warmup_steps
 from lightning_gravac.state import CompressionState, StepStats
 
 
@@ -111,12 +112,41 @@ class Controller(Callback):
         self._fit_and_check(pl_module)
         self.adaptive_optimizer = _scales_per_coordinate(trainer) and not self.state.compressor.near_lossless
         if self.adaptive_optimizer:
+            self._freeze_adam(trainer)
             self._on_adaptive_optimizer()
         self._hand_over(self.state)
+
+    @property
+    def moves_adam(self) -> bool:
+        """Whether, under Adam or AdamW, this controller has the strategy move Adam's first moment into the comm hook
+        after a warm-up and freeze its second (:mod:`lightning_gravac.feedback.adam`): a controller that compresses
+        does; one held at factor 1 leaves the optimizer as it is."""
+        return self.max_cf[1] > 1
+
+    def _freeze_adam(self, trainer: "pl.Trainer") -> None:
+        """Set, once a run (a resumed run keeps its checkpoint's), the step from which Adam's moments move: after
+        :func:`~lightning_gravac.feedback.adam.warmup_steps` of the run's length. Until then every step is sent dense
+        (or in fp16, by GraVAC's choice), so that Adam's second moment settles on exact gradients. Said on rank 0."""
+        adam = self.state.adam
+        if not (adam and self.moves_adam) or adam.frozen_from is not None:
+            return
+        adam.frozen_from = warmup_steps(float(trainer.estimated_stepping_batches))
+        rank_zero_info(
+            f"{type(self).__name__}: the optimizer is Adam-like: its first {adam.frozen_from} steps are sent whole "
+            "while its second moment settles; then the second moment is frozen and each rank's first moment is "
+            f"compressed with {self.state.compressor.name!r} and error feedback (1-bit Adam's scheme). "
+            "`GraVACStrategy(momentum_correction=False)` leaves Adam as it is."
+        )
+
+    def moments_moved(self) -> bool:
+        """Whether the next step sends Adam's first moment (the warm-up is over)."""
+        return self._state is not None and self._state.adam.active(self._state.step)
 
     def _on_adaptive_optimizer(self) -> None:
         """The optimizer divides each coordinate by a running second moment (Adam, AdamW, RMSprop, Adagrad): say what
         compression measured there. A controller that holds dense instead overrides this."""
+        if self.state.adam.frozen_from is not None:
+            return  # its moments move after the warm-up: said by `_freeze_adam`
         rank_zero_warn(
             f"{type(self).__name__}: the optimizer scales each coordinate by a running second moment (Adam-like), "
             f"and {self.state.compressor.name!r} sends lossy gradients, which upset that scaling: the loss can end "
@@ -185,6 +215,10 @@ class Controller(Callback):
         self.apply(state)
         if self.guard is not None and self.guard.holding > 0:
             state.cf, state.param_cf, state.probe_cfs, state.half = 1.0, {}, (), False
+        adam = state.adam
+        if adam.frozen_from is not None and not adam.active(state.step) and not state.half:
+            # Adam's warm-up: its second moment settles on whole gradients (fp16 when GraVAC chose it), whatever factor.
+            state.cf, state.param_cf, state.probe_cfs = 1.0, {}, ()
 
     def _guarded(self, stats: StepStats, trainer: "pl.Trainer", outputs: Any = None) -> str:
         """``"hold"``: the divergence guard holds the next step dense; ``"released"``: this step was its last dense

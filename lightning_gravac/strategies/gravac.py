@@ -21,6 +21,7 @@ from lightning_gravac.callbacks.controller import Controller, controllers_of, la
 from lightning_gravac.callbacks.gravac import GraVAC
 from lightning_gravac.callbacks.static import Static
 from lightning_gravac.compressors.base import Compressor, get_compressor
+from lightning_gravac.feedback.adam import adam_groups_supported
 from lightning_gravac.state import CompressionState, Granularity
 from lightning_gravac.strategies.hook import gravac_hook
 
@@ -60,8 +61,9 @@ def gather_rows(tensors: dict[str, Any], world_size: int, group: Any = None) -> 
     return out
 
 
-#: The method of ``GraVACStrategy()``, and the one its zero-argument default sends under SGD (``_method_for_sgd``).
-DEFAULT_METHOD, SGD_METHOD = "topk", "qsgd"
+#: The method of ``GraVACStrategy()``, and the ones its zero-argument default sends under SGD (``_method_for_sgd``)
+#: and, as Adam's first moment, under Adam and AdamW (``_method_for_adam``).
+DEFAULT_METHOD, SGD_METHOD, ADAM_METHOD = "topk", "qsgd", "efsignsgd"
 #: The share of the trainable parameters above which a model counts as mostly embedding tables.
 EMBEDDING_SHARE = 0.5
 
@@ -258,6 +260,7 @@ class GraVACStrategy(DDPStrategy):
         super().setup(trainer)
         # Optimizers exist from here on; no gradient has been communicated yet.
         self._method_for_sgd()
+        self._method_for_adam()
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
         state = self.compression_state
@@ -280,6 +283,9 @@ class GraVACStrategy(DDPStrategy):
                         f"{len(moved)} parameters is applied in the comm hook before compression and set to 0 in the "
                         "optimizer. `GraVACStrategy(momentum_correction=False)` leaves the optimizer alone."
                     )
+                # Adam's first moment can move too, its second frozen after a warm-up: from when, the controller
+                # decides at fit start (`Controller.freeze_adam`).
+                state.adam.take_from(self.optimizers, dense)
 
     def _method_for_sgd(self) -> None:
         """The zero-argument default under ``torch.optim.SGD``: send QSGD instead of Top-K (see the ``compressor``
@@ -304,6 +310,29 @@ class GraVACStrategy(DDPStrategy):
             "entry every step, unbiased, any momentum staying in the optimizer; a run of the length asked for ends "
             "where dense training would, where Top-K's error feedback delays what it does not send. "
             "`GraVACStrategy('topk')` sends Top-K."
+        )
+
+    def _method_for_adam(self) -> None:
+        """The zero-argument default under ``torch.optim.Adam`` or ``AdamW``: Adam's first moment is sent as scaled
+        signs with error feedback once the second is frozen (1-bit Adam's compression), where Top-K's few entries a
+        step left the moment behind (``docs/optimizers.md``). Decided identically on every rank, before any
+        gradient is sent. The moments move only where the strategy can move them (``momentum_correction``, no
+        gradient scaler, no local SGD, no sparse gradient)."""
+        state = self.compression_state
+        if not (self._method_open and self._default_controller and self.momentum_correction):
+            return
+        if state.local_sgd_from is not None or getattr(self.precision_plugin, "scaler", None) is not None:
+            return
+        if self._sparse_parameters() or not self.optimizers:
+            return
+        if not all(adam_groups_supported(opt) for opt in self.optimizers):
+            return
+        method = get_compressor(ADAM_METHOD)
+        state.use_method(method, error_feedback=True)
+        rank_zero_info(
+            f"GraVACStrategy: the optimizer is {type(self.optimizers[0]).__name__}, so the default sends its first "
+            f"moment as {method!r} with error feedback once its second moment is frozen (1-bit Adam's scheme), dense "
+            "or fp16 before. `GraVACStrategy('fp16')` casts every step instead."
         )
 
     def _embedding_share(self) -> float:
@@ -365,6 +394,7 @@ class GraVACStrategy(DDPStrategy):
         # into the hook before this step's backward, so it never applies twice.
         self.compression_state.momentum.refresh()
         self.compression_state.momentum.drop_deferred()
+        self.compression_state.adam.drop_moved()
 
     @override
     def optimizer_step(
@@ -374,19 +404,22 @@ class GraVACStrategy(DDPStrategy):
         model: "pl.LightningModule | torch.nn.Module | None" = None,
         **kwargs: Any,
     ) -> Any:
-        momentum = self.compression_state.momentum
-        if not momentum:
+        momentum, adam = self.compression_state.momentum, self.compression_state.adam
+        if not (momentum or adam):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # A non-finite dense step defers the moved momentum's update to the gradients the optimizer applies. Those are
-        # known only after Lightning's closure, which runs inside `optimizer.step` and ends with the user's
-        # `on_before_optimizer_step` (where a guard may zero them); Lightning has no hook between that and the step,
-        # so the optimizer's `step` is wrapped for this call alone to apply it right after the closure.
+        # A non-finite dense step defers the moved momentum's update to the gradients the optimizer applies, and Adam's
+        # moved moments are applied here, the optimizer skipping their parameters. Both need the gradients after
+        # Lightning's closure, which runs inside `optimizer.step` and ends with the user's `on_before_optimizer_step`
+        # (where a guard may zero them, clipping clip them); Lightning has no hook between that and the step, so the
+        # optimizer's `step` is wrapped for this call alone to act right after the closure.
         step = optimizer.step
+        hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def step_then_momentum(closure: Callable[[], Any] | None = None, **step_kwargs: Any) -> Any:
             def run() -> Any:
                 result = closure() if closure is not None else None
                 momentum.apply_deferred()
+                hidden.extend(adam.step_())
                 return result
 
             return step(closure=run, **step_kwargs)
@@ -396,6 +429,7 @@ class GraVACStrategy(DDPStrategy):
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
+            adam.restore(hidden)
             if wrapped is None:
                 del optimizer.step
             else:
@@ -443,6 +477,7 @@ class GraVACStrategy(DDPStrategy):
             "residuals": self._gather(self.compression_state.memory.state_dict()),
             "compressor": self._gather(self.compressor.state_dict()),
             "momentum": self._gather(self.compression_state.momentum.state_dict()),
+            "adam": self.compression_state.adam.state_dict(),  # the same on every rank
             "grad_scale": self.compression_state.grad_scale,  # the units the residuals are in (fp16 scaling)
         }
         super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -482,6 +517,7 @@ class GraVACStrategy(DDPStrategy):
         state.memory.load_state_dict({name: mine(stacked) for name, stacked in residuals.items()})
         self.compressor.load_state_dict({name: mine(stacked) for name, stacked in saved.get("compressor", {}).items()})
         state.momentum.load_state_dict({name: mine(stacked) for name, stacked in saved.get("momentum", {}).items()})
+        state.adam.load_state_dict(saved.get("adam", {}))
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:

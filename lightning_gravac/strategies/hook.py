@@ -52,12 +52,15 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     dense = all(cf == 1.0 for cf in cfs)
     momentum = state.momentum
     params = bucket.parameters() if momentum else []
+    adam = state.adam.active(state.step)
     if dense and not state.probe_cfs:
-        return _dense(state, buffer, names, grads, params)
+        return _dense(state, buffer, names, grads, params, adam)
 
     start = time.perf_counter()
     if momentum:  # this rank's momentum before compression: what is compressed is the update direction
         momentum.local_(names, grads, params)
+    if adam:  # Adam's first moment, its second frozen: what is compressed is this rank's moment
+        state.adam.local_(names, grads)
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
     fresh, measuring = _fresh_gains(state, names, grads, buffer)
     start += measuring  # not compression's cost: the controller weighs what sending a factor costs, measuring aside
@@ -80,9 +83,11 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
 
 
 def _dense(
-    state: CompressionState, buffer: Tensor, names: list[str], grads: list[Tensor], params: list[Tensor]
+    state: CompressionState, buffer: Tensor, names: list[str], grads: list[Tensor], params: list[Tensor], adam: bool
 ) -> Future[Tensor]:
     """Every factor 1, nothing probed: the plain all-reduce, with the momentum moved into the hook if any."""
+    if adam:  # the moments, exactly, with any residual of earlier compressed steps in them
+        state.adam.local_(names, grads)
     momentum = state.momentum
     pending = state.error_feedback and any(name in state.memory for name in names)
     if momentum and momentum.in_sync(names) and not pending:  # the optimizer's momentum, after the all-reduce

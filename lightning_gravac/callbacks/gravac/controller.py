@@ -56,8 +56,9 @@ class GraVAC(Controller):
       masking leaves (:meth:`masking_weight`); factors whose entries would wait longer than the run
       (:meth:`within_budget`) are left out.
 
-    Until the first window ends (3 steps) it sends the most aggressive admitted factor. Under an Adam-like optimizer
-    and a lossy method it sends dense or whole in fp16, whichever the link makes faster (``adam``). It says what it
+    Until the first window ends (3 steps) it sends the most aggressive admitted factor. Under Adam or AdamW it sends
+    dense or whole in fp16, whichever the link makes faster, while Adam's second moment settles; then the strategy
+    freezes it and sends each rank's first moment compressed (``adam``). It says what it
     sends and why at fit start and at every change between dense, fp16 and compressed. Every input of a decision
     crossed the network or was reduced over ranks, so every rank decides alike. Why each rule departs from the
     paper, and the measurements behind it: ``docs/algorithms.md``.
@@ -96,12 +97,17 @@ class GraVAC(Controller):
         link_probe: time all-reduces at fit start to know the link before the first step (model search).
             ``None``: on for the model search.
         adam: what to do when the optimizer divides each coordinate by a running second moment (Adam, AdamW,
-            RMSprop, Adagrad) and the method is lossy. ``"fp16"`` (default): send each step dense or whole in fp16
-            (its rounding error-fed), whichever the cost model predicts faster from the link and the fp16 all-reduce
-            measured at fit start and the steps sent since (model search, fp32 parameters, a method without an
-            accumulation of its own; otherwise dense), and say so once. ``"dense"``: hold factor 1. ``"compress"``:
-            search as with SGD. Error-fed sparse and quantized updates upset Adam's per-coordinate normalisation; a
-            16-bit cast does not (``docs/optimizers.md``).
+            RMSprop, Adagrad) and the method is lossy. Error-fed sparse and quantized gradients upset Adam's
+            per-coordinate normalisation; a 16-bit cast does not, nor does compressing Adam's first moment once its
+            second is frozen (``docs/optimizers.md``). ``"moment"`` (default): for ``torch.optim.Adam`` and ``AdamW``
+            (as the strategy's ``momentum_correction`` allows), send the first tenth of the run as ``"fp16"`` does
+            while the second moment settles, then each rank's first moment compressed with error feedback, the
+            second frozen: at the method's factor or dense or fp16, whichever the cost model predicts faster (a method
+            of one factor, such as the default's scaled signs), else by the search; other Adam-like optimizers as
+            ``"fp16"``. ``"fp16"``: send each step dense or whole in fp16 (its rounding error-fed), whichever the cost
+            model predicts faster from the link and the fp16 all-reduce measured at fit start and the steps sent since
+            (model search, fp32 parameters, a method without an accumulation of its own; otherwise dense), and say so
+            once. ``"dense"``: hold factor 1. ``"compress"``: search on the gradients as with SGD.
         probe_backoff: after the first window, each probe that leaves the choice as it was doubles the spacing of
             the probes, up to ``probe_every x probe_backoff`` steps; a change of choice brings it back to
             ``probe_every`` (1: no back-off). ``None``: 8 (model: probes between 25 and 200 steps apart), 1
@@ -138,7 +144,7 @@ class GraVAC(Controller):
         gain_of: GainOf | None = None,
         gain_power: float | None = None,
         link_probe: bool | None = None,
-        adam: Literal["fp16", "dense", "compress"] = "fp16",
+        adam: Literal["moment", "fp16", "dense", "compress"] = "moment",
         probe_backoff: int | None = None,
         fp16_rung: bool | None = None,
         weigh_masking: bool = True,
@@ -166,7 +172,7 @@ class GraVAC(Controller):
                                       ("error_fed", "gradient"))  # fmt: skip
         self.gain_power = _gain_power(defaults["gain_power"] if gain_power is None else gain_power)
         self.link_probe = bool(defaults["link_probe"] if link_probe is None else link_probe)
-        self.adam = choice(adam, "adam", ("fp16", "dense", "compress"))
+        self.adam = choice(adam, "adam", ("moment", "fp16", "dense", "compress"))
         self.probe_backoff = whole(defaults["probe_backoff"] if probe_backoff is None else probe_backoff,
                                    "probe_backoff")  # fmt: skip
         #: Whether the model search may send a step whole in fp16 (decided at setup: fp32 gradients, a method whose
@@ -285,15 +291,22 @@ class GraVAC(Controller):
         Turn it on for the hold of an Adam-like optimizer (``adam="fp16"``), where it is the only factor besides 1."""
         method = self.state.compressor
         fp32 = all(p.dtype == torch.float32 for p in pl_module.parameters() if p.requires_grad)
-        own_state = method.owns_feedback or method.fixed_cf is not None or method.near_lossless
-        held = self.holds_for_adam and self.adam == "fp16" and self._rule.models_cost
+        held = self.adaptive_optimizer and self.adam in ("fp16", "moment") and self._rule.models_cost
+        # Held for Adam, a method of one factor (the moments' scaled signs) leaves fp16 a choice of its own.
+        own_state = method.owns_feedback or method.near_lossless or (method.fixed_cf is not None and not held)
         # From the user's choice, not from what the last fit derived: an Adam fit's rung does not outlive that fit.
         self.fp16_rung = (self._rung_asked or held) and fp32 and not own_state and (held or self.cf_min > HALF)
 
     @property
     def holds_for_adam(self) -> bool:
-        """Whether the optimizer is Adam-like, the method lossy, and this controller sends dense or fp16 for it."""
-        return self.adaptive_optimizer and self.adam != "compress"
+        """Whether the optimizer is Adam-like, the method lossy, and this controller sends dense or fp16 for it: all
+        the run, or the warm-up before Adam's moments move (``adam="moment"``)."""
+        return self.adaptive_optimizer and self.adam != "compress" and not self.moments_moved()
+
+    @property
+    @override
+    def moves_adam(self) -> bool:
+        return self.adam == "moment"
 
     @property
     def rungs(self) -> tuple[float, ...]:
@@ -391,7 +404,9 @@ class GraVAC(Controller):
 
     def _say_hold(self) -> None:
         """Say, on rank 0, what an Adam-like optimizer gets: dense or fp16 by the link, or dense and why."""
-        if self.rungs and self.adam == "fp16":
+        if self.state.adam.frozen_from is not None:
+            return  # its moments move after the warm-up: said by `_freeze_adam`
+        if self.rungs and self.adam in ("fp16", "moment"):
             sending = "sending each step dense or whole in fp16, whichever the measured link makes faster"
         else:
             sending = f"sending dense (factor 1): {self._why_no_half()}"
@@ -424,6 +439,9 @@ class GraVAC(Controller):
         # settled or dense choice stops paying for the measurement on the other steps; fewer while probes change
         # nothing, none while no factor could pay whatever it kept.
         probing = self.windows == 0 or (self._steps % self._probe_interval == 0 and self.gains_can_matter())
+        if self.moments_moved():  # Adam's moments: the first step that sends them measures their gains
+            fixed = state.compressor.fixed_cf is not None
+            probing = not fixed and (probing or state.step == state.adam.frozen_from)
         state.probe_cfs = self.probe_cfs if probing else ()
         state.gain_of = self.gain_of
         state.half = self.cf == HALF and self.fp16_rung
@@ -535,7 +553,21 @@ class GraVAC(Controller):
         """The factor to send next step: decided from values every rank holds identically."""
         if self.holds_for_adam:
             return self._dense_or_half()
+        if self.moments_moved() and self.state.compressor.fixed_cf is not None:
+            return self._fastest_whole_or_fixed()
         return self._rule.choose(self)
+
+    def _fastest_whole_or_fixed(self) -> float:
+        """Adam's moments under a method of one factor (scaled signs): dense, fp16 or that factor, whichever the cost
+        model predicts fastest; that factor while the link is unknown. Nothing to search: what a step keeps of the
+        moment is carried by error feedback, and the second moment no longer sees it."""
+        fixed = float(self.state.compressor.fixed_cf or DENSE)
+        link = self.link if self.link is not None else self._probed_link()
+        if link is None:
+            return fixed
+        dense_bytes = self.bytes_dense or self._model_bytes
+        options = [DENSE, *self.rungs, fixed]
+        return min(options, key=lambda cf: (self.predicted_seconds(link, cf, dense_bytes), cf))
 
     def _dense_or_half(self) -> float:
         """Under an Adam-like optimizer: fp16 if the rung can be sent and the cost model predicts it faster than

@@ -1,0 +1,144 @@
+"""Adam's first moment across the network, its second moment frozen: what lets Adam and AdamW compress.
+
+An error-fed sparse or quantized gradient upsets Adam's per-coordinate normalisation: the second moment squares what
+arrives, a delayed and lossy version of the gradient. The second moment settles early, though, and can then be held
+(1-bit Adam, Tang et al. 2021): Adam becomes a momentum method with a fixed per-coordinate preconditioner, and
+momentum compresses well with error feedback. From the step :attr:`AdamMoments.frozen_from` on:
+
+- in the comm hook, each rank turns its gradient into its own first moment, ``u = b1 m + (1 - b1) g`` (with ``g + wd p``
+  under Adam's L2 decay), from the shared ``m`` (the optimizer's ``exp_avg``, identical on every rank); the method
+  compresses ``u`` with error feedback, and the average that arrives is the new ``m`` (it is linear in ``g``);
+- at the optimizer's step, the strategy writes that average into ``exp_avg``, holds the bias-corrected second moment
+  where it was, and applies AdamW's update with torch's operations (decoupled decay for AdamW); the optimizer's own
+  step skips these parameters.
+
+The optimizer's state keeps torch's keys and meaning: ``exp_avg_sq`` is rescaled each step by
+``(1 - b2^t) / (1 - b2^(t-1))``, so that torch's bias correction of it gives the held value, and a checkpoint resumed
+without the strategy continues from an ordinary Adam state. Before ``frozen_from`` nothing changes: the optimizer runs
+as it would under stock DDP.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+#: Flags of a parameter group under which the optimizer's update is not the one reproduced here.
+_UNSUPPORTED = ("amsgrad", "maximize", "differentiable", "capturable", "fused")
+#: The share of the run's steps Adam runs unchanged (sent dense or in fp16) before its second moment is frozen.
+WARMUP_SHARE = 0.1
+#: The warm-up when the run's length is unknown (an iterable data set without a length and no ``max_steps``).
+WARMUP_UNKNOWN_BUDGET = 1000
+
+
+def warmup_steps(budget: float) -> int:
+    """Steps of a run of ``budget`` steps before Adam's second moment is frozen: :data:`WARMUP_SHARE` of them, at least
+    one (the second moment must exist), :data:`WARMUP_UNKNOWN_BUDGET` when the length is unknown."""
+    if not math.isfinite(budget) or budget <= 0:
+        return WARMUP_UNKNOWN_BUDGET
+    return max(1, math.ceil(WARMUP_SHARE * budget))
+
+
+def adam_groups_supported(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is ``torch.optim.Adam`` or ``AdamW`` with no group flag whose update differs (AMSGrad,
+    maximize, capturable, differentiable, fused): the update :class:`AdamMoments` applies is then the optimizer's."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    return not any(group.get(flag) for group in optimizer.param_groups for flag in _UNSUPPORTED)
+
+
+class AdamMoments:
+    """Adam's first moment moved into the comm hook, its second moment frozen, from step :attr:`frozen_from` on.
+
+    Which parameters are moved is fixed at setup (:meth:`take_from`); when is set by the controller at fit start and
+    checkpointed with the strategy. The hook calls :meth:`local_` on every step from ``frozen_from`` on, the strategy
+    :meth:`step_` inside the optimizer's step.
+    """
+
+    def __init__(self) -> None:
+        #: The first step (counted as ``CompressionState.step``) whose gradients are sent as moments; ``None``: never.
+        self.frozen_from: int | None = None
+        self._groups: dict[str, tuple[torch.optim.Optimizer, dict, Tensor]] = {}  # name: (optimizer, group, param)
+        self._moved: list[str] = []  # this step's parameters whose gradients the hook turned into moments
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    def take_from(self, optimizers: list[torch.optim.Optimizer], names: dict[int, str]) -> list[str]:
+        """Take every parameter of ``optimizers`` if all are supported Adam(W) (:func:`adam_groups_supported`) and
+        every parameter is one the hook sends dense (named in ``names``): all or nothing, so that no parameter is left
+        to an Adam whose gradients are compressed. Returns the names taken."""
+        if not optimizers or not all(adam_groups_supported(opt) for opt in optimizers):
+            return []
+        params = [(opt, group, p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        if not all(id(p) in names for _, _, p in params):
+            return []
+        self._groups = {names[id(p)]: (opt, group, p) for opt, group, p in params}
+        return list(self._groups)
+
+    def active(self, step: int) -> bool:
+        """Whether the hook sends moments on step ``step`` (``CompressionState.step`` while it runs)."""
+        return bool(self._groups) and self.frozen_from is not None and step >= self.frozen_from
+
+    def local_(self, names: list[str], grads: list[Tensor]) -> None:
+        """In the hook, before compression: each moved parameter's gradient becomes this rank's first moment, in
+        place. A parameter the optimizer has not stepped yet (no second moment to hold) keeps its gradient and is
+        stepped by the optimizer; which those are is the same on every rank (so is the optimizer's state)."""
+        for name, grad in zip(names, grads, strict=True):
+            entry = self._groups.get(name)
+            if entry is None:
+                continue
+            optimizer, group, param = entry
+            state = optimizer.state.get(param)
+            if not state or "exp_avg_sq" not in state:
+                continue
+            beta1 = group["betas"][0]
+            if group["weight_decay"] and not group.get("decoupled_weight_decay", False):
+                grad.add_(param.detach().view_as(grad), alpha=group["weight_decay"])  # Adam's L2 decay, as torch's
+            grad.mul_(1 - beta1).add_(state["exp_avg"].view_as(grad), alpha=beta1)
+            self._moved.append(name)
+
+    def step_(self) -> list[tuple[Tensor, Tensor]]:
+        """Inside the optimizer's step, after the closure: apply the update of every parameter the hook moved this
+        step, from the averaged moment in its ``.grad``, and hide that gradient from the optimizer (``.grad`` set to
+        ``None``, which torch's Adam skips). Returns ``(param, grad)`` pairs for :meth:`restore`."""
+        moved, self._moved = self._moved, []
+        hidden = []
+        with torch.no_grad():
+            for name in moved:
+                optimizer, group, param = self._groups[name]
+                grad = param.grad
+                if grad is None:
+                    continue
+                state = optimizer.state[param]
+                beta1, beta2 = group["betas"]
+                lr, eps, decay = float(group["lr"]), group["eps"], group["weight_decay"]
+                state["step"] += 1
+                t = float(state["step"])
+                state["exp_avg"].copy_(grad)
+                bias2, bias2_before = 1 - beta2**t, 1 - beta2 ** (t - 1)
+                state["exp_avg_sq"].mul_(bias2 / bias2_before)  # the bias-corrected second moment held
+                if decay and group.get("decoupled_weight_decay", False):
+                    param.mul_(1 - lr * decay)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(eps)
+                param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
+                hidden.append((param, grad))
+                param.grad = None
+        return hidden
+
+    @staticmethod
+    def restore(hidden: list[tuple[Tensor, Tensor]]) -> None:
+        """Give the hidden gradients back (DDP's bucket views stay the parameters' gradients)."""
+        for param, grad in hidden:
+            param.grad = grad
+
+    def drop_moved(self) -> None:
+        """A new step began without the optimizer stepping (a skipped step): nothing moved is applied."""
+        self._moved.clear()
+
+    def state_dict(self) -> dict[str, int]:
+        return {} if self.frozen_from is None else {"frozen_from": self.frozen_from}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.frozen_from = state.get("frozen_from")
+        self._moved.clear()
