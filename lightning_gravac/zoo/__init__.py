@@ -1,6 +1,7 @@
 """Models and data the recipes train."""
 
 from lightning_gravac.zoo.cifar import CIFARDataModule, SyntheticImages
+from lightning_gravac.zoo.gpt import ByteGPT, TextDataModule
 from lightning_gravac.zoo.language import LSTMLanguageModel, PTBDataModule
 from lightning_gravac.zoo.synthetic import (
     BagOfWordsRegression,
@@ -14,6 +15,7 @@ from lightning_gravac.zoo.vision import ImageClassifier
 
 __all__ = [
     "BagOfWordsRegression",
+    "ByteGPT",
     "CIFARDataModule",
     "ImageClassifier",
     "LSTMLanguageModel",
@@ -22,6 +24,7 @@ __all__ = [
     "TabularClassifier",
     "TeacherDataModule",
     "TeacherRegression",
+    "TextDataModule",
     "bag_of_words_dataset",
     "read_table",
     "teacher_dataset",
