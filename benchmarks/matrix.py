@@ -106,8 +106,17 @@ from bandwidth import (  # (the same token-bucket shaping as the bandwidth bench
 )
 
 _INSIDE = "GRAVAC_MATRIX_NETNS"
-FIXED = ["dense DDP", "fp16", "topk cf=10", "topk cf=100", "topk cf=1000", "dgc cf=100", "qsgd 4-bit", "qsgd 2-bit",
-         "efsignsgd"]
+FIXED = [
+    "dense DDP",
+    "fp16",
+    "topk cf=10",
+    "topk cf=100",
+    "topk cf=1000",
+    "dgc cf=100",
+    "qsgd 4-bit",
+    "qsgd 2-bit",
+    "efsignsgd",
+]
 ROWS = [*FIXED, "accordion 10/1000", "gravac (paper)", "default"]
 #: More compressor families, for the optimizer study (``--optimizer adamw --links unlimited``): fixed settings.
 FAMILY_SETTINGS = {"qsgd 4-bit": ("qsgd", 8.0), "powersgd cf=100": ("powersgd", 100.0),
