@@ -57,9 +57,27 @@ def test_moved_moments_step_as_adam_with_its_second_moment_held(optimizer):
     state = opt.state[param]
     assert int(state["step"]) == len(grads)
     torch.testing.assert_close(param.detach().double(), p, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(state["exp_avg"].double(), m, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(state["exp_avg"].double(), m, rtol=1e-5, atol=1e-6)  # float32, divided and multiplied
     # torch's own bias correction of the kept second moment gives the held value: an ordinary Adam state.
     torch.testing.assert_close(state["exp_avg_sq"].double() / (1 - betas[1] ** len(grads)), held, rtol=1e-5, atol=0)
+
+
+def test_the_learning_rate_is_read_from_a_restored_optimizers_groups():
+    param = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([param], lr=1.0, weight_decay=0.0)
+    moments = AdamMoments()
+    moments.take_from([opt], {id(param): "w"})
+    param.grad = torch.ones(4)
+    opt.step()  # the second moment exists: 1 everywhere
+    opt.load_state_dict(opt.state_dict())  # as a checkpoint's restore does: new group dicts
+    opt.param_groups[0]["lr"] = 0.5  # as a scheduler then does
+    moments.frozen_from, before = 0, param.detach().clone()
+    grad = torch.ones(4)
+    moments.local_(["w"], [grad])
+    param.grad = grad
+    moments.restore(moments.step_())
+    # m = 0.9 x 0.1 + 0.1 x 1 = 0.19 = 1 - 0.9^2, its bias correction: the step is the new rate (1.0 if the stale one).
+    torch.testing.assert_close(before - param.detach(), torch.full((4,), 0.5), rtol=1e-5, atol=0)
 
 
 def test_unsupported_optimizers_keep_their_moments():
@@ -124,8 +142,8 @@ def test_moments_move_after_the_warm_up_resume_bit_for_bit_and_agree_across_rank
     assert whole["cf"][:5] == [2.0] * 5
     if method == "efsignsgd":
         assert whole["cf"][5:] == [32.0] * 43
-    else:  # the first moved step measures the gains (sent whole, as before); the search compresses from the next
-        assert whole["cf"][5] == 2.0 and min(whole["cf"][6:]) >= 10
+    else:  # the search decides on the moved moments' gains, measured from the first moved step (sent whole)
+        assert whole["cf"][5] == 2.0 and all(cf in (1.0, 2.0) or cf >= 10 for cf in whole["cf"][6:])
     for rank in ranks:
         # Identical decisions and weights on every rank, and a resumed run continues bit for bit.
         assert rank["whole"]["cf"] == whole["cf"]

@@ -6,11 +6,14 @@ arrives, a delayed and lossy version of the gradient. The second moment settles 
 momentum compresses well with error feedback. From the step :attr:`AdamMoments.frozen_from` on:
 
 - in the comm hook, each rank turns its gradient into its own first moment, ``u = b1 m + (1 - b1) g`` (with ``g + wd p``
-  under Adam's L2 decay), from the shared ``m`` (the optimizer's ``exp_avg``, identical on every rank); the method
-  compresses ``u`` with error feedback, and the average that arrives is the new ``m`` (it is linear in ``g``);
-- at the optimizer's step, the strategy writes that average into ``exp_avg``, holds the bias-corrected second moment
-  where it was, and applies AdamW's update with torch's operations (decoupled decay for AdamW); the optimizer's own
-  step skips these parameters.
+  under Adam's L2 decay), from the shared ``m`` (the optimizer's ``exp_avg``, identical on every rank), divided by
+  Adam's frozen per-coordinate scale ``s = sqrt(v_hat) + eps``: the step's direction. The method compresses ``u / s``
+  with error feedback; the average that arrives is the new ``m / s`` (it is linear in ``g``, and ``s`` is the same on
+  every rank). Compressing the direction rather than ``u`` keeps each coordinate's compression error in units of its
+  own step: a scaled sign gives every coordinate a magnitude, and divided by a tiny ``v_hat`` (an embedding row seldom
+  seen) after arrival it would be a huge step;
+- at the optimizer's step, the strategy writes ``m`` into ``exp_avg``, holds the bias-corrected second moment where it
+  was, and applies AdamW's update (decoupled decay for AdamW); the optimizer's own step skips these parameters.
 
 The optimizer's state keeps torch's keys and meaning: ``exp_avg_sq`` is rescaled each step by
 ``(1 - b2^t) / (1 - b2^(t-1))``, so that torch's bias correction of it gives the held value, and a checkpoint resumed
@@ -47,6 +50,13 @@ def adam_groups_supported(optimizer: torch.optim.Optimizer) -> bool:
     return not any(group.get(flag) for group in optimizer.param_groups for flag in _UNSUPPORTED)
 
 
+def _scale(state: dict, group: dict) -> Tensor:
+    """Adam's per-coordinate divisor, ``sqrt(v / (1 - b2^t)) + eps``: held constant once the second moment is frozen
+    (the stored ``v`` is rescaled with ``t``), computed alike in the hook and at the step."""
+    bias2 = 1 - group["betas"][1] ** float(state["step"])
+    return (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
+
+
 class AdamMoments:
     """Adam's first moment moved into the comm hook, its second moment frozen, from step :attr:`frozen_from` on.
 
@@ -58,7 +68,9 @@ class AdamMoments:
     def __init__(self) -> None:
         #: The first step (counted as ``CompressionState.step``) whose gradients are sent as moments; ``None``: never.
         self.frozen_from: int | None = None
-        self._groups: dict[str, tuple[torch.optim.Optimizer, dict, Tensor]] = {}  # name: (optimizer, group, param)
+        # name: (optimizer, index of its group, param). The group by index: a restored optimizer state replaces the
+        # group dicts (and a scheduler then writes the learning rate into the new ones).
+        self._groups: dict[str, tuple[torch.optim.Optimizer, int, Tensor]] = {}
         self._moved: list[str] = []  # this step's parameters whose gradients the hook turned into moments
 
     def __bool__(self) -> bool:
@@ -70,10 +82,11 @@ class AdamMoments:
         to an Adam whose gradients are compressed. Returns the names taken."""
         if not optimizers or not all(adam_groups_supported(opt) for opt in optimizers):
             return []
-        params = [(opt, group, p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        groups = [(opt, i, group) for opt in optimizers for i, group in enumerate(opt.param_groups)]
+        params = [(opt, i, p) for opt, i, group in groups for p in group["params"]]
         if not all(id(p) in names for _, _, p in params):
             return []
-        self._groups = {names[id(p)]: (opt, group, p) for opt, group, p in params}
+        self._groups = {names[id(p)]: (opt, i, p) for opt, i, p in params}
         return list(self._groups)
 
     def active(self, step: int) -> bool:
@@ -88,14 +101,15 @@ class AdamMoments:
             entry = self._groups.get(name)
             if entry is None:
                 continue
-            optimizer, group, param = entry
-            state = optimizer.state.get(param)
+            optimizer, index, param = entry
+            group, state = optimizer.param_groups[index], optimizer.state.get(param)
             if not state or "exp_avg_sq" not in state:
                 continue
             beta1 = group["betas"][0]
             if group["weight_decay"] and not group.get("decoupled_weight_decay", False):
                 grad.add_(param.detach().view_as(grad), alpha=group["weight_decay"])  # Adam's L2 decay, as torch's
             grad.mul_(1 - beta1).add_(state["exp_avg"].view_as(grad), alpha=beta1)
+            grad.div_(_scale(state, group).view_as(grad))
             self._moved.append(name)
 
     def step_(self) -> list[tuple[Tensor, Tensor]]:
@@ -106,22 +120,22 @@ class AdamMoments:
         hidden = []
         with torch.no_grad():
             for name in moved:
-                optimizer, group, param = self._groups[name]
-                grad = param.grad
+                optimizer, index, param = self._groups[name]
+                group, grad = optimizer.param_groups[index], param.grad
                 if grad is None:
                     continue
                 state = optimizer.state[param]
                 beta1, beta2 = group["betas"]
-                lr, eps, decay = float(group["lr"]), group["eps"], group["weight_decay"]
+                lr, decay = float(group["lr"]), group["weight_decay"]
+                # The averaged moment arrives divided by Adam's scale (see `local_`): the first moment is it times
+                # the scale, the step is it times the learning rate.
+                torch.mul(grad.view_as(param), _scale(state, group), out=state["exp_avg"])
                 state["step"] += 1
                 t = float(state["step"])
-                state["exp_avg"].copy_(grad)
-                bias2, bias2_before = 1 - beta2**t, 1 - beta2 ** (t - 1)
-                state["exp_avg_sq"].mul_(bias2 / bias2_before)  # the bias-corrected second moment held
+                state["exp_avg_sq"].mul_((1 - beta2**t) / (1 - beta2 ** (t - 1)))  # the bias-corrected value held
                 if decay and group.get("decoupled_weight_decay", False):
                     param.mul_(1 - lr * decay)
-                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(eps)
-                param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
+                param.add_(grad.view_as(param), alpha=-lr / (1 - beta1**t))
                 hidden.append((param, grad))
                 param.grad = None
         return hidden

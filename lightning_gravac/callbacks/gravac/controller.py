@@ -343,6 +343,8 @@ class GraVAC(Controller):
                 self._hand_over(self.state)
                 self._say_choice(None)
         self._hold_for_adam()
+        # The fp16 rung of an Adam fit is known from here on: a resumed run's next step may be a half one.
+        self._hand_over(self.state)
 
     def _say_choice(self, previous: float | None) -> None:
         """Say on rank 0 what is sent and why: at fit start (``previous`` ``None``) and whenever the regime changes
