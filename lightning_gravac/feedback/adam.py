@@ -52,9 +52,19 @@ def adam_groups_supported(optimizer: torch.optim.Optimizer) -> bool:
 
 def _scale(state: dict, group: dict) -> Tensor:
     """Adam's per-coordinate divisor, ``sqrt(v / (1 - b2^t)) + eps``: held constant once the second moment is frozen
-    (the stored ``v`` is rescaled with ``t``), computed alike in the hook and at the step."""
+    (the stored ``v`` is rescaled with ``t``), computed alike in the hook and at the step.
+
+    A coordinate that saw no gradient before the freeze (an embedding row not yet read) has ``v = 0``: divided by
+    ``eps``, its first gradient would be a step of millions. It takes its tensor's typical ``v`` instead (the mean of
+    the entries that have one), so that its steps are of the tensor's size, as Adam's first steps on a new
+    coordinate are."""
+    v = state["exp_avg_sq"]
+    unseen = v == 0
+    # No host sync (CUDA): a tensor with no entry seen takes 1 (its steps are then the learning rate's size).
+    typical = torch.nan_to_num(v.sum() / (~unseen).sum(), nan=1.0)
+    v = torch.where(unseen, typical, v)
     bias2 = 1 - group["betas"][1] ** float(state["step"])
-    return (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(group["eps"])
+    return (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
 
 
 class AdamMoments:

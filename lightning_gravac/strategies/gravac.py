@@ -284,8 +284,9 @@ class GraVACStrategy(DDPStrategy):
                         "optimizer. `GraVACStrategy(momentum_correction=False)` leaves the optimizer alone."
                     )
                 # Adam's first moment can move too, its second frozen after a warm-up: from when, the controller
-                # decides at fit start (`Controller.freeze_adam`).
-                state.adam.take_from(self.optimizers, dense)
+                # decides at fit start (`Controller._freeze_adam`).
+                if self._why_adam_stays() is None:
+                    state.adam.take_from(self.optimizers, dense)
 
     def _method_for_sgd(self) -> None:
         """The zero-argument default under ``torch.optim.SGD``: send QSGD instead of Top-K (see the ``compressor``
@@ -327,6 +328,10 @@ class GraVACStrategy(DDPStrategy):
             return
         if not all(adam_groups_supported(opt) for opt in self.optimizers):
             return
+        why = self._why_adam_stays()
+        if why is not None:
+            rank_zero_info(f"GraVACStrategy: {why}: Adam keeps its moments, and each step is sent dense or in fp16.")
+            return
         method = get_compressor(ADAM_METHOD)
         state.use_method(method, error_feedback=True)
         rank_zero_info(
@@ -334,6 +339,19 @@ class GraVACStrategy(DDPStrategy):
             f"moment as {method!r} with error feedback once its second moment is frozen (1-bit Adam's scheme), dense "
             "or fp16 before. `GraVACStrategy('fp16')` casts every step instead."
         )
+
+    def _why_adam_stays(self) -> str | None:
+        """Why Adam's moments cannot move here, or ``None``. Lightning clips what the parameters' ``.grad`` hold after
+        backward, which are the averaged moments once they move; a model that is mostly embedding tables has rows
+        that no warm-up sees, whose frozen second moment is none, and its inactive rows would take a sign's noise
+        every step (the embedding bag ended at NaN under AdamW; docs/optimizers.md)."""
+        module = self.lightning_module
+        if module is not None and module._trainer is not None and module.trainer.gradient_clip_val:
+            return "the trainer clips gradients (`gradient_clip_val`), which would clip Adam's moved moments instead"
+        share = self._embedding_share()
+        if share >= EMBEDDING_SHARE:
+            return f"{share:.0%} of the trainable parameters are embedding tables, whose rows no warm-up sees all of"
+        return None
 
     def _embedding_share(self) -> float:
         """The share of the trainable parameters' entries held by embedding tables (``nn.Embedding``,
