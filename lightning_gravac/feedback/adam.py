@@ -64,7 +64,7 @@ def _scale(state: dict, group: dict) -> Tensor:
     typical = torch.nan_to_num(v.sum() / (~unseen).sum(), nan=1.0)
     v = torch.where(unseen, typical, v)
     bias2 = 1 - group["betas"][1] ** float(state["step"])
-    return (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
+    return v.div(bias2).sqrt_().add_(group["eps"])
 
 
 class AdamMoments:
@@ -82,6 +82,9 @@ class AdamMoments:
         # group dicts (and a scheduler then writes the learning rate into the new ones).
         self._groups: dict[str, tuple[torch.optim.Optimizer, int, Tensor]] = {}
         self._moved: list[str] = []  # this step's parameters whose gradients the hook turned into moments
+        # This step's divisor of each moved parameter (`_scale`), computed in the hook from the optimizer's state and
+        # used again at the step: one computation a step, from state a checkpoint restores bit for bit.
+        self._scales: dict[str, Tensor] = {}
 
     def __bool__(self) -> bool:
         return bool(self._groups)
@@ -97,6 +100,7 @@ class AdamMoments:
         if not all(id(p) in names for _, _, p in params):
             return []
         self._groups = {names[id(p)]: (opt, i, p) for opt, i, p in params}
+        self._scales = {}
         return list(self._groups)
 
     def active(self, step: int) -> bool:
@@ -119,7 +123,8 @@ class AdamMoments:
             if group["weight_decay"] and not group.get("decoupled_weight_decay", False):
                 grad.add_(param.detach().view_as(grad), alpha=group["weight_decay"])  # Adam's L2 decay, as torch's
             grad.mul_(1 - beta1).add_(state["exp_avg"].view_as(grad), alpha=beta1)
-            grad.div_(_scale(state, group).view_as(grad))
+            scale = self._scales[name] = _scale(state, group)
+            grad.div_(scale.view_as(grad))
             self._moved.append(name)
 
     def step_(self) -> list[tuple[Tensor, Tensor]]:
@@ -139,7 +144,10 @@ class AdamMoments:
                 lr, decay = float(group["lr"]), group["weight_decay"]
                 # The averaged moment arrives divided by Adam's scale (see `local_`): the first moment is it times
                 # the scale, the step is it times the learning rate.
-                torch.mul(grad.view_as(param), _scale(state, group), out=state["exp_avg"])
+                scale = self._scales.pop(name, None)
+                if scale is None:
+                    scale = _scale(state, group)
+                torch.mul(grad.view_as(param), scale, out=state["exp_avg"])
                 state["step"] += 1
                 t = float(state["step"])
                 state["exp_avg_sq"].mul_((1 - beta2**t) / (1 - beta2 ** (t - 1)))  # the bias-corrected value held
@@ -159,6 +167,7 @@ class AdamMoments:
     def drop_moved(self) -> None:
         """A new step began without the optimizer stepping (a skipped step): nothing moved is applied."""
         self._moved.clear()
+        self._scales.clear()
 
     def state_dict(self) -> dict[str, int]:
         return {} if self.frozen_from is None else {"frozen_from": self.frozen_from}
@@ -166,3 +175,4 @@ class AdamMoments:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.frozen_from = state.get("frozen_from")
         self._moved.clear()
+        self._scales.clear()

@@ -56,11 +56,11 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if dense and not state.probe_cfs:
         return _dense(state, buffer, names, grads, params, adam)
 
+    if adam:  # Adam's step direction, its second moment frozen: what is compressed (paid on dense steps too)
+        state.adam.local_(names, grads)
     start = time.perf_counter()
     if momentum:  # this rank's momentum before compression: what is compressed is the update direction
         momentum.local_(names, grads, params)
-    if adam:  # Adam's first moment, its second frozen: what is compressed is this rank's moment
-        state.adam.local_(names, grads)
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
     fresh, measuring = _fresh_gains(state, names, grads, buffer)
     start += measuring  # not compression's cost: the controller weighs what sending a factor costs, measuring aside
