@@ -188,6 +188,8 @@ class Controller(Callback):
             return
         self.last_metrics = self.metrics(stats)  # of the step that produced `stats`, before the next decision
         self.metrics_step = self.state.step
+        if self.guard is not None and self.state.adam.frozen_from == self.state.step - 1:
+            self.guard.restart()  # the first step that sent Adam's direction: a new quantity's norms from here on
         guarded = self._guarded(stats, trainer, outputs)
         if guarded == "free":  # a step the guard sent dense is not the controller's to observe
             self.observe(stats, trainer)

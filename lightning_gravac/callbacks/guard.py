@@ -95,6 +95,11 @@ class DivergenceGuard:
         self.norms.append(norm)
         return False
 
+    def restart(self) -> None:
+        """Forget the recent gradient norms: what the steps send changed meaning (Adam's moved direction after its
+        warm-up), so its norms are not comparable with the gradients' before."""
+        self.norms.clear()
+
     def _climbed(self, loss: float | None) -> bool:
         """Whether the recent median loss, with ``loss`` in it, has climbed past ``loss_ratio`` x the lowest."""
         if self.loss_ratio is None or loss is None or not loss > 0:  # NaN, or a loss that may be negative
