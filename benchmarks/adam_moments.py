@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_gravac.compressors import get_compressor
+from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.feedback.adam import AdamMoments
 from lightning_gravac.zoo.gpt import ByteGPT, Windows, read_bytes
 
@@ -72,9 +73,9 @@ def run(row: str, steps: int, warmup: int, seed: int) -> float:
             if compressing:
                 for i, g in enumerate(grads):
                     g.add_(residuals[rank][i])
-                    decoded = method.decompress(method.compress(g, cf, key=str(i), step=step))
-                    residuals[rank][i] = g - decoded
-                    grads[i] = decoded
+                    payload = method.compress(g, cf, key=str(i), step=step)
+                    residuals[rank][i] = ErrorFeedback.residual_of(method, g, payload)
+                    grads[i] = method.decompress(payload)
             sent.append(grads)
         for p, a, b in zip(params, *sent, strict=True):
             p.grad = (a + b) / 2

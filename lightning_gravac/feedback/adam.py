@@ -144,10 +144,7 @@ class AdamMoments:
                 lr, decay = float(group["lr"]), group["weight_decay"]
                 # The averaged moment arrives divided by Adam's scale (see `local_`): the first moment is it times
                 # the scale, the step is it times the learning rate.
-                scale = self._scales.pop(name, None)
-                if scale is None:
-                    scale = _scale(state, group)
-                torch.mul(grad.view_as(param), scale, out=state["exp_avg"])
+                torch.mul(grad.view_as(param), self._scales.pop(name), out=state["exp_avg"])
                 state["step"] += 1
                 t = float(state["step"])
                 state["exp_avg_sq"].mul_((1 - beta2**t) / (1 - beta2 ** (t - 1)))  # the bias-corrected value held

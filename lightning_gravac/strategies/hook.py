@@ -52,12 +52,11 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     dense = all(cf == 1.0 for cf in cfs)
     momentum = state.momentum
     params = bucket.parameters() if momentum else []
-    adam = state.adam.active(state.step)
-    if dense and not state.probe_cfs:
-        return _dense(state, buffer, names, grads, params, adam)
-
-    if adam:  # Adam's step direction, its second moment frozen: what is compressed (paid on dense steps too)
+    if state.adam.active(state.step):  # Adam's step direction, its second moment frozen: what is sent, on any path
         state.adam.local_(names, grads)
+    if dense and not state.probe_cfs:
+        return _dense(state, buffer, names, grads, params)
+
     start = time.perf_counter()
     if momentum:  # this rank's momentum before compression: what is compressed is the update direction
         momentum.local_(names, grads, params)
@@ -83,11 +82,9 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
 
 
 def _dense(
-    state: CompressionState, buffer: Tensor, names: list[str], grads: list[Tensor], params: list[Tensor], adam: bool
+    state: CompressionState, buffer: Tensor, names: list[str], grads: list[Tensor], params: list[Tensor]
 ) -> Future[Tensor]:
     """Every factor 1, nothing probed: the plain all-reduce, with the momentum moved into the hook if any."""
-    if adam:  # the moments, exactly, with any residual of earlier compressed steps in them
-        state.adam.local_(names, grads)
     momentum = state.momentum
     pending = state.error_feedback and any(name in state.memory for name in names)
     if momentum and momentum.in_sync(names) and not pending:  # the optimizer's momentum, after the all-reduce
