@@ -43,8 +43,9 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_gravac.compressors import ErrorFeedback, get_compressor, list_compressors
-from lightning_gravac.compressors.memory import encode
+from lightning_gravac.compressors import get_compressor, list_compressors
+from lightning_gravac.feedback import ErrorFeedback
+from lightning_gravac.feedback.residuals import encode
 
 SPARSIFIERS = ("topk", "dgc", "redsync", "sidco", "threshold", "randomk")
 #: Methods whose work depends on a weight's shape, given the gradient as a ``[rows, 5000]`` matrix (a 1-D tensor is

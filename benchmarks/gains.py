@@ -25,9 +25,10 @@ import json
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_gravac.compressors import ErrorFeedback, get_compressor
+from lightning_gravac.compressors import get_compressor
 from lightning_gravac.compressors.base import sq_norm
-from lightning_gravac.compressors.memory import encode
+from lightning_gravac.feedback import ErrorFeedback
+from lightning_gravac.feedback.residuals import encode
 from lightning_gravac.zoo import BagOfWordsRegression, TeacherRegression, bag_of_words_dataset, teacher_dataset
 
 LADDER = (20.0, 160.0, 1000.0)

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_gravac.callbacks import Accordion, Controller, DivergenceGuard, GraVAC, RunSummary, Static
-    from lightning_gravac.compressors import Compressor, ErrorFeedback, Payload, get_compressor, list_compressors
+    from lightning_gravac.compressors import Compressor, Payload, get_compressor, list_compressors
+    from lightning_gravac.feedback import ErrorFeedback
     from lightning_gravac.strategies import CompressionState, GraVACStrategy, StepStats
 
 __version__ = "0.1.0"
@@ -15,7 +16,8 @@ __version__ = "0.1.0"
 #: The public names, by the module that defines them: imported on first use (PEP 562).
 _HOMES = {
     "lightning_gravac.callbacks": ("Accordion", "Controller", "DivergenceGuard", "GraVAC", "RunSummary", "Static"),
-    "lightning_gravac.compressors": ("Compressor", "ErrorFeedback", "Payload", "get_compressor", "list_compressors"),
+    "lightning_gravac.compressors": ("Compressor", "Payload", "get_compressor", "list_compressors"),
+    "lightning_gravac.feedback": ("ErrorFeedback",),
     "lightning_gravac.strategies": ("CompressionState", "GraVACStrategy", "StepStats"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

@@ -12,10 +12,8 @@ from torch import Tensor, nn
 
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.compressors.cast import FP16
-from lightning_gravac.compressors.memory import ErrorFeedback
-from lightning_gravac.compressors.momentum import MomentumCorrection
 from lightning_gravac.compressors.none import NoCompression
-from lightning_gravac.feedback.adam import AdamMoments
+from lightning_gravac.feedback import Feedback
 
 Granularity = Literal["layer", "bucket"]
 GainOf = Literal["error_fed", "gradient"]
@@ -158,10 +156,8 @@ class CompressionState:
     world_size: int = 1
     param_names: dict[int, str] = field(default_factory=dict)
 
-    # Carried across steps: written by the hook (memory, momentum) and the strategy (the step's bookkeeping).
-    memory: ErrorFeedback = field(default_factory=ErrorFeedback)
-    momentum: MomentumCorrection = field(default_factory=MomentumCorrection)  # the optimizer's, when moved here
-    adam: AdamMoments = field(default_factory=AdamMoments)  # Adam's first moment, when moved here
+    # Carried across steps: residuals and moved moments (written by `feedback` alone), the step's bookkeeping.
+    feedback: Feedback = field(default_factory=Feedback)
     step: int = 0  # steps that communicated: advanced by `end_step` only (it seeds every method's draws)
     epoch: int = -1  # the training epoch the compressor was last told of (`begin_step`)
     grad_scale: float | None = None  # the mixed-precision gradient scale the residuals are in (None: none or unknown)
@@ -186,6 +182,12 @@ class CompressionState:
         self.compressor, self.error_feedback = compressor, error_feedback
         if self.world_size and dist.is_initialized():
             compressor.setup(self.world_size, dist.get_rank(self.process_group))
+
+    def reset(self) -> None:
+        """Drop what compression accumulated across steps in gradient units: the residuals, the moved momentum and the
+        method's own accumulations (the divergence guard's remedy: they hold what exploded)."""
+        self.feedback.reset()
+        self.compressor.reset()
 
     def cf_of(self, name: str) -> float:
         """The factor in force for parameter ``name``: its own if the controller set one, else the global one."""

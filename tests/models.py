@@ -91,9 +91,9 @@ class Snapshot(Callback):
         self.taken = {
             "controller": controller.state_dict(),
             "step": state.step,
-            "residuals": state.memory.state_dict(),
+            "residuals": state.feedback.residuals.state_dict(),
             "compressor": state.compressor.state_dict(),
-            "momentum": state.momentum.state_dict(),
+            "momentum": state.feedback.momentum.state_dict(),
         }
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

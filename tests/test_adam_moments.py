@@ -117,7 +117,7 @@ def _fit(rank, world_size, ckpt_dir, max_steps, method):
         return {
             "cf": [r["gravac/cf"] for r in summary.history],
             "weights": weights(model),
-            "frozen_from": state.adam.frozen_from,
+            "frozen_from": state.feedback.adam.frozen_from,
             "method": state.compressor.name,
             "held": held,
         }
@@ -172,7 +172,7 @@ def _default(rank, world_size):
     model = _AdamW(width=64)
     trainer.fit(model, loader())
     state = trainer.strategy.compression_state
-    return state.compressor.name, state.adam.frozen_from, weights(model)
+    return state.compressor.name, state.feedback.adam.frozen_from, weights(model)
 
 
 @pytest.mark.distributed

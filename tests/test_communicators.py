@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_gravac.compressors import ErrorFeedback, get_compressor
-from lightning_gravac.compressors.memory import encode
+from lightning_gravac.compressors import get_compressor
 from lightning_gravac.compressors.powersgd import PowerSGD
+from lightning_gravac.feedback import ErrorFeedback
+from lightning_gravac.feedback.residuals import encode
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.state import GATHER, REDUCE, CompressionState
 from lightning_gravac.strategies.communicators import (
@@ -50,19 +51,20 @@ def _one(rank: int, world: int, name: str, cf: float, dense: tuple[bool, bool] =
     for step, dense_now in enumerate(dense):  # the second step error-feeds the first one's residuals
         buffer, names, grads = _bucket(rank, step)
         inputs = {n: g.clone() for n, g in zip(names, grads, strict=True)}
-        fed = {n: inputs[n] + state.memory.get(n) if n in state.memory else inputs[n].clone() for n in names}
+        memory = state.feedback.residuals
+        fed = {n: inputs[n] + memory.get(n) if n in memory else inputs[n].clone() for n in names}
         method = state.identity if dense_now else state.compressor
         segments = [Segment(n, g, 1.0 if dense_now else cf, method, g) for n, g in zip(names, grads, strict=True)]
         if dense_now:  # as the hook does: the residuals added in place, sent in full
             for n, g in zip(names, grads, strict=True):
-                state.memory.compensate_(n, g)
+                state.feedback.residuals.compensate_(n, g)
         work = Work(state, buffer, segments, names, grads, "copy" if dense_now else "recycle", dense_now)
         communicator = communicator_for(work)
         result = communicator.send(work).wait()
         state.step += 1
         out.append({
             "communicator": type(communicator).__name__, "result": result.clone(), "fed": fed,
-            "residuals": {n: state.memory.get(n).clone() for n in names if n in state.memory},
+            "residuals": {n: state.feedback.residuals.get(n).clone() for n in names if n in state.feedback.residuals},
             "records": list(state._records),
         })  # fmt: skip
         state._records.clear()

@@ -516,10 +516,10 @@ def _with_moved_momentum(method, momentum: float, masking: bool = True, nesterov
     from lightning_gravac import CompressionState
 
     state = CompressionState(get_compressor(method) if isinstance(method, str) else method, error_feedback=True)
-    state.momentum.masking = masking
+    state.feedback.momentum.masking = masking
     w = nn.Parameter(torch.zeros(4))
     optimizer = torch.optim.SGD([w], lr=0.1, momentum=momentum, nesterov=nesterov)
-    state.momentum.take_from(optimizer, {id(w): "w"})
+    state.feedback.momentum.take_from(optimizer, {id(w): "w"})
     return state
 
 
@@ -546,7 +546,8 @@ def test_default_weighs_the_momentum_that_masking_drops_at_each_factor():
         (_with_moved_momentum("topk", 0.9), {"weigh_masking": False}),
     ]:
         c = _default_on_a_link(2e-7, gain, state, **kwargs)
-        assert c.masking_weight(10) == 1.0 and c.sent[-1] == 10, (state.compressor, state.momentum.masking, kwargs)
+        masking = state.feedback.momentum.masking
+        assert c.masking_weight(10) == 1.0 and c.sent[-1] == 10, (state.compressor, masking, kwargs)
 
 
 def test_the_masking_weight_follows_each_method_wait_and_the_momentum_it_restarts():

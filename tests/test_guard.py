@@ -99,9 +99,9 @@ def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and
     controller, state, step = _guarded_static("topk", cooldown=2)
 
     assert [step(1.0) for _ in range(4)] == [10, 10, 10, 10]
-    state.memory.set("w", torch.ones(3))
+    state.feedback.residuals.set("w", torch.ones(3))
     assert step(40.0) == 1.0  # exploded: dense, and the residual that exploded is dropped
-    assert len(state.memory) == 0 and controller.last_metrics["gravac/guarded"] == 1.0
+    assert len(state.feedback.residuals) == 0 and controller.last_metrics["gravac/guarded"] == 1.0
     saved = controller.state_dict()
     assert [step(1.0), step(1.0)] == [1.0, 10]  # the cooldown, then the controller's own factor again
     assert controller.last_metrics["gravac/guarded"] == 0.0
@@ -155,11 +155,11 @@ def test_a_trigger_drops_the_momentum_moved_into_the_hook_and_the_buffers_are_in
     _, state, step = _guarded_static("topk", cooldown=2)
     for norm in (1.0, 1.0, 1.0):
         step(norm)
-    state.momentum._buffers["w"] = torch.full((3,), 1e6)
-    state.momentum._local.add("w")
-    assert not state.momentum.in_sync(["w"])
+    state.feedback.momentum._buffers["w"] = torch.full((3,), 1e6)
+    state.feedback.momentum._local.add("w")
+    assert not state.feedback.momentum.in_sync(["w"])
     step(50.0)
-    assert state.cf == 1.0 and state.momentum.state_dict() == {} and state.momentum.in_sync(["w"])
+    assert state.cf == 1.0 and state.feedback.momentum.state_dict() == {} and state.feedback.momentum.in_sync(["w"])
 
 
 def _blow_up(rank, world_size):

@@ -83,6 +83,7 @@ def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb, param_cf=N
     state = CompressionState(get_compressor(compressor), error_feedback=True, granularity=granularity, cf=cf)
     state.param_cf = param_cf or {}
     model, reference, ddp = _hooked(state, bucket_cap_mb)
+    memory = state.feedback.residuals
     residuals: dict[str, torch.Tensor] = {}
     results = []
     for step in range(3):
@@ -106,9 +107,7 @@ def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb, param_cf=N
                 "buckets": stats.buckets,
                 "bytes_sent": stats.bytes_sent,
                 "bytes_dense": stats.bytes_dense,
-                "residual_err": max(
-                    (state.memory.get(n) - residuals[n]).abs().max().item() for n in names if n in state.memory
-                )
+                "residual_err": max((memory.get(n) - residuals[n]).abs().max().item() for n in names if n in memory)
                 if granularity == "layer"
                 else 0.0,
                 "grads": {n: got[n].grad.clone() for n in names},
@@ -237,6 +236,7 @@ def test_probe_gains_are_of_the_error_fed_or_of_the_step_own_gradient(granularit
 def _low_rank_steps(rank, world, cf):
     state = CompressionState(get_compressor("powersgd"), error_feedback=True, cf=cf)
     model, reference, ddp = _hooked(state)
+    memory = state.feedback.residuals
     method = get_compressor("powersgd")  # the reference's own warm starts
     residuals: dict[str, torch.Tensor] = {}
     results = []
@@ -270,7 +270,7 @@ def _low_rank_steps(rank, world, cf):
             {
                 "max_err": max((got[n].grad - expected[n]).abs().max().item() for n in expected),
                 "residual_err": max(
-                    (state.memory.get(n) - r.view_as(got[n])).abs().max().item() for n, r in residuals.items()
+                    (memory.get(n) - r.view_as(got[n])).abs().max().item() for n, r in residuals.items()
                 ),
                 "bytes": (stats.bytes_sent, sent + 16, stats.bytes_dense),
                 "grads": {n: got[n].grad.clone() for n in expected},
@@ -358,7 +358,7 @@ def _half_steps(rank, world, granularity):
         got = dict(model.named_parameters())
         out.append({
             "equal": all(torch.equal(got[n].grad, expected[n]) for n in names),
-            "residuals": all(torch.equal(state.memory.get(n), residuals[n]) for n in names),
+            "residuals": all(torch.equal(state.feedback.residuals.get(n), residuals[n]) for n in names),
             "achieved_cf": stats.achieved_cf,
             "wires": {key: wire.data_ptr() for key, wire in state._wires.items()},
         })  # fmt: skip
@@ -374,7 +374,7 @@ def _residual_bytes(rank, world, method):
     for step, half in enumerate((False, False, False, True, False, False)):
         state.half = half
         _backward_both(ddp, reference, step, rank)
-        held.append(state.memory.nbytes())
+        held.append(state.feedback.residuals.nbytes())
     return held, sum(p.numel() * p.element_size() for p in model.parameters())
 
 

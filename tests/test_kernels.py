@@ -10,8 +10,8 @@ import torch
 
 from lightning_gravac.compressors import get_compressor, kernels
 from lightning_gravac.compressors.base import sq_norm
-from lightning_gravac.compressors.memory import ErrorFeedback, encode
 from lightning_gravac.compressors.select import Blocks, exact_lowest, exact_topk, seeded_generator
+from lightning_gravac.feedback.residuals import ErrorFeedback, encode
 
 _COMPILER = shlex.split(sysconfig.get_config_var("CC") or "cc")[0]
 

@@ -50,7 +50,7 @@ class Residuals(pl.Callback):
         self.compressor_steps: list[dict[str, torch.Tensor]] = []  # a method's own accumulations (DGC's u and v)
 
     def _take(self, trainer) -> None:
-        self.steps.append(trainer.strategy.compression_state.memory.state_dict())
+        self.steps.append(trainer.strategy.compression_state.feedback.residuals.state_dict())
         self.compressor_steps.append(trainer.strategy.compressor.state_dict())
 
     def on_train_batch_end(self, trainer, *args) -> None:
@@ -210,7 +210,7 @@ def _unused_and_frozen(rank, world_size):
     strategy = GraVACStrategy("topk", find_unused_parameters=True)
     trainer = pl.Trainer(strategy=strategy, callbacks=[Static(cf=10)], max_steps=20, **trainer_kwargs(world_size))
     trainer.fit(model, loader())
-    return {"weights": weights(model), "residuals": sorted(strategy.compression_state.memory)}
+    return {"weights": weights(model), "residuals": sorted(strategy.compression_state.feedback.residuals)}
 
 
 def test_unused_and_frozen_parameters():
@@ -235,7 +235,7 @@ def _sparse_gradients(rank, world_size):
         trainer.fit(model, bag_loader())
         out[name] = {**weights(model), "moved": not torch.equal(model.bag.weight, before)}
         if name == "cf 4":  # the head's momentum went into the hook, the embedding's stayed in the optimizer
-            out["moved momentum"] = sorted(trainer.strategy.compression_state.momentum.settings)
+            out["moved momentum"] = sorted(trainer.strategy.compression_state.feedback.momentum.settings)
     # One group for both: it keeps its momentum whole in the optimizer, and the strategy says so.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -243,7 +243,7 @@ def _sparse_gradients(rank, world_size):
                              **trainer_kwargs(world_size))  # fmt: skip
         trainer.fit(SparseBag(one_group=True), bag_loader())
     out["warned"] = [str(w.message) for w in caught if "sparse embedding" in str(w.message)]
-    out["one group moved"] = sorted(trainer.strategy.compression_state.momentum.settings)
+    out["one group moved"] = sorted(trainer.strategy.compression_state.feedback.momentum.settings)
     return out
 
 
@@ -308,7 +308,7 @@ class ResidualsAtStart(pl.Callback):
         self.residuals: dict[str, torch.Tensor] = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.residuals = trainer.strategy.compression_state.memory.state_dict()
+        self.residuals = trainer.strategy.compression_state.feedback.residuals.state_dict()
 
 
 def _resume_on(rank, world_size, ckpt):
@@ -368,7 +368,7 @@ def _zeroed_nan_step(rank, world_size, strategy):
             callbacks.append(Static(cf=1))
     trainer = pl.Trainer(strategy=chosen, callbacks=callbacks, max_steps=20, **trainer_kwargs(world_size))
     trainer.fit(model, loader())
-    buffers = trainer.strategy.compression_state.momentum.state_dict() if strategy != "stock" else {}
+    buffers = trainer.strategy.compression_state.feedback.momentum.state_dict() if strategy != "stock" else {}
     return {"weights": moved, "zeroed": guard.zeroed, "buffers": buffers}
 
 

@@ -351,7 +351,7 @@ def _method_by_optimizer(rank, world_size, momentum, strategy_args, controller, 
         "method": strategy.compressor.name,
         "error_feedback": strategy.compression_state.error_feedback,
         "optimizer_momentum": group["momentum"],
-        "moved": bool(strategy.compression_state.momentum),
+        "moved": bool(strategy.compression_state.feedback.momentum),
         "ladder": getattr(chosen, "ladder", None),
     }
 

@@ -127,7 +127,7 @@ class Controller(Callback):
         """Set, once a run (a resumed run keeps its checkpoint's), the step from which Adam's moments move: after
         :func:`~lightning_gravac.feedback.adam.warmup_steps` of the run's length. Until then every step is sent dense
         (or in fp16, by GraVAC's choice), so that Adam's second moment settles on exact gradients. Said on rank 0."""
-        adam = self.state.adam
+        adam = self.state.feedback.adam
         if not (adam and self.moves_adam) or adam.frozen_from is not None:
             return
         adam.frozen_from = warmup_steps(float(trainer.estimated_stepping_batches))
@@ -140,12 +140,12 @@ class Controller(Callback):
 
     def moments_moved(self) -> bool:
         """Whether the next step sends Adam's first moment (the warm-up is over)."""
-        return self._state is not None and self._state.adam.active(self._state.step)
+        return self._state is not None and self._state.feedback.adam.active(self._state.step)
 
     def _on_adaptive_optimizer(self) -> None:
         """The optimizer divides each coordinate by a running second moment (Adam, AdamW, RMSprop, Adagrad): say what
         compression measured there. A controller that holds dense instead overrides this."""
-        if self.state.adam.frozen_from is not None:
+        if self.state.feedback.adam.frozen_from is not None:
             return  # its moments move after the warm-up: said by `_freeze_adam`
         rank_zero_warn(
             f"{type(self).__name__}: the optimizer scales each coordinate by a running second moment (Adam-like), "
@@ -188,7 +188,7 @@ class Controller(Callback):
             return
         self.last_metrics = self.metrics(stats)  # of the step that produced `stats`, before the next decision
         self.metrics_step = self.state.step
-        if self.guard is not None and self.state.adam.frozen_from == self.state.step - 1:
+        if self.guard is not None and self.state.feedback.adam.frozen_from == self.state.step - 1:
             self.guard.restart()  # the first step that sent Adam's direction: a new quantity's norms from here on
         guarded = self._guarded(stats, trainer, outputs)
         if guarded == "free":  # a step the guard sent dense is not the controller's to observe
@@ -217,7 +217,7 @@ class Controller(Callback):
         self.apply(state)
         if self.guard is not None and self.guard.holding > 0:
             state.cf, state.param_cf, state.probe_cfs, state.half = 1.0, {}, (), False
-        adam = state.adam
+        adam = state.feedback.adam
         if adam.frozen_from is not None and not adam.active(state.step) and not state.half:
             # Adam's warm-up: its second moment settles on whole gradients (fp16 when GraVAC chose it), whatever factor.
             state.cf, state.param_cf, state.probe_cfs = 1.0, {}, ()
@@ -241,9 +241,7 @@ class Controller(Callback):
                 f"lowest): sending dense for {guard.holding} steps and dropping the residuals. Set "
                 "`controller.guard = None` to turn the guard off."
             )
-            self.state.memory.load_state_dict({})
-            self.state.compressor.reset()
-            self.state.momentum.reset()  # the momentum moved into the hook accumulated the explosion too
+            self.state.reset()
             return "hold"
         if guard.holding > 0:
             return "hold"

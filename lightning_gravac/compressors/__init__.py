@@ -14,7 +14,6 @@ from lightning_gravac.compressors.base import (
 from lightning_gravac.compressors.cast import BF16, FP16
 from lightning_gravac.compressors.dgc import DGC
 from lightning_gravac.compressors.efsignsgd import EFSignSGD
-from lightning_gravac.compressors.memory import ErrorFeedback
 from lightning_gravac.compressors.natural import Natural
 from lightning_gravac.compressors.none import NoCompression
 from lightning_gravac.compressors.onebit import OneBit
@@ -37,7 +36,6 @@ __all__ = [
     "Communication",
     "Compressor",
     "EFSignSGD",
-    "ErrorFeedback",
     "Natural",
     "NoCompression",
     "OneBit",

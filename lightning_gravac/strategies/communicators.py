@@ -1,8 +1,10 @@
-"""The communicators: how one compressed bucket crosses the network, one per pattern a method declares.
+"""The communicators: how one bucket crosses the network, one per pattern.
 
 The comm hook (:mod:`lightning_gravac.strategies.hook`) prepares a bucket as a :class:`Work` (its segments: each layer,
 or the whole bucket; their factors and methods; the step's own-gradient probes) and hands it to
-:func:`communicator_for`, which picks by the method's :class:`~lightning_gravac.compressors.base.Communication`:
+:func:`communicator_for`. Buckets that are not compressed: :class:`Local` (local SGD: nothing sent),
+:class:`SparseReduced` (a sparse gradient's all-reduce) and :class:`Plain` (stock DDP's all-reduce, bit for bit). The
+compressed ones, by the method's :class:`~lightning_gravac.compressors.base.Communication`:
 
 - :class:`Gathered` (``GATHER``): error feedback, compression and residuals (:func:`encode`), then an all-gather of
   the packed payloads and the header, decoded rank by rank in rank order; or, when the gather would move more bytes
@@ -13,9 +15,10 @@ or the whole bucket; their factors and methods; the step's own-gradient probes) 
 - :class:`DenseProbed`: every factor 1 but the controller measures what compression would keep: the dense bucket
   all-reduced with the header (residuals are sent in full and dropped).
 
-Each communicator builds the bucket's :class:`Header` (this rank's norms, summed over ranks by a collective) and ends
-in :func:`settle`: a finite step commits the pending residuals and method state, a non-finite one (some rank's
-gradient was not) discards them and poisons the bucket with NaN, and the step's :class:`BucketRecord` is recorded.
+Each compressed communicator builds the bucket's :class:`Header` (this rank's norms, summed over ranks by a
+collective). Every communicator ends in :func:`settle`: a finite step commits the method's state and the feedback
+part stores the pending residuals and momentum; a non-finite one (some rank's gradient was not) discards them (and a
+compressed bucket is poisoned with NaN); the bucket's :class:`BucketRecord` is recorded.
 
 Two rules keep the collectives from hanging. Every collective is launched from the thread that runs the hook, so
 every rank issues them in the same order (collectives are matched by that order; a collective launched from a
@@ -35,10 +38,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gravac.compressors.base import Communication, Compressor, Payload, sq_norm
-from lightning_gravac.compressors.memory import ErrorFeedback, Feedback, encode
+from lightning_gravac.compressors.base import Communication, Compressor, Payload, all_finite, sq_norm
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.compressors.powersgd import PowerSGD, add_product_, as_matrix, average_product_, right_factor
+from lightning_gravac.feedback import ErrorFeedback, FeedMode, encode
 from lightning_gravac.state import GATHER, REDUCE, BucketRecord, Collective, CompressionState, gathers
 
 
@@ -113,7 +116,7 @@ class Work:
     segments: list[Segment]
     names: list[str]  # the bucket's parameters
     grads: list[Tensor]  # their gradients: views into `buffer`
-    feedback: Feedback = "off"  # how each segment is error-fed (`encode`)
+    mode: FeedMode = "off"  # how each segment is error-fed (`encode`)
     dense: bool = False  # every factor is 1: sent dense while the controller probes
     fresh: tuple[Tensor, Tensor] | None = None  # the probes of the step's own gradient and its ||grad||^2
     start: float = field(default_factory=time.perf_counter)
@@ -124,6 +127,12 @@ class Work:
     # Segments error-fed in place (``feedback="in_place"``) whose residual is taken once the step is known finite,
     # before the decoded average overwrites them (`land`): (key, error-fed tensor, its method, its payload).
     deferred: list[tuple[str, Tensor, Compressor, Payload]] = field(default_factory=list)
+    # A bucket sent as stock DDP sends it (`Plain`): its parameters when momentum is moved into the hook, and whether
+    # that momentum applies after the all-reduce (buffers in sync, nothing carried in).
+    plain: bool = False
+    params: list[Tensor] = field(default_factory=list)
+    exact: bool = False
+    local: bool = False  # local SGD: nothing is sent (`Local`)
 
     @property
     def dense_bytes(self) -> int:
@@ -158,8 +167,8 @@ class _Encoded(Communicator):
         outs = self.wire_views(work)
         for s, out in zip(work.segments, outs, strict=True):
             encoded = encode(
-                s.compressor, s.tensor, s.cf, key=s.key, step=state.step, feedback=work.feedback,
-                memory=state.memory, probe_cfs=probe_cfs, prober=state.compressor, out=out,
+                s.compressor, s.tensor, s.cf, key=s.key, step=state.step, feedback=work.mode,
+                memory=state.feedback.residuals, probe_cfs=probe_cfs, prober=state.compressor, out=out,
             )  # fmt: skip
             work.payloads.append(encoded.payload)
             basis.append(encoded.basis)
@@ -206,7 +215,7 @@ class Gathered(_Encoded):
             headers, stacked = layout.unpack(gathered.view(world, layout.nbytes), work.payloads)
             header = land(work, headers.sum(0))
             _decode_into(work, stacked, 1.0 / world)
-            return settle(work, layout.nbytes, GATHER, header, encode_s, received, launched)
+            return settle(work, layout.nbytes, GATHER, header=header, timing=Timing(encode_s, launched, received))
 
         return handle.get_future().then(decode)
 
@@ -328,9 +337,66 @@ class LowRank(Communicator):
                 s.out.view(-1).copy_(summed[offset : offset + s.tensor.numel()])
                 offset += s.tensor.numel()
             received = time.perf_counter()
-            return settle(work, sent_bytes, REDUCE, land(work, header), encode_s, received, launched)
+            timing = Timing(encode_s, launched, received)
+            return settle(work, sent_bytes, REDUCE, header=land(work, header), timing=timing)
 
         return torch.futures.collect_all(futures).then(finish)
+
+
+class Plain(Communicator):
+    """The bucket all-reduced as stock DDP does, bit for bit: every factor 1, nothing probed. Residuals carried in are
+    sent in full; the moved momentum applies after the all-reduce (``work.exact``) or moved before it."""
+
+    def send(self, work: Work) -> Future[Tensor]:
+        state = work.state
+        # Multiply by 1/N exactly as DDP's reducer does without a hook (``mul_out(bucket, grad, 1.0 / N)``), so the
+        # result is bit-identical to stock DDP for every world size, not only powers of two.
+        work.buffer.mul_(1.0 / state.world_size)
+        handle = dist.all_reduce(work.buffer, group=state.process_group, async_op=True)
+
+        def done(fut: Future[list[Tensor]]) -> Tensor:
+            result = received_value(fut, state, "dense all-reduce")[0]
+            # No header on this path: whether some rank's gradient was not finite is read off the result itself (one
+            # sum of the bucket), and only when something depends on it: residuals carried in (a finite step has
+            # delivered them, a non-finite one keeps them) or momentum buffers. Without either, plain steps pay nothing.
+            moved = bool(state.feedback.momentum)
+            finite = not (work.pending or moved) or all_finite(result)
+            averaged = views_like(result, work.buffer, work.grads) if moved else None
+            return settle(work, work.dense_bytes, REDUCE, finite=finite, averaged=averaged)
+
+        return handle.get_future().then(done)
+
+
+class SparseReduced(Communicator):
+    """A sparse gradient (``nn.Embedding(sparse=True)``) as stock DDP sends it: divided by N, then summed over ranks
+    (a sparse all-reduce: gloo has one, NCCL has none, as for stock DDP). It is already as small as the rows the step
+    touched; compression, error feedback and momentum correction work on dense gradients and leave it alone (the
+    strategy keeps such a parameter's momentum in the optimizer)."""
+
+    def send(self, work: Work) -> Future[Tensor]:
+        state = work.state
+        work.buffer.div_(state.world_size)
+        handle = dist.all_reduce(work.buffer, group=state.process_group, async_op=True)
+
+        def done(fut: Future[list[Tensor]]) -> Tensor:
+            result = received_value(fut, state, "sparse all-reduce")[0]
+            # Its bytes, as the sum's (each rank's own rows differ in number; the sum is the same on every rank):
+            # values and int64 indices, sent as they are, so dense and sent alike.
+            nbytes = result._values().numel() * result.element_size() + result._indices().numel() * 8
+            settle(work, nbytes, REDUCE)
+            return result
+
+        return handle.get_future().then(done)
+
+
+class Local(Communicator):
+    """Local SGD: this rank's own gradient, nothing sent (the strategy averages the parameters periodically); recorded
+    by its dense size, the same on every rank."""
+
+    def send(self, work: Work) -> Future[Tensor]:
+        future: Future[Tensor] = Future()
+        future.set_result(settle(work, 0, REDUCE))
+        return future
 
 
 _BY_PATTERN: dict[Communication, Communicator] = {
@@ -338,12 +404,19 @@ _BY_PATTERN: dict[Communication, Communicator] = {
     Communication.SUM: Summed(),
     Communication.ROUNDS: LowRank(),
 }
-_DENSE_PROBED = DenseProbed()
+_DENSE_PROBED, _PLAIN, _SPARSE, _LOCAL = DenseProbed(), Plain(), SparseReduced(), Local()
 
 
 def communicator_for(work: Work) -> Communicator:
-    """The communicator of a bucket: dense with probes; PowerSGD's rounds; the all-reduce of payloads when every
-    segment's are summable (a layer sent dense is); else the gather."""
+    """The communicator of a bucket: nothing sent under local SGD; a sparse gradient's all-reduce; stock DDP's
+    all-reduce; dense with probes; PowerSGD's rounds; the all-reduce of payloads when every segment's are summable (a
+    layer sent dense is); else the gather."""
+    if work.local:
+        return _LOCAL
+    if work.buffer.is_sparse:
+        return _SPARSE
+    if work.plain:
+        return _PLAIN
     if work.dense:
         return _DENSE_PROBED
     if work.method.communication is Communication.ROUNDS:
@@ -368,9 +441,9 @@ def _error_feed(work: Work) -> dict[str, Tensor | None]:
     """With recycled error feedback, each segment's tensor replaced by its error-fed gradient, in the memory's buffer
     that becomes the residual; returns ``||x||^2`` of each where the sum's kernel found it (else ``None``, or no
     entry without error feedback)."""
-    if work.feedback != "recycle":
+    if work.mode != "recycle":
         return {}
-    fed = [work.state.memory.error_fed_sq(s.key, s.tensor) for s in work.segments]
+    fed = [work.state.feedback.residuals.error_fed_sq(s.key, s.tensor) for s in work.segments]
     work.segments = [replace(s, tensor=x) for s, (x, _) in zip(work.segments, fed, strict=True)]
     return {s.key: sq for s, (_, sq) in zip(work.segments, fed, strict=True)}
 
@@ -436,7 +509,7 @@ def reduce_with_header(work: Work, tensor: Tensor, finish: Callable[[], Tensor])
         received = time.perf_counter()
         landed = land(work, header)
         finish()
-        return settle(work, sent, REDUCE, landed, encode_s, received, launched)
+        return settle(work, sent, REDUCE, header=landed, timing=Timing(encode_s, launched, received))
 
     return torch.futures.collect_all(futures).then(done)
 
@@ -455,51 +528,59 @@ def land(work: Work, norms: Tensor) -> Header:
     non-finite one they are dropped and the stored residuals stay as they were."""
     header = Header.unpack(norms, work.fresh is not None)
     if math.isfinite(header.basis):
-        memory = work.state.memory
+        memory = work.state.feedback.residuals
         for key, error_fed, method, payload in work.deferred:
             work.pending[key] = memory.absorb(key, error_fed, method, payload)
     work.deferred = []
     return header
 
 
+@dataclass(frozen=True)
+class Timing:
+    """A compressed bucket's clock: the seconds its encoding took, and when its collectives were launched and
+    received (``time.perf_counter``)."""
+
+    encode_s: float
+    launched: float
+    received: float
+
+
 def settle(
     work: Work,
     bytes_sent: int,
     collective: Collective,
-    header: Header,
-    encode_s: float,
-    received: float,
-    launched: float,
+    *,
+    header: Header | None = None,
+    finite: bool = True,
+    timing: Timing | None = None,
+    averaged: list[Tensor] | None = None,
 ) -> Tensor:
-    """Commit the residuals of a finite step (or poison the result of a non-finite one) and record the stats."""
-    keys = [s.key for s in work.segments]
+    """Every bucket's end: commit the method's state and hand the outcome to the feedback part (which stores or drops
+    the pending residuals and momentum), then record the bucket's statistics.
+
+    A compressed bucket's ``header`` says whether every rank's gradient was finite; a non-finite step poisons the
+    result with NaN on every rank, so that a mixed-precision scaler skips it. Without a header (a plain all-reduce,
+    whose result already is stock DDP's) the caller says ``finite``. ``averaged``: the averaged gradients of a bucket
+    sent dense, for the moved momentum.
+    """
     state = work.state
-    if math.isfinite(header.basis):
+    if header is not None:
+        finite = math.isfinite(header.basis)
+    keys = [s.key for s in work.segments]
+    if finite:
         state.compressor.commit(keys)
-        if state.error_feedback and state.momentum:
-            state.momentum.mask_(work.pending)
-        state.momentum.commit(work.names)
-        for key, residual in work.pending.items():
-            if residual is None:
-                state.memory.discard(key)
-            else:
-                state.memory.set(key, residual)
     else:
         state.compressor.discard(keys)
-        state.momentum.discard(work.names)
+    state.feedback.settle(work.names, work.pending, finite, averaged, work.params, work.exact)
+    if header is not None and not finite:
         work.buffer.fill_(math.nan)
-    compress_s = encode_s + time.perf_counter() - received
-    record = BucketRecord(
-        bytes_sent=bytes_sent,
-        bytes_dense=work.dense_bytes,
-        collective=collective,
-        sq_norm=header.basis,
-        sq_norm_sent=header.sent,
-        compress_s=compress_s,
-        comm_s=received - launched,
-        probe_sq=header.probes,
-        probe_basis=header.probe_basis,
-    )
+    record = BucketRecord(bytes_sent=bytes_sent, bytes_dense=work.dense_bytes, collective=collective)
+    if header is not None:
+        record.sq_norm, record.sq_norm_sent = header.basis, header.sent
+        record.probe_sq, record.probe_basis = header.probes, header.probe_basis
+    if timing is not None:
+        record.compress_s = timing.encode_s + time.perf_counter() - timing.received
+        record.comm_s = timing.received - timing.launched
     state.record(record)
     return work.buffer
 

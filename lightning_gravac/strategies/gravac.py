@@ -181,7 +181,7 @@ class GraVACStrategy(DDPStrategy):
             granularity=granularity,
             local_sgd_from=start_local_sgd_step if model_averaging_period is not None else None,
         )
-        self.compression_state.momentum.masking = momentum_masking is not False
+        self.compression_state.feedback.momentum.masking = momentum_masking is not False
         if model_averaging_period is not None:
             self._ddp_comm_state = local_sgd
 
@@ -275,7 +275,7 @@ class GraVACStrategy(DDPStrategy):
                 # groups keep their momentum in the optimizer (a group with a parameter not named here stays whole).
                 sparse = self._sparse_parameters()
                 dense = {i: name for i, name in state.param_names.items() if i not in sparse}
-                moved = [name for opt in self.optimizers for name in state.momentum.take_from(opt, dense)]
+                moved = [name for opt in self.optimizers for name in state.feedback.momentum.take_from(opt, dense)]
                 self._warn_sparse_groups(sparse)
                 if moved:
                     rank_zero_info(
@@ -286,7 +286,7 @@ class GraVACStrategy(DDPStrategy):
                 # Adam's first moment can move too, its second frozen after a warm-up: from when, the controller
                 # decides at fit start (`Controller._freeze_adam`).
                 if self._why_adam_stays() is None:
-                    state.adam.take_from(self.optimizers, dense)
+                    state.feedback.adam.take_from(self.optimizers, dense)
 
     def _method_for_sgd(self) -> None:
         """The zero-argument default under ``torch.optim.SGD``: send QSGD instead of Top-K (see the ``compressor``
@@ -408,11 +408,7 @@ class GraVACStrategy(DDPStrategy):
         if module is not None:
             self.compression_state.begin_step(module.trainer.current_epoch)
         self._follow_gradient_scale()
-        # Momentum set in the optimizer again (a restored checkpoint's param groups, a momentum schedule) is taken
-        # into the hook before this step's backward, so it never applies twice.
-        self.compression_state.momentum.refresh()
-        self.compression_state.momentum.drop_deferred()
-        self.compression_state.adam.drop_moved()
+        self.compression_state.feedback.begin_batch()
 
     @override
     def optimizer_step(
@@ -422,8 +418,8 @@ class GraVACStrategy(DDPStrategy):
         model: "pl.LightningModule | torch.nn.Module | None" = None,
         **kwargs: Any,
     ) -> Any:
-        momentum, adam = self.compression_state.momentum, self.compression_state.adam
-        if not (momentum or adam):
+        feedback = self.compression_state.feedback
+        if not feedback.moves_optimizer_state:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # A non-finite dense step defers the moved momentum's update to the gradients the optimizer applies, and Adam's
         # moved moments are applied here, the optimizer skipping their parameters. Both need the gradients after
@@ -436,8 +432,7 @@ class GraVACStrategy(DDPStrategy):
         def step_then_momentum(closure: Callable[[], Any] | None = None, **step_kwargs: Any) -> Any:
             def run() -> Any:
                 result = closure() if closure is not None else None
-                momentum.apply_deferred()
-                hidden.extend(adam.step_())
+                hidden.extend(feedback.after_closure())
                 return result
 
             return step(closure=run, **step_kwargs)
@@ -447,7 +442,7 @@ class GraVACStrategy(DDPStrategy):
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
-            adam.restore(hidden)
+            feedback.adam.restore(hidden)
             if wrapped is None:
                 del optimizer.step
             else:
@@ -466,7 +461,7 @@ class GraVACStrategy(DDPStrategy):
         state = super().optimizer_state(optimizer)
         raw = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
         if state and "param_groups" in state:
-            return self.compression_state.momentum.saved_groups(raw, state)
+            return self.compression_state.feedback.momentum.saved_groups(raw, state)
         return state
 
     def _follow_gradient_scale(self) -> None:
@@ -482,20 +477,21 @@ class GraVACStrategy(DDPStrategy):
             return
         state, scale = self.compression_state, float(scaler.get_scale())
         if state.grad_scale is not None and scale != state.grad_scale:
-            state.memory.scale_(scale / state.grad_scale)
+            state.feedback.rescale_(scale / state.grad_scale)
             self.compressor.rescale_(scale / state.grad_scale)
         state.grad_scale = scale
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Lightning calls this on every rank and rank 0 alone writes: every rank's residuals are gathered to it.
+        feedback = self.compression_state.feedback.state_dict()
         checkpoint[CHECKPOINT_KEY] = {
             "step": self.compression_state.step,
             "world_size": self.world_size,
-            "residuals": self._gather(self.compression_state.memory.state_dict()),
+            "residuals": self._gather(feedback["residuals"]),
             "compressor": self._gather(self.compressor.state_dict()),
-            "momentum": self._gather(self.compression_state.momentum.state_dict()),
-            "adam": self.compression_state.adam.state_dict(),  # the same on every rank
+            "momentum": self._gather(feedback["momentum"]),
+            "adam": feedback["adam"],  # the same on every rank
             "grad_scale": self.compression_state.grad_scale,  # the units the residuals are in (fp16 scaling)
         }
         super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -532,10 +528,14 @@ class GraVACStrategy(DDPStrategy):
                 own = stacked.double().mean(0).to(stacked.dtype) if stacked.is_floating_point() else stacked[0]
             return own.to(self.root_device)
 
-        state.memory.load_state_dict({name: mine(stacked) for name, stacked in residuals.items()})
         self.compressor.load_state_dict({name: mine(stacked) for name, stacked in saved.get("compressor", {}).items()})
-        state.momentum.load_state_dict({name: mine(stacked) for name, stacked in saved.get("momentum", {}).items()})
-        state.adam.load_state_dict(saved.get("adam", {}))
+        state.feedback.load_state_dict(
+            {
+                "residuals": {name: mine(stacked) for name, stacked in residuals.items()},
+                "momentum": {name: mine(stacked) for name, stacked in saved.get("momentum", {}).items()},
+                "adam": saved.get("adam", {}),
+            }
+        )
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:

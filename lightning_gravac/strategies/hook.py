@@ -1,16 +1,18 @@
 """The DDP communication hook: which path a bucket takes, and what it carries in.
 
-Data flow for one bucket:
+Every bucket leaves through a communicator (:func:`~lightning_gravac.strategies.communicators.communicator_for`),
+and every communicator ends in the same ``settle``, which hands the outcome to the feedback part
+(:class:`~lightning_gravac.feedback.Feedback`, the one writer of residuals and moved momentum). The hook decides the
+path and prepares the bucket as a :class:`~lightning_gravac.strategies.communicators.Work`:
 
-1. every factor is 1, no probe is asked for: plain all-reduce, bit for bit what stock DDP does (residuals left by
-   earlier compressed steps are added in and dropped once the result is known finite);
-2. otherwise the bucket is prepared as a :class:`~lightning_gravac.strategies.communicators.Work`: its segments (each
-   layer, or the whole bucket) with their factors and methods (on a *half* step, ``state.half``, the fp16 cast
-   whatever the factor: the controller's 16-bit rung), the probes of the step's own gradient when the controller
-   asks for them, and how error feedback is applied;
-3. the communicator of the method's pattern (:func:`~lightning_gravac.strategies.communicators.communicator_for`)
-   error-feeds and compresses the segments, launches the collectives, decodes and averages into the bucket buffer,
-   commits or discards the step's residuals and records its statistics.
+1. local SGD (from ``state.local_sgd_from``): nothing is sent; pending residuals go into the local step;
+2. a sparse gradient: summed over ranks as stock DDP does;
+3. every factor is 1, no probe is asked for: the plain all-reduce, bit for bit what stock DDP does (residuals left
+   by earlier compressed steps are carried in and dropped once the result is known finite);
+4. otherwise its segments (each layer, or the whole bucket) with their factors and methods (on a *half* step,
+   ``state.half``, the fp16 cast whatever the factor: the controller's 16-bit rung), the probes of the step's own
+   gradient when the controller asks for them, and how error feedback is applied; the communicator of the method's
+   pattern error-feeds and compresses the segments, launches the collectives and decodes the average into the bucket.
 
 Every compressed bucket carries a float64 header (``communicators.Header``), summed over ranks: ``||g||^2``,
 ``||C(g)||^2`` and the norms at the controller's probe factors; those are of the error-fed gradient by default and,
@@ -31,35 +33,38 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gravac.compressors.base import Communication, all_finite, sq_norm
-from lightning_gravac.compressors.memory import Feedback
-from lightning_gravac.state import HALF, REDUCE, BucketRecord, CompressionState
-from lightning_gravac.strategies.communicators import Segment, Work, communicator_for, received_value, views_like
+from lightning_gravac.compressors.base import Communication, sq_norm
+from lightning_gravac.feedback import FeedMode
+from lightning_gravac.state import HALF, CompressionState
+from lightning_gravac.strategies.communicators import Segment, Work, communicator_for
 
 
 def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tensor]:
     """Compress, communicate and average one gradient bucket. Register with ``DDP.register_comm_hook(state, ...)``."""
     buffer = bucket.buffer()
+    local = state.local_sgd_from is not None and state.step >= state.local_sgd_from
     if buffer.is_sparse:  # a sparse gradient (`nn.Embedding(sparse=True)`): DDP gives it a bucket of its own
-        return _sparse(state, buffer)
+        sparse = Work(state, buffer, [], [], [], local=local)
+        return communicator_for(sparse).send(sparse)
     names = [state.param_names[id(p)] for p in bucket.parameters()]
     grads = bucket.gradients()
-    if state.local_sgd_from is not None and state.step >= state.local_sgd_from:
-        return _local(state, names, grads, buffer)
+    feedback = state.feedback
+    if local:
+        if state.error_feedback:  # what compression still owed goes into the local step
+            feedback.flush_(names, grads)
+        work = Work(state, buffer, [], names, grads, local=True)
+        return communicator_for(work).send(work)
 
     # A half step sends every parameter in fp16, a factor of 2 (the controller's 16-bit rung).
     cfs = [HALF if state.half else state.cf_of(name) for name in names]
     dense = all(cf == 1.0 for cf in cfs)
-    momentum = state.momentum
-    params = bucket.parameters() if momentum else []
-    if state.adam.active(state.step):  # Adam's step direction, its second moment frozen: what is sent, on any path
-        state.adam.local_(names, grads)
+    params = bucket.parameters() if feedback.momentum else []
+    feedback.direction_(names, grads, state.step)  # Adam's step direction, once its second moment is frozen
     if dense and not state.probe_cfs:
-        return _dense(state, buffer, names, grads, params)
+        return _plain(state, buffer, names, grads, params)
 
     start = time.perf_counter()
-    if momentum:  # this rank's momentum before compression: what is compressed is the update direction
-        momentum.local_(names, grads, params)
+    feedback.local_(names, grads, params)  # this rank's momentum: what is compressed is the update direction
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
     fresh, measuring = _fresh_gains(state, names, grads, buffer)
     start += measuring  # not compression's cost: the controller weighs what sending a factor costs, measuring aside
@@ -67,128 +72,34 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     # the old one once the step is known finite (`communicators.land`): error feedback keeps one buffer a parameter.
     # PowerSGD's rounds write the residual before the step is known finite: the memory recycles a second buffer there.
     # Dense steps and whole buckets add it in place and copy the new residual.
-    feedback: Feedback = "off"
+    mode: FeedMode = "off"
     if state.error_feedback:
-        feedback = "copy"
+        mode = "copy"
         if state.granularity == "layer" and not dense:
             rounds = state.compressor.communication is Communication.ROUNDS and not state.half
-            feedback = "recycle" if rounds else "in_place"
-        if feedback == "copy":
-            for name, grad in zip(names, grads, strict=True):
-                state.memory.compensate_(name, grad)
+            mode = "recycle" if rounds else "in_place"
+        if mode == "copy":
+            feedback.carry_(names, grads)
     segments = _segments(state, names, grads, cfs, buffer)
-    work = Work(state, buffer, segments, names, grads, feedback, dense, fresh, start)
+    work = Work(state, buffer, segments, names, grads, mode, dense, fresh, start)
     return communicator_for(work).send(work)
 
 
-def _dense(
+def _plain(
     state: CompressionState, buffer: Tensor, names: list[str], grads: list[Tensor], params: list[Tensor]
 ) -> Future[Tensor]:
-    """Every factor 1, nothing probed: the plain all-reduce, with the momentum moved into the hook if any."""
-    momentum = state.momentum
-    pending = state.error_feedback and any(name in state.memory for name in names)
-    if momentum and momentum.in_sync(names) and not pending:  # the optimizer's momentum, after the all-reduce
-        return _plain_allreduce(state, buffer, [], names, grads, params, exact=True)
-    if momentum:
-        momentum.local_(names, grads, params)
-    return _plain_allreduce(state, buffer, _carry_residuals(state, names, grads), names, grads, params)
-
-
-def _plain_allreduce(
-    state: CompressionState,
-    buffer: Tensor,
-    carried: list[str],
-    names: list[str],
-    grads: list[Tensor],
-    params: list[Tensor],
-    exact: bool = False,
-) -> Future[Tensor]:
-    # Multiply by 1/N exactly as DDP's reducer does without a hook (``mul_out(bucket, grad, 1.0 / N)``), so the
-    # result is bit-identical to stock DDP for every world size, not only powers of two.
-    buffer.mul_(1.0 / state.world_size)
-    nbytes = buffer.numel() * buffer.element_size()
-    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-    momentum = state.momentum
-
-    def done(fut: Future[list[Tensor]]) -> Tensor:
-        result = received_value(fut, state, "dense all-reduce")[0]
-        # No header on this path: whether some rank's gradient was not finite is read off the result itself (one sum
-        # of the bucket), and only when something depends on it: residuals added into it (the first dense step after
-        # compressed ones; a finite step has delivered them, a non-finite one keeps them) or momentum buffers. Without
-        # either, plain steps pay nothing.
-        if not (carried or momentum) or all_finite(result):
-            for name in carried:
-                state.memory.discard(name)
-            if momentum:
-                views = views_like(result, buffer, grads)
-                if exact:
-                    momentum.after_dense_(names, views, params)
-                else:
-                    if not carried:
-                        momentum.resync(names, views)
-                    momentum.commit(names)
-        elif momentum and exact:
-            # The averaged gradient goes back as it is, non-finite: the user's code may zero or clean it before the
-            # optimizer steps, and the buffers then take what the optimizer sees, as stock SGD's buffer would.
-            momentum.defer(names, params)
-        elif momentum:
-            momentum.discard(names)
-        state.record(BucketRecord(bytes_sent=nbytes, bytes_dense=nbytes, collective=REDUCE))
-        return result
-
-    return work.get_future().then(done)
-
-
-def _sparse(state: CompressionState, buffer: Tensor) -> Future[Tensor]:
-    """A sparse gradient goes as it is, as stock DDP sends it: divided by N, then summed over ranks (a sparse
-    all-reduce: gloo has one, NCCL has none, as for stock DDP). It is already as small as the rows the step touched;
-    the compressors, error feedback and momentum correction work on dense gradients and leave it alone (the strategy
-    keeps such a parameter's momentum in the optimizer). Under local SGD it stays this rank's own."""
-    if state.local_sgd_from is not None and state.step >= state.local_sgd_from:
-        # No residual to flush (none is kept for it); recorded by its dense size, the same on every rank.
-        return _local(state, [], [], buffer)
-    buffer.div_(state.world_size)
-    work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
-
-    def done(fut: Future[list[Tensor]]) -> Tensor:
-        result = received_value(fut, state, "sparse all-reduce")[0]
-        # Its bytes, as the sum's (each rank's own rows differ in number; the sum is the same on every rank): values
-        # and int64 indices, sent as they are, so dense and sent alike.
-        nbytes = result._values().numel() * result.element_size() + result._indices().numel() * 8
-        state.record(BucketRecord(bytes_sent=nbytes, bytes_dense=nbytes, collective=REDUCE))
-        return result
-
-    return work.get_future().then(done)
-
-
-def _carry_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> list[str]:
-    """Add every pending residual into its gradient, which is then sent in full; the names that had one.
-
-    The residuals stay in the memory until the step is known finite (:func:`_plain_allreduce` drops them then).
-    """
-    if not state.error_feedback:
-        return []
-    carried = []
-    for name, grad in zip(names, grads, strict=True):
-        if state.memory.compensate_(name, grad):
-            carried.append(name)
-    return carried
-
-
-def _flush_residuals(state: CompressionState, names: list[str], grads: list[Tensor]) -> None:
-    """Add every pending residual into its gradient and drop it: what is sent now in full carries it."""
-    for name in _carry_residuals(state, names, grads):
-        state.memory.discard(name)
-
-
-def _local(state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor) -> Future[Tensor]:
-    """Local SGD: this rank's own gradient, nothing sent (the strategy averages the parameters periodically)."""
-    _flush_residuals(state, names, grads)  # what compression still owed goes into the local step
-    nbytes = buffer.numel() * buffer.element_size()
-    state.record(BucketRecord(bytes_sent=0, bytes_dense=nbytes, collective=REDUCE))
-    future: Future[Tensor] = Future()
-    future.set_result(buffer)
-    return future
+    """Every factor 1, nothing probed: the plain all-reduce. With buffers in sync and no residual pending, the moved
+    momentum applies after it, bit for bit as the optimizer's would; else each rank's momentum moves first and the
+    pending residuals are carried in, sent in full."""
+    feedback = state.feedback
+    carried = state.error_feedback and feedback.owes(names)
+    exact = bool(feedback.momentum) and feedback.momentum.in_sync(names) and not carried
+    work = Work(state, buffer, [], names, grads, plain=True, params=params, exact=exact)
+    if not exact:
+        feedback.local_(names, grads, params)
+        if state.error_feedback:
+            work.pending = dict.fromkeys(feedback.carry_(names, grads))
+    return communicator_for(work).send(work)
 
 
 def _segments(

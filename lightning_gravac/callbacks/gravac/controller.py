@@ -30,7 +30,7 @@ from lightning_gravac.callbacks.gravac.search import (
     Search,
 )
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.compressors.momentum import SGDMomentum, masking_retention
+from lightning_gravac.feedback.momentum import SGDMomentum, masking_retention
 from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats, ring_share
 
 
@@ -406,7 +406,7 @@ class GraVAC(Controller):
 
     def _say_hold(self) -> None:
         """Say, on rank 0, what an Adam-like optimizer gets: dense or fp16 by the link, or dense and why."""
-        if self.state.adam.frozen_from is not None:
+        if self.state.feedback.adam.frozen_from is not None:
             return  # its moments move after the warm-up: said by `_freeze_adam`
         if self.rungs and self.adam in ("fp16", "moment"):
             sending = "sending each step dense or whole in fp16, whichever the measured link makes faster"
@@ -443,7 +443,7 @@ class GraVAC(Controller):
         probing = self.windows == 0 or (self._steps % self._probe_interval == 0 and self.gains_can_matter())
         if self.moments_moved():  # Adam's moments: the first step that sends them measures their gains
             fixed = state.compressor.fixed_cf is not None
-            probing = not fixed and (probing or state.step == state.adam.frozen_from)
+            probing = not fixed and (probing or state.step == state.feedback.adam.frozen_from)
         state.probe_cfs = self.probe_cfs if probing else ()
         state.gain_of = self.gain_of
         state.half = self.cf == HALF and self.fp16_rung
@@ -710,7 +710,7 @@ class GraVAC(Controller):
 
     def masking_weight(self, cf: float) -> float:
         """The share of dense momentum's step that momentum factor masking leaves a step sent at ``cf``
-        (:func:`~lightning_gravac.compressors.momentum.masking_retention` at the method's mean wait between two sends
+        (:func:`~lightning_gravac.feedback.momentum.masking_retention` at the method's mean wait between two sends
         of an entry), the least over the optimizer's momentum settings; 1 where nothing is masked or with
         ``weigh_masking`` off. Only from settings every rank holds alike."""
         state = self._state
@@ -721,7 +721,7 @@ class GraVAC(Controller):
         if wait is None:
             return 1.0
         own = method.masked_momentum()  # DGC's, which it keeps itself
-        settings = {SGDMomentum(own)} if own > 0 else state.momentum.masked_settings()
+        settings = {SGDMomentum(own)} if own > 0 else state.feedback.momentum.masked_settings()
         kept = [masking_retention(wait, s.momentum, s.nesterov, method.random_sends) for s in settings]
         return min(kept, default=1.0)
 

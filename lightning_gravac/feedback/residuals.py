@@ -11,7 +11,7 @@ from torch import Tensor
 from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import Compressor, Payload, sq_norm
 
-Feedback = Literal["in_place", "recycle", "copy", "off"]
+FeedMode = Literal["in_place", "recycle", "copy", "off"]
 
 
 class ErrorFeedback:
@@ -183,7 +183,7 @@ def encode(
     *,
     key: str = "",
     step: int = 0,
-    feedback: Feedback = "off",
+    feedback: FeedMode = "off",
     memory: ErrorFeedback | None = None,
     probe_cfs: Sequence[float] = (),
     prober: Compressor | None = None,
