@@ -277,8 +277,6 @@ double lg_accumulate(const float *g, float scale, const float *u_old, float mome
  * Sign bits, for the sign methods (signsgd, efsignsgd, onebit): 8 a byte, most significant first, set for x >= 0
  * (so -0.0 sets it and NaN does not, as the eager comparison does); the last byte is zero-padded.
  */
-/* Bytes a thread's share is rounded to: whole cache lines of output, and of input. */
-#define SIGN_BYTES 64
 
 void lg_pack_signs(const float *x, int64_t n, uint8_t *out, int threads)
 {
