@@ -3,7 +3,7 @@ fallback.
 
 On CPU compression is bound by memory traffic, and eager PyTorch reads the gradient more often than the work needs: a
 block's peak takes two row reductions (``amax``, ``amin``), the entries above a threshold a full ``hardshrink`` plus
-``nonzero``, a packed code a gradient-sized temporary per shift. The kernels in ``_blocks.c`` do each in one read, on
+``nonzero``, a packed code a gradient-sized temporary per shift. The kernels in the C files here do each in one read, on
 all of torch's threads, with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager
 path): block peaks and scans (the sparsifiers; of ``-x`` without a negated copy, and both signs' peaks in one read, for
 AdaQ), the sparse decode (``index_add_``'s sums, prefetching the positions), error feedback's sum, DGC's momentum and
@@ -42,7 +42,8 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("_blocks.c")
+#: The folder of the C files, one a family of kernels, and of the header they share.
+_SOURCES = Path(__file__).parent
 # No contraction of a * b + c into a fused multiply-add (explicit fmaf only): the kernels give the eager path's bits,
 # whichever compiler `cc` is.
 _FLAGS = ("-O3", "-march=native", "-fno-strict-aliasing", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
@@ -506,20 +507,22 @@ def _build() -> Path:
     """The shared library for this source, compiler and CPU, compiled unless cached. Ranks starting together may
     each compile it; each writes its own temporary file and renames it into place, so none loads a partial one."""
     compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    source = _SOURCE.read_bytes()
+    files = sorted(_SOURCES.glob("*.c"))
+    # Every file's name and text: a change in any one, the header included, builds the library again.
+    source = b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in sorted(_SOURCES.glob("*.[ch]")))
     failure = ""
     for openmp in (("-fopenmp",), ()):  # without OpenMP the kernels run on one thread
         flags = (*_FLAGS, *openmp)
         key = hashlib.sha256(b"\0".join([source, " ".join([*compiler, *flags]).encode(), _cpu()])).hexdigest()[:16]
         cache = Path(os.environ.get("LIGHTNING_GRAVAC_CACHE") or Path.home() / ".cache" / "lightning_gravac")
-        target = cache / f"blocks-{key}.so"
+        target = cache / f"kernels-{key}.so"
         if target.exists():
             return target
         cache.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(dir=cache, suffix=".so")
         os.close(fd)
         try:
-            command = [*compiler, *flags, str(_SOURCE), "-o", partial]
+            command = [*compiler, *flags, *map(str, files), "-o", partial]
             subprocess.run(command, check=True, capture_output=True, timeout=120)
             os.replace(partial, target)
             return target
