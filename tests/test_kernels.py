@@ -1,9 +1,12 @@
 """The compiled selection kernels against the eager path they replace: the same peaks and indices, bit for bit."""
 
+import ctypes
 import math
+import re
 import shlex
 import shutil
 import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +69,41 @@ def _student(numel: int, seed: int) -> torch.Tensor:
 def test_the_kernels_build_where_there_is_a_compiler():
     assert kernels.available()
     assert kernels.usable(torch.zeros(64)) and not kernels.usable(torch.zeros(64, dtype=torch.float16))
+
+
+# The ctypes type of each scalar type in the kernels' C prototypes.
+_C_SCALARS = {
+    "int": ctypes.c_int,
+    "int64_t": ctypes.c_int64,
+    "uint64_t": ctypes.c_uint64,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+}
+
+
+def _declarable(parameter: str) -> set[type]:
+    """The ctypes types the table may give a C parameter: an address for a pointer (or ctypes' pointer for a
+    ``double *`` it fills in), else the scalar's own."""
+    words = parameter.replace("*", " * ").split()
+    if "*" in words:
+        return {ctypes.c_void_p, ctypes.POINTER(ctypes.c_double)} if "double" in words else {ctypes.c_void_p}
+    return {_C_SCALARS[words[-2]]}
+
+
+def test_the_signature_table_declares_every_c_function_as_its_file_does():
+    """A function left out of the table, or declared otherwise, is called with the wrong types without an error (a
+    double result read as ctypes' default int is garbage)."""
+    prototypes = {
+        name: (result, [p for p in parameters.split(",") if p.strip() not in ("", "void")])
+        for path in Path(kernels.__file__).parent.glob("*.c")
+        for result, name, parameters in re.findall(r"^(\w+) (lg_\w+)\(([^)]*)\)", path.read_text(), re.MULTILINE)
+    }
+    assert set(prototypes) == set(kernels.SIGNATURES)
+    for name, (result, parameters) in prototypes.items():
+        argtypes, restype = kernels.SIGNATURES[name]
+        assert restype is (None if result == "void" else _C_SCALARS[result]), name
+        assert len(argtypes) == len(parameters), name
+        assert all(t in _declarable(p) for t, p in zip(argtypes, parameters, strict=True)), name
 
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the compiled kernels did not build here")

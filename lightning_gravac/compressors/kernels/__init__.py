@@ -392,33 +392,49 @@ def _pointer(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def _declare_statistics_and_products(lib: ctypes.CDLL) -> None:
-    """The argument types of error feedback's sum, TernGrad's statistics and PowerSGD's product (apart: one function
-    would be too long)."""
-    floats = ctypes.c_void_p
-    lib.lg_add_sq.argtypes = [floats, floats, floats, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.lg_add_sq.restype = ctypes.c_double
-    lib.lg_block_extremes.argtypes = [floats, ctypes.c_int64, floats, floats, ctypes.c_int]
-    lib.lg_block_extremes.restype = None
-    lib.lg_scatter_add.argtypes = [
-        floats, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, floats, ctypes.c_float, ctypes.c_float,
-    ]  # fmt: skip
-    lib.lg_scatter_add.restype = ctypes.c_int
-    lib.lg_moments.argtypes = [floats, ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
-    lib.lg_moments.restype = None
-    lib.lg_skinny_available.argtypes = []
-    lib.lg_skinny_available.restype = ctypes.c_int
-    lib.lg_skinny_mq.argtypes = [floats, ctypes.c_int64, ctypes.c_int64, floats, ctypes.c_int64, floats, ctypes.c_int]
-    lib.lg_skinny_mq.restype = ctypes.c_int
-    lib.lg_skinny_mtp.argtypes = [
-        floats, ctypes.c_int64, ctypes.c_int64, floats, ctypes.c_int64, floats, floats, ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_skinny_mtp.restype = ctypes.c_int
-    lib.lg_skinny_add_pqt.argtypes = [
-        floats, ctypes.c_int64, ctypes.c_int64, floats, floats, ctypes.c_int64, ctypes.c_float, ctypes.c_float,
-        ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_skinny_add_pqt.restype = ctypes.c_int
+# The C types of the kernels' arguments and results. Every pointer is passed as an address (a tensor's data_ptr(), or
+# None for NULL), but for the double out-parameters that ctypes fills in.
+_ADDRESS, _INT, _I64, _U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
+_F32, _F64, _F64_OUT = ctypes.c_float, ctypes.c_double, ctypes.POINTER(ctypes.c_double)
+
+#: Every function the library exports: its argument types and its result type (None: void), set as it loads.
+SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
+    # sparse.c
+    "lg_block_peaks": ((_ADDRESS, _I64, _ADDRESS, _INT, _INT), None),
+    "lg_block_extremes": ((_ADDRESS, _I64, _ADDRESS, _ADDRESS, _INT), None),
+    "lg_scan": ((_ADDRESS, _I64, _ADDRESS, _F32, _INT, _ADDRESS, _INT), _I64),
+    "lg_scatter_add": ((_ADDRESS, _I64, _ADDRESS, _I64, _ADDRESS, _F32, _F32), _INT),
+    # feedback.c
+    "lg_add_sq": ((_ADDRESS, _ADDRESS, _ADDRESS, _I64, _ADDRESS, _INT), _F64),
+    "lg_accumulate": ((_ADDRESS, _F32, _ADDRESS, _F32, _ADDRESS, _ADDRESS, _ADDRESS, _I64, _ADDRESS, _INT), _F64),
+    # signs.c
+    "lg_pack_signs": ((_ADDRESS, _I64, _ADDRESS, _INT), None),
+    "lg_add_signs": ((_ADDRESS, _I64, _F32, _F32, _ADDRESS, _INT), None),
+    "lg_vote": ((_ADDRESS, _I64, _INT, _I64, _F32, _ADDRESS, _INT), None),
+    # quantize.c
+    "lg_uniforms": ((_U64, _I64, _ADDRESS, _INT), None),
+    "lg_qsgd_encode": ((_ADDRESS, _I64, _ADDRESS, _I64, _INT, _INT, _U64, _ADDRESS, _INT), None),
+    "lg_moments": ((_ADDRESS, _I64, _ADDRESS, _F64_OUT, _INT), None),
+    "lg_terngrad_encode": ((_ADDRESS, _I64, _F32, _F32, _U64, _ADDRESS, _INT), None),
+    "lg_codes_add": ((_ADDRESS, _I64, _INT, _INT, _ADDRESS, _I64, _F32, _ADDRESS, _INT), None),
+    "lg_codes_sq": ((_ADDRESS, _I64, _INT, _INT, _I64, _ADDRESS, _INT), None),
+    # onebit.c
+    "lg_onebit_sums": ((_ADDRESS, _I64, _I64, _ADDRESS, _ADDRESS, _INT), None),
+    "lg_onebit_add": ((_ADDRESS, _I64, _I64, _ADDRESS, _ADDRESS, _ADDRESS, _INT), None),
+    # casts.c
+    "lg_half_sq": ((_ADDRESS, _I64, _INT, _ADDRESS, _INT), _F64),
+    "lg_half_bits": ((_ADDRESS, _I64, _INT, _ADDRESS), None),
+    "lg_cast_half": ((_ADDRESS, _I64, _INT, _ADDRESS, _ADDRESS, _F64_OUT, _INT), _F64),
+    # natural.c
+    "lg_natural_top": ((_ADDRESS, _I64, _U64, _INT, _INT), _INT),
+    "lg_natural_encode": ((_ADDRESS, _I64, _U64, _INT, _INT, _INT, _ADDRESS, _ADDRESS, _INT), _F64),
+    "lg_natural_add": ((_ADDRESS, _I64, _ADDRESS, _ADDRESS, _INT), None),
+    # lowrank.c
+    "lg_skinny_available": ((), _INT),
+    "lg_skinny_mq": ((_ADDRESS, _I64, _I64, _ADDRESS, _I64, _ADDRESS, _INT), _INT),
+    "lg_skinny_mtp": ((_ADDRESS, _I64, _I64, _ADDRESS, _I64, _ADDRESS, _ADDRESS, _INT), _INT),
+    "lg_skinny_add_pqt": ((_ADDRESS, _I64, _I64, _ADDRESS, _ADDRESS, _I64, _F32, _F32, _INT), _INT),
+}
 
 
 @functools.cache
@@ -430,76 +446,9 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as error:
         log.info("lightning_gravac: compiled selection kernels unavailable (%s); using eager PyTorch", error)
         return None
-    lib.lg_block_peaks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.lg_block_peaks.restype = None
-    lib.lg_scan.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_scan.restype = ctypes.c_int64
-    floats = ctypes.c_void_p
-    lib.lg_accumulate.argtypes = [
-        floats, ctypes.c_float, floats, ctypes.c_float, floats, floats, floats, ctypes.c_int64, floats, ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_accumulate.restype = ctypes.c_double
-    lib.lg_pack_signs.argtypes = [floats, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.lg_pack_signs.restype = None
-    lib.lg_add_signs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, floats, ctypes.c_int]
-    lib.lg_add_signs.restype = None
-    lib.lg_vote.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_float, floats, ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_vote.restype = None
-    bytes_ = ctypes.c_void_p
-    lib.lg_uniforms.argtypes = [ctypes.c_uint64, ctypes.c_int64, floats, ctypes.c_int]
-    lib.lg_uniforms.restype = None
-    lib.lg_qsgd_encode.argtypes = [
-        floats, ctypes.c_int64, floats, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, bytes_,
-        ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_qsgd_encode.restype = None
-    lib.lg_terngrad_encode.argtypes = [
-        floats, ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_uint64, bytes_, ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_terngrad_encode.restype = None
-    _declare_statistics_and_products(lib)
-    lib.lg_codes_add.argtypes = [
-        bytes_, ctypes.c_int64, ctypes.c_int, ctypes.c_int, floats, ctypes.c_int64, ctypes.c_float, floats,
-        ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_codes_add.restype = None
-    lib.lg_codes_sq.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_codes_sq.restype = None
-    lib.lg_onebit_sums.argtypes = [
-        floats,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ]
-    lib.lg_onebit_sums.restype = None
-    lib.lg_onebit_add.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, floats, floats, floats, ctypes.c_int]
-    lib.lg_onebit_add.restype = None
-    lib.lg_half_sq.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.lg_half_sq.restype = ctypes.c_double
-    lib.lg_cast_half.argtypes = [
-        floats, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_double),
-        ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_cast_half.restype = ctypes.c_double
-    lib.lg_half_bits.argtypes = [floats, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
-    lib.lg_half_bits.restype = None
-    lib.lg_natural_top.argtypes = [floats, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
-    lib.lg_natural_top.restype = ctypes.c_int
-    lib.lg_natural_encode.argtypes = [
-        floats, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_int, bytes_, ctypes.c_void_p,
-        ctypes.c_int,
-    ]  # fmt: skip
-    lib.lg_natural_encode.restype = ctypes.c_double
-    lib.lg_natural_add.argtypes = [bytes_, ctypes.c_int64, floats, floats, ctypes.c_int]
-    lib.lg_natural_add.restype = None
+    for name, (argtypes, restype) in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
     return lib
 
 
