@@ -13,6 +13,7 @@ import torch
 
 from lightning_gravac.compressors import get_compressor, kernels
 from lightning_gravac.compressors.base import sq_norm
+from lightning_gravac.compressors.kernels import library
 from lightning_gravac.compressors.select import Blocks, exact_lowest, exact_topk, seeded_generator
 from lightning_gravac.feedback.residuals import ErrorFeedback, encode
 
@@ -32,9 +33,9 @@ def eager(monkeypatch):
 @pytest.fixture
 def fresh_library():
     """The kernels' loader starts over, and again after the test: builds and environment are re-read."""
-    kernels._library.cache_clear()
+    kernels.reset()
     yield
-    kernels._library.cache_clear()
+    kernels.reset()
 
 
 @pytest.fixture(params=[1, 2, 3], ids=lambda t: f"threads{t}")
@@ -98,9 +99,9 @@ def test_the_signature_table_declares_every_c_function_as_its_file_does():
         for path in Path(kernels.__file__).parent.glob("*.c")
         for result, name, parameters in re.findall(r"^(\w+) (lg_\w+)\(([^)]*)\)", path.read_text(), re.MULTILINE)
     }
-    assert set(prototypes) == set(kernels.SIGNATURES)
+    assert set(prototypes) == set(library.SIGNATURES)
     for name, (result, parameters) in prototypes.items():
-        argtypes, restype = kernels.SIGNATURES[name]
+        argtypes, restype = library.SIGNATURES[name]
         assert restype is (None if result == "void" else _C_SCALARS[result]), name
         assert len(argtypes) == len(parameters), name
         assert all(t in _declarable(p) for t, p in zip(argtypes, parameters, strict=True)), name

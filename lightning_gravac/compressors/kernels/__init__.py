@@ -3,61 +3,59 @@ fallback.
 
 On CPU compression is bound by memory traffic, and eager PyTorch reads the gradient more often than the work needs: a
 block's peak takes two row reductions (``amax``, ``amin``), the entries above a threshold a full ``hardshrink`` plus
-``nonzero``, a packed code a gradient-sized temporary per shift. The kernels in the C files here do each in one read, on
-all of torch's threads, with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager
-path): block peaks and scans (the sparsifiers; of ``-x`` without a negated copy, and both signs' peaks in one read, for
-AdaQ), the sparse decode (``index_add_``'s sums, prefetching the positions), error feedback's sum, DGC's momentum and
-velocity update, sign packing, decoding and the majority vote, counter-based draws, QSGD's and TernGrad's codes and
-their decode, the codes' exact integer energy (the statistics header), 1-bit SGD's column sums (in float64, a single
-column in float32 lanes of 32 entries first: close to the eager float32 sums, not equal) and decode, natural
-compression's bytes and decode, and the 16-bit casts with both header norms in the same pass. Not bit for bit by
-design: the float64 norms found beside a pass (error feedback's ``||x||^2``: summed exactly per entry, where the eager
-path sums fp32 chunk norms), TernGrad's standard deviation and extremes in one read (the deviation in float64, accurate
-where the eager fp32 ``std`` is not), and PowerSGD's three products with the gradient, ``M Q``, ``M^T P`` and ``M +=
-alpha P Q^T``, at ranks up to 32 where the CPU has AVX-512 (BLAS ran these tall-skinny products at 1.5-4x their time
-here; these sum in another order, to about BLAS's accuracy).
+``nonzero``, a packed code a gradient-sized temporary per shift. The kernels do each in one read, on all of torch's
+threads, with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager path): block peaks
+and scans (the sparsifiers; of ``-x`` without a negated copy, and both signs' peaks in one read, for AdaQ), the sparse
+decode (``index_add_``'s sums, prefetching the positions), error feedback's sum, DGC's momentum and velocity update,
+sign packing, decoding and the majority vote, counter-based draws, QSGD's and TernGrad's codes and their decode, the
+codes' exact integer energy (the statistics header), 1-bit SGD's column sums (in float64, a single column in float32
+lanes of 32 entries first: close to the eager float32 sums, not equal) and decode, natural compression's bytes and
+decode, and the 16-bit casts with both header norms in the same pass. Not bit for bit by design: the float64 norms
+found beside a pass (error feedback's ``||x||^2``: summed exactly per entry, where the eager path sums fp32 chunk
+norms), TernGrad's standard deviation and extremes in one read (the deviation in float64, accurate where the eager fp32
+``std`` is not), and PowerSGD's three products with the gradient, ``M Q``, ``M^T P`` and ``M += alpha P Q^T``, at
+ranks up to 32 where the CPU has AVX-512 (BLAS is slow on these tall-skinny products on some CPUs; these sum in another
+order, to about BLAS's accuracy).
+
+The package: this module wraps each kernel in a function of tensors; ``library.py`` builds, caches and loads the shared
+library, with one table of the C functions' ctypes signatures; the C files hold a family of kernels each, named for it
+(``sparse.c``, ``feedback.c``, ``signs.c``, ``quantize.c``, ``onebit.c``, ``casts.c``, ``natural.c``, ``lowrank.c``),
+and ``common.h`` what several share (the block sizes, when to wake threads, the counter-based draws, the norms' lanes).
+They are compiled together into one library: one build, one cache entry and one load, and a family reads on its own.
 
 Why not ``torch.utils.cpp_extension``: it compiles against torch's headers, which takes about a minute on two cores
 and needs ninja, on every fresh machine and for every torch version. These kernels touch raw float arrays only, so
-a plain C file, built by ``cc`` in a few seconds and loaded with ``ctypes`` (which releases the GIL during the call),
-serves. The library is cached under ``$LIGHTNING_GRAVAC_CACHE`` (default ``~/.cache/lightning_gravac``), keyed by the
-source, the flags, the compiler and the CPU (it is built for the CPU it runs on). ``LIGHTNING_GRAVAC_NATIVE=0``
-turns the kernels off; a machine without a compiler, or a failed build, falls back to eager PyTorch and logs why once.
+plain C, built by ``cc`` in seconds and loaded with ``ctypes`` (which releases the GIL during the call), serves.
+``LIGHTNING_GRAVAC_NATIVE=0`` turns the kernels off; a machine without a compiler, or a failed build, falls back to
+eager PyTorch and logs why once.
 """
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shlex
-import subprocess
-import sysconfig
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from lightning_gravac.compressors.kernels import library
 
-#: The folder of the C files, one a family of kernels, and of the header they share.
-_SOURCES = Path(__file__).parent
-# No contraction of a * b + c into a fused multiply-add (explicit fmaf only): the kernels give the eager path's bits,
-# whichever compiler `cc` is.
-_FLAGS = ("-O3", "-march=native", "-fno-strict-aliasing", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC")
 #: The 16-bit types :func:`half_sq` takes.
 HALVES = (torch.float16, torch.bfloat16)
-#: Entries a block; the C file's BLOCK.
+#: Entries a block; common.h's BLOCK.
 BLOCK = 32
-#: Entries a block of the float64 norms found beside a pass (one scratch slot each); the C file's SQ_BLOCK.
+#: Entries a block of the float64 norms found beside a pass (one scratch slot each); common.h's SQ_BLOCK.
 SQ_BLOCK = 1024
 
 
 def available() -> bool:
     """Whether the compiled kernels are loaded (building them on the first call)."""
-    return _library() is not None
+    return library.load() is not None
+
+
+def reset() -> None:
+    """Forget the loaded library: the next call builds or loads it again, reading ``CC``, ``LIGHTNING_GRAVAC_CACHE``
+    and ``LIGHTNING_GRAVAC_NATIVE`` anew (for tests that change them)."""
+    library.load.cache_clear()
+    skinny_available.cache_clear()
 
 
 def usable(values: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
@@ -72,7 +70,7 @@ def usable(values: Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -
     )
 
 
-#: The C file's mode of a signed selection of ``-values`` (read from ``values``, no negated copy).
+#: sparse.c's mode of a signed selection of ``-values`` (read from ``values``, no negated copy).
 NEGATED = 2
 
 
@@ -383,115 +381,10 @@ def skinny_add_pqt_(out: Tensor, p: Tensor, q: Tensor, alpha: float, divisor: fl
 
 
 def _loaded() -> ctypes.CDLL:
-    lib = _library()
+    lib = library.load()
     assert lib is not None, "a kernel called without the kernels: check usable() first"
     return lib
 
 
 def _pointer(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
-
-
-# The C types of the kernels' arguments and results. Every pointer is passed as an address (a tensor's data_ptr(), or
-# None for NULL), but for the double out-parameters that ctypes fills in.
-_ADDRESS, _INT, _I64, _U64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
-_F32, _F64, _F64_OUT = ctypes.c_float, ctypes.c_double, ctypes.POINTER(ctypes.c_double)
-
-#: Every function the library exports: its argument types and its result type (None: void), set as it loads.
-SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
-    # sparse.c
-    "lg_block_peaks": ((_ADDRESS, _I64, _ADDRESS, _INT, _INT), None),
-    "lg_block_extremes": ((_ADDRESS, _I64, _ADDRESS, _ADDRESS, _INT), None),
-    "lg_scan": ((_ADDRESS, _I64, _ADDRESS, _F32, _INT, _ADDRESS, _INT), _I64),
-    "lg_scatter_add": ((_ADDRESS, _I64, _ADDRESS, _I64, _ADDRESS, _F32, _F32), _INT),
-    # feedback.c
-    "lg_add_sq": ((_ADDRESS, _ADDRESS, _ADDRESS, _I64, _ADDRESS, _INT), _F64),
-    "lg_accumulate": ((_ADDRESS, _F32, _ADDRESS, _F32, _ADDRESS, _ADDRESS, _ADDRESS, _I64, _ADDRESS, _INT), _F64),
-    # signs.c
-    "lg_pack_signs": ((_ADDRESS, _I64, _ADDRESS, _INT), None),
-    "lg_add_signs": ((_ADDRESS, _I64, _F32, _F32, _ADDRESS, _INT), None),
-    "lg_vote": ((_ADDRESS, _I64, _INT, _I64, _F32, _ADDRESS, _INT), None),
-    # quantize.c
-    "lg_uniforms": ((_U64, _I64, _ADDRESS, _INT), None),
-    "lg_qsgd_encode": ((_ADDRESS, _I64, _ADDRESS, _I64, _INT, _INT, _U64, _ADDRESS, _INT), None),
-    "lg_moments": ((_ADDRESS, _I64, _ADDRESS, _F64_OUT, _INT), None),
-    "lg_terngrad_encode": ((_ADDRESS, _I64, _F32, _F32, _U64, _ADDRESS, _INT), None),
-    "lg_codes_add": ((_ADDRESS, _I64, _INT, _INT, _ADDRESS, _I64, _F32, _ADDRESS, _INT), None),
-    "lg_codes_sq": ((_ADDRESS, _I64, _INT, _INT, _I64, _ADDRESS, _INT), None),
-    # onebit.c
-    "lg_onebit_sums": ((_ADDRESS, _I64, _I64, _ADDRESS, _ADDRESS, _INT), None),
-    "lg_onebit_add": ((_ADDRESS, _I64, _I64, _ADDRESS, _ADDRESS, _ADDRESS, _INT), None),
-    # casts.c
-    "lg_half_sq": ((_ADDRESS, _I64, _INT, _ADDRESS, _INT), _F64),
-    "lg_half_bits": ((_ADDRESS, _I64, _INT, _ADDRESS), None),
-    "lg_cast_half": ((_ADDRESS, _I64, _INT, _ADDRESS, _ADDRESS, _F64_OUT, _INT), _F64),
-    # natural.c
-    "lg_natural_top": ((_ADDRESS, _I64, _U64, _INT, _INT), _INT),
-    "lg_natural_encode": ((_ADDRESS, _I64, _U64, _INT, _INT, _INT, _ADDRESS, _ADDRESS, _INT), _F64),
-    "lg_natural_add": ((_ADDRESS, _I64, _ADDRESS, _ADDRESS, _INT), None),
-    # lowrank.c
-    "lg_skinny_available": ((), _INT),
-    "lg_skinny_mq": ((_ADDRESS, _I64, _I64, _ADDRESS, _I64, _ADDRESS, _INT), _INT),
-    "lg_skinny_mtp": ((_ADDRESS, _I64, _I64, _ADDRESS, _I64, _ADDRESS, _ADDRESS, _INT), _INT),
-    "lg_skinny_add_pqt": ((_ADDRESS, _I64, _I64, _ADDRESS, _ADDRESS, _I64, _F32, _F32, _INT), _INT),
-}
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get("LIGHTNING_GRAVAC_NATIVE", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError) as error:
-        log.info("lightning_gravac: compiled selection kernels unavailable (%s); using eager PyTorch", error)
-        return None
-    for name, (argtypes, restype) in SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, restype
-    return lib
-
-
-def _build() -> Path:
-    """The shared library for this source, compiler and CPU, compiled unless cached. Ranks starting together may
-    each compile it; each writes its own temporary file and renames it into place, so none loads a partial one."""
-    compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    files = sorted(_SOURCES.glob("*.c"))
-    # Every file's name and text: a change in any one, the header included, builds the library again.
-    source = b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in sorted(_SOURCES.glob("*.[ch]")))
-    failure = ""
-    for openmp in (("-fopenmp",), ()):  # without OpenMP the kernels run on one thread
-        flags = (*_FLAGS, *openmp)
-        key = hashlib.sha256(b"\0".join([source, " ".join([*compiler, *flags]).encode(), _cpu()])).hexdigest()[:16]
-        cache = Path(os.environ.get("LIGHTNING_GRAVAC_CACHE") or Path.home() / ".cache" / "lightning_gravac")
-        target = cache / f"kernels-{key}.so"
-        if target.exists():
-            return target
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=cache, suffix=".so")
-        os.close(fd)
-        try:
-            command = [*compiler, *flags, *map(str, files), "-o", partial]
-            subprocess.run(command, check=True, capture_output=True, timeout=120)
-            os.replace(partial, target)
-            return target
-        except subprocess.CalledProcessError as error:
-            failure = error.stderr.decode(errors="replace")[-500:]
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
-    raise subprocess.SubprocessError(f"{' '.join(compiler)} failed: {failure}")
-
-
-def _cpu() -> bytes:
-    """What ``-march=native`` depends on: the architecture and, on Linux, the CPU's model and feature flags."""
-    fields = {"machine": platform.machine()}
-    try:
-        with open("/proc/cpuinfo") as info:  # the first CPU's lines; every core of a machine has the same
-            for line in info:
-                name, _, value = line.partition(":")
-                if name.strip() in ("model name", "flags"):
-                    fields.setdefault(name.strip(), value.strip())
-    except OSError:
-        pass
-    return repr(sorted(fields.items())).encode()
