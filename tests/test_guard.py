@@ -113,7 +113,7 @@ def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and
 def test_a_trigger_drops_a_method_own_accumulation_and_the_hold_survives_a_resume():
     controller, state, step = _guarded_static("dgc", cooldown=4)
     for norm in (1.0, 1.0, 1.0, 50.0):
-        state.compressor._v["w"] = torch.ones(3)  # DGC's accumulation, outside the residual memory
+        state.compressor.load_state_dict({"v/w": torch.ones(3)})  # DGC's accumulation, outside the residuals
         step(norm)
     assert state.compressor.state_dict() == {} and state.cf == 1.0
     # Resumed mid-hold: the restored controller hands over factor 1, not its own 10.
@@ -155,8 +155,7 @@ def test_a_trigger_drops_the_momentum_moved_into_the_hook_and_the_buffers_are_in
     _, state, step = _guarded_static("topk", cooldown=2)
     for norm in (1.0, 1.0, 1.0):
         step(norm)
-    state.feedback.momentum._buffers["w"] = torch.full((3,), 1e6)
-    state.feedback.momentum._local.add("w")
+    state.feedback.momentum.load_state_dict({"u/w": torch.full((3,), 1e6), "local/w": torch.tensor(True)})
     assert not state.feedback.momentum.in_sync(["w"])
     step(50.0)
     assert state.cf == 1.0 and state.feedback.momentum.state_dict() == {} and state.feedback.momentum.in_sync(["w"])
