@@ -353,7 +353,7 @@ def _probed_steps(c, steps, state):
     for _ in range(steps):
         c.apply(state)
         if state.probe_cfs:
-            probed.append(c._steps + 1)
+            probed.append(c.search_state.steps + 1)
         c.run(1, state)
     return probed
 
@@ -600,7 +600,7 @@ def test_default_smooths_gains_with_bias_correction_and_leaves_the_warm_up_step_
     c = Scripted(lambda cf: level["gain"], search="model", alpha=0.1)
     c._warm_up = True  # as at fit start
     c.run(1)
-    assert c._tally == {} and c._progress == 1, "the first step's time was tallied"
+    assert c.search_state.tally == {} and c.search_state.progress == 1, "the first step's time was tallied"
     assert c.gains[10] == pytest.approx(0.8)
     level["gain"] = 0.4
     c.run(1)

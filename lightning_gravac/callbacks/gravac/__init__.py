@@ -10,6 +10,7 @@ from lightning_gravac.callbacks.gravac.search import (
     SEARCHES,
     SearchRule,
 )
+from lightning_gravac.callbacks.gravac.state import GraVACState
 
 __all__ = [
     "DEFAULT_CF_MAX",
@@ -20,6 +21,7 @@ __all__ = [
     "SEARCHES",
     "SEARCH_DEFAULTS",
     "GraVAC",
+    "GraVACState",
     "Link",
     "LinkProbe",
     "SearchRule",

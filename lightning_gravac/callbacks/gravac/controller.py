@@ -5,7 +5,6 @@ Its rules (``search.py``), the cost model of a step (``cost.py``) and the link p
 
 import math
 import time
-from dataclasses import asdict
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -29,6 +28,7 @@ from lightning_gravac.callbacks.gravac.search import (
     Policy,
     Search,
 )
+from lightning_gravac.callbacks.gravac.state import GraVACState, carried_attributes
 from lightning_gravac.compressors.base import validate_cf
 from lightning_gravac.feedback.momentum import SGDMomentum, masking_retention
 from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats, ring_share
@@ -41,6 +41,7 @@ def _gain_power(value: float) -> float:
     return power
 
 
+@carried_attributes
 class GraVAC(Controller):
     """Adapt the compression factor to what compression loses (gain) and what the link costs (step time).
 
@@ -166,10 +167,10 @@ class GraVAC(Controller):
         self.policy = choice(policy, "policy", ("exponential", "geometric"))
         self.interval = choice(interval, "interval", ("step", "epoch"))
         self.probe_every = whole(defaults["probe_every"] if probe_every is None else probe_every, "probe_every")
-        #: ``None`` until setup when left to the default (it depends on the method: DGC has no own-gradient gain).
+        # Left to the default, it is settled at setup: DGC has no gain of the gradient alone.
         self._gain_of_default = gain_of is None
-        self.gain_of: GainOf = choice(defaults["gain_of"] if gain_of is None else gain_of, "gain_of",
-                                      ("error_fed", "gradient"))  # fmt: skip
+        gain_basis: GainOf = choice(defaults["gain_of"] if gain_of is None else gain_of, "gain_of",
+                                    ("error_fed", "gradient"))  # fmt: skip
         self.gain_power = _gain_power(defaults["gain_power"] if gain_power is None else gain_power)
         self.link_probe = bool(defaults["link_probe"] if link_probe is None else link_probe)
         self.adam = choice(adam, "adam", ("moment", "fp16", "dense", "compress"))
@@ -191,37 +192,20 @@ class GraVAC(Controller):
         self.first_window = default_first if first_window is None else whole(first_window, "first_window")
         self.cf_max, self.ladder = cf_max, self._ladder(cf_min, cf_max)
 
-        # The search; identical on every rank.
-        self.cf_min = cf_min
-        self.scale = 2.0
-        self.candidate = min(cf_min * self.scale, cf_max)
-        self.settled: float | None = None
-        self.gains: dict[float, float] = {}
-        self.throughput: dict[float, float] = {}
-        self.link: Link | None = None
-        self.windows = 0
+        #: What the run carries in its checkpoint: the search, identical on every rank, and the current window.
+        self.search_state = GraVACState(cf_min=cf_min, candidate=min(cf_min * 2.0, cf_max),
+                                        probe_interval=self.probe_every, gain_of=gain_basis)  # fmt: skip
+
+        # What a fit measures, not carried in checkpoints.
         #: The setup probe's ``(seconds a message, seconds a moved byte)``, identical on every rank; None: not run.
         self.probed: tuple[float, float] | None = None
-        # Seconds a step the method's selection and encoding cost when compressing, and the fp16 rung's casts (timed
-        # at fit start, then measured on the steps sent).
-        self.compress_cost, self.cast_cost = 0.0, 0.0
         #: Seconds a moved byte of an fp16 all-reduce (probed at fit start with the link); None: the rung is unknown.
         self.half_per_byte: float | None = None
-        self.payload_fixed = 0.0  # bytes a compressed step sends beyond dense / cf (headers, minimum entries), measured
-        self.gain_sums: dict[float, tuple[float, float]] = {}  # bias-corrected EWMA: (weighted sum, weight)
         # The largest all-reduce the link probe timed; the trainable parameters' bytes (a dense step's before one is
         # measured), set at fit start.
-        self._buckets, self._probe_bytes, self._model_bytes = 1, PROBE_BYTES[1], 0
+        self._probe_bytes, self._model_bytes = PROBE_BYTES[1], 0
         self._warm_up = False  # the next observed step is a fit's first: its time is not tallied
-
-        # The current window.
-        self._tally: dict[float, Tally] = {}
-        self._progress = 0
-        self._world_size, self._batch_size, self.bytes_dense = 1, 1, 0
-        self._step_start, self._steps = 0.0, 0
-        # The step of the last probe, and the spacing of probes, which grows while they leave the choice as it was
-        # (`probe_backoff`).
-        self._last_probe, self._probe_interval = 0, self.probe_every
+        self._world_size, self._batch_size, self._step_start, self.bytes_dense = 1, 1, 0.0, 0
 
     @override
     def fit_to_model(self, largest: int) -> None:
@@ -231,11 +215,11 @@ class GraVAC(Controller):
         reach = self._state.compressor.factor_range(self._grad_dtype) if self._state is not None else None
         cf_min, cf_max = reach if reach is not None else (DEFAULT_CF_MIN, DEFAULT_CF_MAX)
         cf_max = min(cf_max, float(largest)) if self._fitted["cf_max"] else self.cf_max
-        cf_min = min(cf_min, cf_max) if self._fitted["cf_min"] else self.cf_min
-        if (cf_min, cf_max) == (self.cf_min, self.cf_max):
+        cf_min = min(cf_min, cf_max) if self._fitted["cf_min"] else self.search_state.cf_min
+        if (cf_min, cf_max) == (self.search_state.cf_min, self.cf_max):
             return
-        self.cf_min, self.cf_max, self.ladder = cf_min, cf_max, self._ladder(cf_min, cf_max)
-        self.candidate = min(max(self.candidate, cf_min), cf_max)
+        self.search_state.cf_min, self.cf_max, self.ladder = cf_min, cf_max, self._ladder(cf_min, cf_max)
+        self.search_state.candidate = min(max(self.search_state.candidate, cf_min), cf_max)
         if self.cf not in (DENSE, HALF):  # dense or fp16 (a resumed run's factor) stay what they are
             self.cf = min(max(self.cf, cf_min), cf_max)
         why = f"{self.state.compressor.name!r} sends from {reach[0]:.3g} to {reach[1]:.3g}" if reach else ""
@@ -274,9 +258,9 @@ class GraVAC(Controller):
         self._world_size = trainer.world_size
         super().setup(trainer, pl_module, stage)
         method = self.state.compressor
-        if self._gain_of_default and method.owns_feedback:
-            self.gain_of = "error_fed"  # its selection is from its own accumulation: no gain of the gradient alone
-        if self.gain_of == "gradient" and method.owns_feedback:
+        if self._gain_of_default and method.owns_feedback:  # it selects from its own accumulation, not the gradient
+            self.search_state.gain_of = "error_fed"
+        if self.search_state.gain_of == "gradient" and method.owns_feedback:
             raise ValueError(
                 f"`gain_of='gradient'` measures what a factor keeps of the step's own gradient, but {method.name!r} "
                 "selects from an accumulation of its own, not from the gradient. Use `gain_of='error_fed'`."
@@ -295,7 +279,9 @@ class GraVAC(Controller):
         # Held for Adam, a method of one factor (the moments' scaled signs) leaves fp16 a choice of its own.
         own_state = method.owns_feedback or method.near_lossless or (method.fixed_cf is not None and not held)
         # From the user's choice, not from what the last fit derived: an Adam fit's rung does not outlive that fit.
-        self.fp16_rung = (self._rung_asked or held) and fp32 and not own_state and (held or self.cf_min > HALF)
+        self.fp16_rung = (
+            (self._rung_asked or held) and fp32 and not own_state and (held or self.search_state.cf_min > HALF)
+        )
 
     @property
     def holds_for_adam(self) -> bool:
@@ -321,7 +307,7 @@ class GraVAC(Controller):
             return
         self._check_rung(pl_module)
         self._model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
-        fresh = self._steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
+        fresh = self.search_state.steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
         if self.budget:  # the same on every rank: the trainer's settings and the data's length
             self.budget_steps = float(trainer.estimated_stepping_batches)
             self._fit_ladder_to_budget()
@@ -336,8 +322,8 @@ class GraVAC(Controller):
                 self.half_per_byte, cast_cost = self.measure_half(trainer)
                 # A resumed run keeps its cost, measured since on the steps it sent in fp16, unless it has none (a
                 # checkpoint of a run whose rung was off, or of a version that did not measure it).
-                if fresh or self.cast_cost <= 0:
-                    self.cast_cost = cast_cost
+                if fresh or self.search_state.cast_cost <= 0:
+                    self.search_state.cast_cost = cast_cost
             if fresh:
                 self.cf = self._choose()
                 self._hand_over(self.state)
@@ -351,12 +337,12 @@ class GraVAC(Controller):
         (dense, whole in fp16, compressed), with the link and the predicted seconds of a dense step and of this one."""
         if previous is not None and regime(previous, self.rungs) == regime(self.cf, self.rungs):
             return
-        link = self.link if self.link is not None else self._probed_link()
+        link = self.search_state.link if self.search_state.link is not None else self._probed_link()
         dense_bytes = self.bytes_dense or self._model_bytes
         sending = {"dense": "dense (cf 1)", "fp16": "the whole gradient in fp16"}.get(
             regime(self.cf, self.rungs), f"compressed at cf {self.cf:g}"
         )
-        when = "first steps" if previous is None else f"after step {self._steps}"
+        when = "first steps" if previous is None else f"after step {self.search_state.steps}"
         if link is None or self.probed is None or not dense_bytes:
             rank_zero_info(f"GraVAC: {when}: sending {sending}.")
             return
@@ -440,12 +426,14 @@ class GraVAC(Controller):
         # Every step of the first window; then one step in `probe_every` (the gains are smoothed anyway), so that a
         # settled or dense choice stops paying for the measurement on the other steps; fewer while probes change
         # nothing, none while no factor could pay whatever it kept.
-        probing = self.windows == 0 or (self._steps % self._probe_interval == 0 and self.gains_can_matter())
+        probing = self.search_state.windows == 0 or (
+            self.search_state.steps % self.search_state.probe_interval == 0 and self.gains_can_matter()
+        )
         if self.moments_moved():  # Adam's moments: the first step that sends them measures their gains
             fixed = state.compressor.fixed_cf is not None
             probing = not fixed and (probing or state.step == state.feedback.adam.frozen_from)
         state.probe_cfs = self.probe_cfs if probing else ()
-        state.gain_of = self.gain_of
+        state.gain_of = self.search_state.gain_of
         state.half = self.cf == HALF and self.fp16_rung
 
     @override
@@ -460,7 +448,7 @@ class GraVAC(Controller):
             # No tensor to count (or too deep a structure): the batch counts as one sample. Throughputs are then per
             # batch; the model search ranks progress per second without it, the sequential search compares factors
             # measured with the same count.
-            if self._batch_size != 1 or self._steps == 0:
+            if self._batch_size != 1 or self.search_state.steps == 0:
                 rank_zero_warn("GraVAC: no batch size found in the batch; throughputs are reported per batch.")
             self._batch_size = 1
 
@@ -477,24 +465,24 @@ class GraVAC(Controller):
 
     @override
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
-        self._steps += 1
+        self.search_state.steps += 1
         self.bytes_dense = stats.bytes_dense
         gains = stats.probe_gains()
         if gains:  # the EWMA decays per step: a probe after p steps without one weighs 1 - (1 - alpha)^p
-            weight = 1 - (1 - self.ewma_alpha) ** (self._steps - self._last_probe)
-            self._last_probe = self._steps
+            weight = 1 - (1 - self.ewma_alpha) ** (self.search_state.steps - self.search_state.last_probe)
+            self.search_state.last_probe = self.search_state.steps
             for cf, gain in gains.items():
                 self._rule.smooth(self, cf, gain, weight)
-        self._buckets = max(1, stats.buckets)
+        self.search_state.buckets = max(1, stats.buckets)
         if self.cf not in (DENSE, *self.rungs) and stats.bytes_sent and stats.bytes_dense:
             # What a step sends beyond dense/cf: headers, at least one entry a tensor, rounding to whole entries.
-            self.payload_fixed = max(0.0, stats.bytes_sent - stats.bytes_dense / self.cf)
+            self.search_state.payload_fixed = max(0.0, stats.bytes_sent - stats.bytes_dense / self.cf)
         seconds = self.step_seconds(stats)
         if self._warm_up:  # a fit's first step allocates, builds DDP's buckets, warms caches: not a step's cost
             self._warm_up = False
             self._after_step(trainer, probed=bool(gains))
             return
-        tally = self._tally.setdefault(self.cf, Tally())
+        tally = self.search_state.tally.setdefault(self.cf, Tally())
         tally.steps += 1
         tally.samples += self._batch_size
         tally.seconds += seconds
@@ -506,8 +494,8 @@ class GraVAC(Controller):
             tally.plain_compress_seconds += compress_seconds
         # The sent factor's gain, measured on what the gains are of: the error-fed gradient (what was sent of it), or
         # the step's own gradient (the probes' smoothed value).
-        fresh = self.gain_of == "gradient" and self.cf not in (DENSE, *self.rungs)
-        tally.gain += self.gains.get(self.cf, stats.gain) if fresh else stats.gain
+        fresh = self.search_state.gain_of == "gradient" and self.cf not in (DENSE, *self.rungs)
+        tally.gain += self.search_state.gains.get(self.cf, stats.gain) if fresh else stats.gain
         tally.moved_bytes += self._moved(stats)
         self._after_step(trainer, probed=bool(gains))
 
@@ -520,10 +508,10 @@ class GraVAC(Controller):
         return stats.bytes_sent * (share * (n - 1) + (1 - share) * ring_share(n))
 
     def _after_step(self, trainer: "pl.Trainer | None", probed: bool = False) -> None:
-        probed = probed and self.windows > 0  # the first window probes every step: no back-off from those
+        probed = probed and self.search_state.windows > 0  # the first window probes every step: no back-off from those
         if self.interval == "step":
-            self._progress += 1
-            if self._progress >= self.window_length:
+            self.search_state.progress += 1
+            if self.search_state.progress >= self.window_length:
                 self._end_window(trainer)
         sent, self.cf = self.cf, self._choose()
         self._back_off(changed=self.cf != sent, probed=probed)
@@ -533,15 +521,17 @@ class GraVAC(Controller):
         """Space the probes: a probe after the first window that leaves the choice as it was doubles the spacing (up
         to ``probe_every x probe_backoff`` steps); any change of choice brings it back to ``probe_every``."""
         if changed:
-            self._probe_interval = self.probe_every
+            self.search_state.probe_interval = self.probe_every
         elif probed:
-            self._probe_interval = min(2 * self._probe_interval, self.probe_every * self.probe_backoff)
+            self.search_state.probe_interval = min(
+                2 * self.search_state.probe_interval, self.probe_every * self.probe_backoff
+            )
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.interval == "epoch":
-            self._progress += 1
-            if self._progress >= self.window_length:
+            self.search_state.progress += 1
+            if self.search_state.progress >= self.window_length:
                 self._end_window(trainer)
                 self.cf = self._choose()
                 self._hand_over(self.state)
@@ -549,7 +539,7 @@ class GraVAC(Controller):
     @property
     def window_length(self) -> int:
         """Steps (or epochs) of the current window: ``first_window`` for the first, ``window`` after."""
-        return self.first_window if self.windows == 0 else self.window
+        return self.first_window if self.search_state.windows == 0 else self.window
 
     def _choose(self) -> float:
         """The factor to send next step: decided from values every rank holds identically."""
@@ -564,7 +554,7 @@ class GraVAC(Controller):
         model predicts fastest; that factor while the link is unknown. Nothing to search: what a step keeps of the
         moment is carried by error feedback, and the second moment no longer sees it."""
         fixed = float(self.state.compressor.fixed_cf or DENSE)
-        link = self.link if self.link is not None else self._probed_link()
+        link = self.search_state.link if self.search_state.link is not None else self._probed_link()
         if link is None:
             return fixed
         dense_bytes = self.bytes_dense or self._model_bytes
@@ -575,7 +565,7 @@ class GraVAC(Controller):
         """Under an Adam-like optimizer: fp16 if the rung can be sent and the cost model predicts it faster than
         dense (before the first window ends, from the fit-start probe alone: the rest of the step is the same for
         both), else dense. The same on every rank."""
-        link = self.link if self.link is not None else self._probed_link()
+        link = self.search_state.link if self.search_state.link is not None else self._probed_link()
         if self.adam == "dense" or not self.rungs or link is None:
             return DENSE
         dense_bytes = self.bytes_dense or self._model_bytes
@@ -583,16 +573,16 @@ class GraVAC(Controller):
         return HALF if half < self.predicted_seconds(link, DENSE, dense_bytes) else DENSE
 
     def _end_window(self, trainer: "pl.Trainer | None") -> None:
-        self._progress = 0
-        if not self._tally:
+        self.search_state.progress = 0
+        if not self.search_state.tally:
             return
-        factors = sorted(self._tally)
+        factors = sorted(self.search_state.tally)
         local = torch.tensor(
             [[t.seconds, t.comm_seconds, t.compress_seconds, t.plain_compress_seconds]
-             for t in (self._tally[f] for f in factors)],
+             for t in (self.search_state.tally[f] for f in factors)],
             dtype=torch.float64,
         )  # fmt: skip
-        samples = torch.tensor([float(self._tally[f].samples) for f in factors], dtype=torch.float64)
+        samples = torch.tensor([float(self.search_state.tally[f].samples) for f in factors], dtype=torch.float64)
         # Step times are this rank's own: the slowest rank sets the pace, and every rank must see the same value. So
         # must the samples: a rank's batches may differ from another's (batching by tokens, an uneven last batch of
         # an iterable data set), and the sequential search settles on these throughputs.
@@ -605,18 +595,20 @@ class GraVAC(Controller):
         measured, compress, plain = {}, [0.0, 0], [0.0, 0]
         rows = zip(factors, slowest.tolist(), samples.tolist(), strict=True)
         for f, (seconds, comm_seconds, compress_s, plain_s), total in rows:
-            tally = self._tally[f]
-            self.throughput[f] = total / seconds * (tally.gain / tally.steps)
+            tally = self.search_state.tally[f]
+            self.search_state.throughput[f] = total / seconds * (tally.gain / tally.steps)
             measured[f] = (tally.steps, seconds, comm_seconds, tally.moved_bytes)
             if f == HALF and self.fp16_rung:  # the casts' cost, kept apart from the method's
-                self.cast_cost = (plain_s / tally.plain_steps) if tally.plain_steps else compress_s / tally.steps
+                self.search_state.cast_cost = (
+                    (plain_s / tally.plain_steps) if tally.plain_steps else compress_s / tally.steps
+                )
             elif f != DENSE:
                 compress = [compress[0] + compress_s, compress[1] + tally.steps]
                 plain = [plain[0] + plain_s, plain[1] + tally.plain_steps]
         if plain[1] or compress[1]:  # what compressing costs a step: from steps without probes when there were any
-            self.compress_cost = plain[0] / plain[1] if plain[1] else compress[0] / compress[1]
-        self._tally.clear()
-        self.windows += 1
+            self.search_state.compress_cost = plain[0] / plain[1] if plain[1] else compress[0] / compress[1]
+        self.search_state.tally.clear()
+        self.search_state.windows += 1
         self._rule.end_window(self, measured, slowest.tolist(), factors)
         self._check_plateau()
 
@@ -647,14 +639,14 @@ class GraVAC(Controller):
         if self.probed is None:
             return None
         latency, per_byte = self.probed
-        return Link(0.0, per_byte, latency * self._buckets)
+        return Link(0.0, per_byte, latency * self.search_state.buckets)
 
     def _check_plateau(self) -> None:
-        ranked = sorted(self.throughput.items(), key=lambda item: item[1], reverse=True)
+        ranked = sorted(self.search_state.throughput.items(), key=lambda item: item[1], reverse=True)
         if len(ranked) >= 2 and ranked[0][1] > 0 and (ranked[0][1] - ranked[1][1]) / ranked[0][1] <= self.omega:
-            self.settled = min(ranked[0][0], ranked[1][0])  # the less aggressive of the two
+            self.search_state.settled = min(ranked[0][0], ranked[1][0])  # the less aggressive of the two
         else:
-            self.settled = None
+            self.search_state.settled = None
 
     def predicted_throughput(self, cf: float, dense_bytes: float) -> float:
         """``Tc`` the link model predicts for ``cf``: samples a second x weighed gain (``nan`` before a window ends)."""
@@ -662,9 +654,9 @@ class GraVAC(Controller):
 
     def _progress_per_second(self, cf: float, dense_bytes: float) -> float:
         """``gain(cf) ** gain_power`` over the predicted seconds of a step at ``cf``: the same on every rank."""
-        if self.link is None:
+        if self.search_state.link is None:
             return math.nan
-        seconds = self.predicted_seconds(self.link, cf, dense_bytes)
+        seconds = self.predicted_seconds(self.search_state.link, cf, dense_bytes)
         # fp16 keeps all but the rounding, which error feedback carries to the next step.
         full = cf in (DENSE, *self.rungs)
         progress = 1.0 if full else self.kept(cf) ** self.gain_power * self.masking_weight(cf)
@@ -674,7 +666,7 @@ class GraVAC(Controller):
         """What a step at ``cf`` keeps of a dense step, from its gain: the gain itself for a biased method (the energy
         it sends now, error feedback delaying the rest); for an unbiased one, whose gain is ``1 + w`` (``w`` the
         variance it adds, relative to the gradient's energy), ``1 / (1 + w)``, as that variance costs steps."""
-        gain = self.gains.get(cf, 0.0)
+        gain = self.search_state.gains.get(cf, 0.0)
         if self._state is not None and not self._state.compressor.biased and gain > 1.0:
             return 1.0 / gain
         return min(gain, 1.0)
@@ -691,7 +683,7 @@ class GraVAC(Controller):
         if len(kept) == len(self.ladder):
             return
         left_out = [f"{cf:g}" for cf in self.ladder if cf not in kept]
-        if edge >= self.cf_min and (not kept or edge > kept[-1]):
+        if edge >= self.search_state.cf_min and (not kept or edge > kept[-1]):
             kept.append(edge)
         self.ladder = tuple(kept)
         rank_zero_info(
@@ -731,11 +723,11 @@ class GraVAC(Controller):
         if cf == DENSE:
             moved, extra = moved_bytes(dense_bytes, dense_bytes, self._world_size), 0.0
         elif cf in self.rungs:  # the whole gradient in fp16, all-reduced (summable): its cost a byte, and the casts
-            moved, extra = ring_share(self._world_size) * dense_bytes / cf, self.cast_cost
+            moved, extra = ring_share(self._world_size) * dense_bytes / cf, self.search_state.cast_cost
             per_byte = self.half_per_byte if self.half_per_byte is not None else per_byte
         else:
-            moved = moved_bytes(dense_bytes / cf + self.payload_fixed, dense_bytes, self._world_size)
-            extra = self.compress_cost
+            moved = moved_bytes(dense_bytes / cf + self.search_state.payload_fixed, dense_bytes, self._world_size)
+            extra = self.search_state.compress_cost
         return link.other_seconds + link.per_step + moved * per_byte + extra
 
     def gains_can_matter(self) -> bool:
@@ -746,7 +738,7 @@ class GraVAC(Controller):
 
     def best_predicted(self) -> float:
         eligible = [DENSE, *self.rungs] + [
-            cf for cf in self.ladder if self.gains.get(cf, 0.0) >= self.epsilon and self.within_budget(cf)
+            cf for cf in self.ladder if self.search_state.gains.get(cf, 0.0) >= self.epsilon and self.within_budget(cf)
         ]
         # Ranked without the samples a step (N x this rank's batch, which a last batch can make differ between
         # ranks): every term left is the same on every rank, so is the choice.
@@ -755,73 +747,36 @@ class GraVAC(Controller):
     @override
     def metrics(self, stats: StepStats) -> dict[str, float]:
         metrics = super().metrics(stats)
-        metrics["gravac/cf_min"] = self.cf_min
-        metrics["gravac/probe_cf"] = self.candidate
-        metrics["gravac/settled"] = self.settled if self.settled is not None else 0.0
-        metrics["gravac/compression_throughput"] = self.throughput.get(self.state.cf, 0.0)
+        metrics["gravac/cf_min"] = self.search_state.cf_min
+        metrics["gravac/probe_cf"] = self.search_state.candidate
+        metrics["gravac/settled"] = self.search_state.settled if self.search_state.settled is not None else 0.0
+        metrics["gravac/compression_throughput"] = self.search_state.throughput.get(self.state.cf, 0.0)
         return metrics
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The whole search, and the current window's tallies.
+        """The factor and the guard (the base class's), then :attr:`search_state`, each field under its name.
 
         Lightning writes rank 0's callback state, so on resume every rank gets rank 0's partial-window step times
         and sample counts: the only rank-local values here, which at the window's end feed a MAX (the times) and a
         sum (the samples) over ranks, so every rank still decides alike (the resumed window counts rank 0's samples
         for every rank).
         """
-        return {
-            **super().state_dict(),
-            "cf_min": self.cf_min,
-            "candidate": self.candidate,
-            "scale": self.scale,
-            "settled": self.settled,
-            "gains": dict(self.gains),
-            "throughput": dict(self.throughput),
-            "link": asdict(self.link) if self.link is not None else None,
-            "windows": self.windows,
-            "progress": self._progress,
-            "steps": self._steps,
-            "last_probe": self._last_probe,
-            "probe_interval": self._probe_interval,
-            "tally": {f: asdict(t) for f, t in self._tally.items()},
-            "gain_of": self.gain_of,
-            "gain_sums": {f: list(v) for f, v in self.gain_sums.items()},
-            "compress_cost": self.compress_cost,
-            "cast_cost": self.cast_cost,
-            "payload_fixed": self.payload_fixed,
-            "buckets": self._buckets,
-        }
+        return {**super().state_dict(), **self.search_state.checkpoint()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.cf_min, self.candidate, self.scale = state_dict["cf_min"], state_dict["candidate"], state_dict["scale"]
-        self.settled, self.windows, self._progress = (
-            state_dict["settled"],
-            state_dict["windows"],
-            state_dict["progress"],
-        )
-        self.gains, self.throughput = dict(state_dict["gains"]), dict(state_dict["throughput"])
-        self.link = Link(**state_dict["link"]) if state_dict["link"] is not None else None
-        # A window's tallies from a checkpoint before samples were counted are dropped: half a window without them
-        # would weigh that factor's throughput low. The window goes on; it measures from here.
-        self._tally = {f: Tally(**t) for f, t in state_dict["tally"].items() if "samples" in t}
-        self._steps = state_dict.get("steps", 0)
-        self._last_probe = state_dict.get("last_probe", self._steps)
-        self._probe_interval = state_dict.get("probe_interval", self.probe_every)
-        self.gain_of = state_dict.get("gain_of", self.gain_of)
-        self.gain_sums = {f: (v[0], v[1]) for f, v in state_dict.get("gain_sums", {}).items()}
-        self.compress_cost = state_dict.get("compress_cost", 0.0)
-        self.cast_cost = state_dict.get("cast_cost", 0.0)
-        self.payload_fixed = state_dict.get("payload_fixed", 0.0)
-        self._buckets = state_dict.get("buckets", 1)
+        s = self.search_state
+        fresh = GraVACState(cf_min=s.cf_min, candidate=s.candidate, probe_interval=self.probe_every, gain_of=s.gain_of)
+        self.search_state = GraVACState.from_checkpoint(state_dict, fresh)
         super().load_state_dict(state_dict)
 
     def __repr__(self) -> str:
         return (
-            f"GraVAC(cf_min={self.cf_min:g}, cf_max={self.cf_max:g}, epsilon={self.epsilon}, omega={self.omega}, "
-            f"window={self.window}, policy={self.policy!r}, search={self.search!r}, probe_every={self.probe_every}, "
-            f"first_window={self.first_window}, gain_of={self.gain_of!r}, gain_power={self.gain_power:.3g}, "
-            f"link_probe={self.link_probe}, adam={self.adam!r}, probe_backoff={self.probe_backoff}, "
-            f"fp16_rung={self.fp16_rung}, weigh_masking={self.weigh_masking}, budget={self.budget})"
+            f"GraVAC(cf_min={self.search_state.cf_min:g}, cf_max={self.cf_max:g}, epsilon={self.epsilon}, "
+            f"omega={self.omega}, window={self.window}, policy={self.policy!r}, search={self.search!r}, "
+            f"probe_every={self.probe_every}, first_window={self.first_window}, gain_of={self.search_state.gain_of!r}, "
+            f"gain_power={self.gain_power:.3g}, link_probe={self.link_probe}, adam={self.adam!r}, "
+            f"probe_backoff={self.probe_backoff}, fp16_rung={self.fp16_rung}, weigh_masking={self.weigh_masking}, "
+            f"budget={self.budget})"
         )

@@ -1,7 +1,7 @@
 """GraVAC's decision rules: the paper's sequential search and the default's cost model, behind one interface.
 
-A rule holds no state of its own: it reads and writes the controller's public search state (``cf_min``,
-``candidate``, ``gains``, ``gain_sums``, ``link``, ...), so both rules checkpoint alike.
+A rule holds no state of its own: it reads and writes the controller's carried state (:class:`GraVACState`:
+``cf_min``, ``candidate``, ``gains``, ``gain_sums``, ``link``, ...), so both rules checkpoint alike.
 """
 
 from typing import TYPE_CHECKING, Any, Literal
@@ -44,7 +44,7 @@ class SearchRule:
         raise NotImplementedError
 
     def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
-        """Take a probe of the gain at ``cf`` that weighs ``weight`` into ``c.gains``."""
+        """Take a probe of the gain at ``cf`` that weighs ``weight`` into ``c.search_state.gains``."""
         raise NotImplementedError
 
     def choose(self, c: "GraVAC") -> float:
@@ -53,7 +53,7 @@ class SearchRule:
 
     def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
         """What a window's end changes, given its steps by factor (``(steps, seconds, comm seconds, moved bytes)``,
-        the slowest rank's) once ``c.windows`` counts it."""
+        the slowest rank's) once ``c.search_state.windows`` counts it."""
         raise NotImplementedError
 
     def gains_can_matter(self, c: "GraVAC") -> bool:
@@ -66,35 +66,39 @@ class Sequential(SearchRule):
     ``epsilon``, else ``cf_min`` if that does, else dense; each window promotes and advances the candidate."""
 
     def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
-        factors = {c.cf_min, c.candidate}
-        if c.settled is not None and c.settled != DENSE:
-            factors.add(c.settled)
+        s = c.search_state
+        factors = {s.cf_min, s.candidate}
+        if s.settled is not None and s.settled != DENSE:
+            factors.add(s.settled)
         return tuple(sorted(factors))
 
     def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
         # The paper's EWMA, started at the first value.
-        c.gains[cf] = gain if cf not in c.gains else (1 - weight) * c.gains[cf] + weight * gain
+        gains = c.search_state.gains
+        gains[cf] = gain if cf not in gains else (1 - weight) * gains[cf] + weight * gain
 
     def choose(self, c: "GraVAC") -> float:
-        order = [c.settled] if c.settled is not None else [c.candidate, c.cf_min]
+        s = c.search_state
+        order = [s.settled] if s.settled is not None else [s.candidate, s.cf_min]
         for cf in order:
-            if cf == DENSE or c.gains.get(cf, 0.0) >= c.epsilon:
+            if cf == DENSE or s.gains.get(cf, 0.0) >= c.epsilon:
                 return cf
         return DENSE
 
     def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
-        if c.settled is not None:
+        s = c.search_state
+        if s.settled is not None:
             return
-        gain_min, gain_candidate = c.gains.get(c.cf_min), c.gains.get(c.candidate)
+        gain_min, gain_candidate = s.gains.get(s.cf_min), s.gains.get(s.candidate)
         if (
-            c.candidate > c.cf_min
+            s.candidate > s.cf_min
             and gain_min
             and gain_candidate is not None
             and abs(gain_min - gain_candidate) / gain_min <= c.omega
         ):
-            c.cf_min = c.candidate
-        c.scale = c.next_scale(c.scale)
-        c.candidate = min(c.cf_min * c.scale, c.cf_max)
+            s.cf_min = s.candidate
+        s.scale = c.next_scale(s.scale)
+        s.candidate = min(s.cf_min * s.scale, c.cf_max)
 
 
 class Model(SearchRule):
@@ -111,30 +115,34 @@ class Model(SearchRule):
 
     def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
         # Bias-corrected: the weights of the probes so far, normalised.
-        total, mass = c.gain_sums.get(cf, (0.0, 0.0))
+        s = c.search_state
+        total, mass = s.gain_sums.get(cf, (0.0, 0.0))
         total, mass = (1 - weight) * total + weight * gain, (1 - weight) * mass + weight
-        c.gain_sums[cf] = (total, mass)
-        c.gains[cf] = total / mass
+        s.gain_sums[cf] = (total, mass)
+        s.gains[cf] = total / mass
 
     def choose(self, c: "GraVAC") -> float:
-        if c.link is not None:
+        gains = c.search_state.gains
+        if c.search_state.link is not None:
             return c.best_predicted()
         if c.probed is not None:
             # The first window, on a measured link: the step's cost is not known yet, the gains may not be either. Send
             # the most aggressive eligible factor, the cheapest on any link: error feedback keeps what it leaves for
             # later, and a few steps at it cost no accuracy (the first decision follows the window).
-            eligible = [cf for cf in c.ladder if c.gains.get(cf, 1.0) >= c.epsilon and c.within_budget(cf)]
+            eligible = [cf for cf in c.ladder if gains.get(cf, 1.0) >= c.epsilon and c.within_budget(cf)]
             return max(eligible, default=DENSE)
         return SEARCHES["sequential"].choose(c)  # no link measured: the paper's rule until the first fit
 
     def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
-        c.link = c.fit_step_model(measured, slowest, factors) or c.link
+        s = c.search_state
+        s.link = c.fit_step_model(measured, slowest, factors) or s.link
 
     def gains_can_matter(self, c: "GraVAC") -> bool:
-        if c.link is None:
+        link = c.search_state.link
+        if link is None:
             return True
-        dense = c.predicted_seconds(c.link, DENSE, c.bytes_dense)
-        return any(c.predicted_seconds(c.link, cf, c.bytes_dense) < dense for cf in c.ladder)
+        dense = c.predicted_seconds(link, DENSE, c.bytes_dense)
+        return any(c.predicted_seconds(link, cf, c.bytes_dense) < dense for cf in c.ladder)
 
 
 #: GraVAC's decision rules by the name ``search`` takes.
