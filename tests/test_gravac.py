@@ -11,6 +11,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gravac import GraVAC, GraVACStrategy, RunSummary, Static, StepStats, get_compressor
+from lightning_gravac.callbacks.gravac.ladder import fit_to_budget, ladder, within_budget
+from lightning_gravac.callbacks.gravac.prediction import (
+    best_predicted,
+    kept,
+    masking_weight,
+    predicted_seconds,
+    predicted_throughput,
+)
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
@@ -117,7 +125,7 @@ def test_model_search_picks_the_best_predicted_factor_after_one_window():
         return 1_000_000 / cf / 100_000  # the bytes a step moves at 100 kB/s
 
     c = Scripted(lambda cf: gain[cf], lambda cf: 1.0 + comm(cf), comm, cf_min=10, window=3, epsilon=0.7, search="model")
-    c._world_size = 2
+    c.world_size = 2
     c.run(3)
     assert c.link is not None and c.link.seconds_per_byte == pytest.approx(1e-5)
     c.run(1)
@@ -342,7 +350,7 @@ def _model_search(gain, compress_s=0.0, **kwargs):
 
     c = Scripted(lambda cf: gain[cf], lambda cf: 1.0 + comm(cf) + (compress_s if cf != 1 else 0.0), comm,
                  cf_min=10, cf_max=1000, search="model", **kwargs)  # fmt: skip
-    c._world_size = 2
+    c.world_size = 2
     c.compress_seconds = lambda stats: compress_s if c.cf != 1 else 0.0
     return c
 
@@ -405,7 +413,7 @@ def test_the_model_search_sends_fp16_where_no_factor_keeps_enough_and_bytes_cost
     # Dense: 1 s + 10 s of bytes. fp16: 1 s + 5 s + 0.5 s of casts.
     assert poor.cf == 2.0 and state.half and state.cf == 2.0
     poor.run(3, state)  # a window at fp16, whose steps take 1 s + 5 s (the casts' time as measured: none)
-    assert poor.predicted_seconds(poor.link, 2.0, 1_000_000) == pytest.approx(6.0, rel=1e-6)
+    assert predicted_seconds(poor, poor.link, 2.0, 1_000_000) == pytest.approx(6.0, rel=1e-6)
     # Casting dearer than the bytes it saves: dense.
     poor.cast_cost = 6.0
     poor.run(1, state)
@@ -457,7 +465,7 @@ def test_model_search_decides_after_a_short_first_window():
     c = Scripted(
         lambda cf: gain[cf], lambda cf: 1.0 + comm(cf), comm, cf_min=10, window=100, first_window=10, search="model"
     )
-    c._world_size = 2
+    c.world_size = 2
     c.run(10)
     # Steps at 10x and 20x moved different byte counts: the fit separates the per-step cost from the per-byte one.
     assert c.windows == 1 and c.link is not None
@@ -485,8 +493,8 @@ def _default_on_a_link(per_byte: float, gain: dict[float, float], state=None, **
 
     budget_steps = kwargs.pop("budget_steps", math.inf)
     c = Scripted(lambda cf: gain[cf], seconds, search="model", **kwargs)
-    c._world_size = 2
-    c._state = state
+    c.world_size = 2
+    c.compression_state = state
     c.budget_steps = budget_steps  # what fit start reads from the trainer
     c.probed = (0.0, per_byte)  # what the fit-start probe would have measured
     c.cast_cost, c.half_per_byte = 0.01, per_byte  # and the fp16 rung: casts 10 ms a step, its bytes as fp32's
@@ -503,7 +511,7 @@ def test_default_sends_the_factor_of_highest_predicted_throughput_on_each_link()
     for per_byte, expected in [(1e-9, 1.0), (1e-7, 10.0), (1e-5, 160.0)]:
         c = _default_on_a_link(per_byte, gain)
         assert c.link is not None and c.link.other_seconds == pytest.approx(0.1)
-        scores = {cf: c.predicted_throughput(cf, 1_000_000) for cf in (1.0, *c.ladder)}
+        scores = {cf: predicted_throughput(c, cf, 1_000_000) for cf in (1.0, *c.ladder)}
         assert max(scores, key=scores.__getitem__) == expected
         assert c.sent[-1] == expected, (per_byte, c.sent)
         # The first window, before a step's cost is known, sends the link's cheapest eligible factor.
@@ -532,7 +540,7 @@ def test_default_weighs_the_momentum_that_masking_drops_at_each_factor():
     # masked keeps r(20), r(40), r(80), r(320), r(2000) = 0.605, 0.778, 0.888, 0.972, 0.996: 4.00, 4.99, 5.33, 4.46,
     # 2.91: cf 40.
     masked = _default_on_a_link(2e-7, gain, _with_moved_momentum("topk", 0.9))
-    assert masked.masking_weight(10) == pytest.approx(0.604709, abs=1e-6) and masked.sent[-1] == 40
+    assert masking_weight(masked, 10) == pytest.approx(0.604709, abs=1e-6) and masked.sent[-1] == 40
     # At 50 ns a byte cf 10 beats dense unweighed (7.56 against 6.67), but weighed every factor loses to dense (cf 40:
     # 6.22 x 0.888 = 5.52): masking would cost momentum more than the bytes save.
     assert _default_on_a_link(5e-8, gain).sent[-1] == 10
@@ -546,8 +554,11 @@ def test_default_weighs_the_momentum_that_masking_drops_at_each_factor():
         (_with_moved_momentum("topk", 0.9), {"weigh_masking": False}),
     ]:
         c = _default_on_a_link(2e-7, gain, state, **kwargs)
-        masking = state.feedback.momentum.masking
-        assert c.masking_weight(10) == 1.0 and c.sent[-1] == 10, (state.compressor, masking, kwargs)
+        assert masking_weight(c, 10) == 1.0 and c.sent[-1] == 10, (
+            state.compressor,
+            state.feedback.momentum.masking,
+            kwargs,
+        )
 
 
 def test_the_masking_weight_follows_each_method_wait_and_the_momentum_it_restarts():
@@ -555,24 +566,24 @@ def test_the_masking_weight_follows_each_method_wait_and_the_momentum_it_restart
         return _default_on_a_link(2e-7, {cf: 0.5 for cf in (10, 20, 40, 160, 1000)}, state, **kwargs)
 
     topk = on_link(_with_moved_momentum("topk", 0.9))
-    assert topk.masking_weight(1.0) == 1.0  # dense never masks
+    assert masking_weight(topk, 1.0) == 1.0  # dense never masks
     # Nesterov sends g + m u: 1 - m (1 - r(20)) = 0.644.
     nesterov = on_link(_with_moved_momentum("topk", 0.9, nesterov=True))
-    assert nesterov.masking_weight(10) == pytest.approx(0.644239, abs=1e-6)
+    assert masking_weight(nesterov, 10) == pytest.approx(0.644239, abs=1e-6)
     # Random-K sends no index (an entry waits cf steps) and picks at random (geometric waits): 0.1 / (0.1 + 0.09).
-    assert on_link(_with_moved_momentum("randomk", 0.9)).masking_weight(10) == pytest.approx(0.526316, abs=1e-6)
+    assert masking_weight(on_link(_with_moved_momentum("randomk", 0.9)), 10) == pytest.approx(0.526316, abs=1e-6)
     # bf16 gradients: a 2-byte value and a 4-byte index, an entry waits 3 cf steps: r(30) = 0.7127.
-    topk._grad_dtype = torch.bfloat16
-    assert topk.masking_weight(10) == pytest.approx(0.712717, abs=1e-6)
+    topk.grad_dtype = torch.bfloat16
+    assert masking_weight(topk, 10) == pytest.approx(0.712717, abs=1e-6)
     # DGC keeps its own momentum (the optimizer's stays at 0): its masking weighs the same way, unless it is off.
     from lightning_gravac.compressors import DGC
 
     for masking, expected in [(True, 0.604709), (False, 1.0)]:
         dgc = _with_moved_momentum(DGC(momentum=0.9, momentum_masking=masking), 0.0)
-        assert on_link(dgc).masking_weight(10) == pytest.approx(expected, abs=1e-6)
+        assert masking_weight(on_link(dgc), 10) == pytest.approx(expected, abs=1e-6)
     # The fp16 rung sends every entry rounded, never exactly: not weighed.
     rung = on_link(_with_moved_momentum("topk", 0.9), fp16_rung=True)
-    assert rung.rungs and rung.masking_weight(rung.rungs[0]) == 1.0
+    assert rung.rungs and masking_weight(rung, rung.rungs[0]) == 1.0
 
 
 def test_default_keeps_epsilon_as_a_floor_and_the_paper_weighs_progress_by_the_gain():
@@ -598,7 +609,7 @@ def test_the_papers_weighing_of_progress_by_the_gain_itself_is_one_argument_away
 def test_default_smooths_gains_with_bias_correction_and_leaves_the_warm_up_step_untimed():
     level = {"gain": 0.8}
     c = Scripted(lambda cf: level["gain"], search="model", alpha=0.1)
-    c._warm_up = True  # as at fit start
+    c.warm_up = True  # as at fit start
     c.run(1)
     assert c.search_state.tally == {} and c.search_state.progress == 1, "the first step's time was tallied"
     assert c.gains[10] == pytest.approx(0.8)
@@ -656,7 +667,7 @@ def test_the_budget_leaves_out_factors_whose_entries_would_wait_past_the_run():
     for budget in (100, 100_000):
         # Top-K's entry waits 2 cf steps: a 100-step run admits cf 10, 20 and 40; a long one every factor.
         c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=budget)
-        assert [cf for cf in c.ladder if c.within_budget(cf)] == ([10, 20, 40] if budget == 100 else list(c.ladder))
+        assert [cf for cf in c.ladder if within_budget(c, cf)] == ([10, 20, 40] if budget == 100 else list(c.ladder))
         sent[budget] = c.sent
     # The first window sends the most aggressive admitted factor, then the best predicted among the admitted ones.
     assert sent[100][1:3] == [40, 40] and sent[100][-1] == 40
@@ -668,19 +679,19 @@ def test_the_budget_leaves_out_factors_whose_entries_would_wait_past_the_run():
 
 def test_the_budget_edge_becomes_a_rung_of_the_ladder():
     c = GraVAC()
-    c._state = _with_moved_momentum("topk", 0.0)
+    c.compression_state = _with_moved_momentum("topk", 0.0)
     c.budget_steps = 200.0  # Top-K's wait is 2 cf: cf 100 is the most aggressive factor a 200-step run admits
-    c._fit_ladder_to_budget()
+    fit_to_budget(c)
     assert c.ladder == (10, 20, 40, 100)
     c.budget_steps = 120.0
-    c.ladder = c._ladder(c.cf_min, c.cf_max)
-    c._fit_ladder_to_budget()
+    c.ladder = ladder(c.cf_min, c.cf_max, c.policy)
+    fit_to_budget(c)
     assert c.ladder == (10, 20, 40, 60)
-    c.budget_steps, c.ladder = 15.0, c._ladder(c.cf_min, c.cf_max)  # too short for any factor: dense alone
-    c._fit_ladder_to_budget()
-    assert c.ladder == () and c.best_predicted() == 1.0
-    c.budget_steps, c.ladder = 1e6, c._ladder(c.cf_min, c.cf_max)  # a long run: the ladder as it was
-    c._fit_ladder_to_budget()
+    c.budget_steps, c.ladder = 15.0, ladder(c.cf_min, c.cf_max, c.policy)  # too short for any factor: dense alone
+    fit_to_budget(c)
+    assert c.ladder == () and best_predicted(c) == 1.0
+    c.budget_steps, c.ladder = 1e6, ladder(c.cf_min, c.cf_max, c.policy)  # a long run: the ladder as it was
+    fit_to_budget(c)
     assert c.ladder == (10, 20, 40, 160, 1000)
 
 
@@ -689,28 +700,28 @@ def test_an_unbiased_method_keeps_one_over_its_gain_and_its_factors_follow_its_r
     of a dense one, so its most aggressive codes are not mistaken for the best; a biased method keeps its gain. The
     default bounds follow QSGD's 2- to 8-bit codes, capped by the model's largest gradient."""
     c = GraVAC()
-    c._state = _with_moved_momentum("qsgd", 0.0)
+    c.compression_state = _with_moved_momentum("qsgd", 0.0)
     c.gains = {4.0: 1.01, 8.0: 2.5, 15.5: 16.0}
-    assert c.kept(4.0) == pytest.approx(1 / 1.01) and c.kept(8.0) == pytest.approx(0.4) and c.kept(15.5) == 1 / 16
+    assert kept(c, 4.0) == pytest.approx(1 / 1.01) and kept(c, 8.0) == pytest.approx(0.4) and kept(c, 15.5) == 1 / 16
     c.fit_to_model(10_000)
     lo, hi = 32 / (8 + 1 / 16), 32 / (2 + 1 / 16)
     assert c.ladder == pytest.approx((lo, 2 * lo, hi)) and (c.cf_min, c.cf_max) == (lo, hi)
     c.fit_to_model(10)  # a model whose largest gradient has 10 entries
     assert c.ladder == pytest.approx((lo, 2 * lo, 10.0))
     topk = GraVAC()
-    topk._state = _with_moved_momentum("topk", 0.0)
+    topk.compression_state = _with_moved_momentum("topk", 0.0)
     topk.gains = {10.0: 0.4, 20.0: 1.2}  # a biased method's gain above 1 is rounding: it keeps everything
-    assert topk.kept(10.0) == 0.4 and topk.kept(20.0) == 1.0
+    assert kept(topk, 10.0) == 0.4 and kept(topk, 20.0) == 1.0
     topk.fit_to_model(10_000)
     assert topk.ladder == (10, 20, 40, 160, 1000)
     explicit = GraVAC(cf_min=5, cf_max=12)
-    explicit._state = _with_moved_momentum("qsgd", 0.0)
+    explicit.compression_state = _with_moved_momentum("qsgd", 0.0)
     explicit.fit_to_model(10_000)
     assert explicit.ladder == (5, 10, 12)  # what the user passed stays
     # A resumed run's dense factor (restored before fit start fits the bounds to the method) stays dense.
     resumed = GraVAC()
     resumed.fit_to_model(64)  # at setup, before the strategy's method is known
     resumed.load_state_dict({**resumed.state_dict(), "cf": 1.0})
-    resumed._state = _with_moved_momentum("qsgd", 0.0)
+    resumed.compression_state = _with_moved_momentum("qsgd", 0.0)
     resumed.fit_to_model(64)
     assert resumed.cf == 1.0 and resumed.cf_min == pytest.approx(lo)

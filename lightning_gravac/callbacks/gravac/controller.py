@@ -1,37 +1,36 @@
-"""GraVAC: gradient-variance-aware adaptive compression (Tyagi & Swany, IEEE CLOUD 2023), the controller.
-
-Its rules (``search.py``), the cost model of a step (``cost.py``) and the link probe (``probe.py``) live beside it.
-"""
+"""GraVAC: gradient-variance-aware adaptive compression (Tyagi & Swany, IEEE CLOUD 2023), the controller (its parts
+are beside it: the package's docstring lists them)."""
 
 import math
 import time
-from typing import Any, Literal
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning.utilities.data import extract_batch_size
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
-from lightning_gravac.callbacks.gravac.cost import DENSE, Link, Tally, fit_link, moved_bytes, regime
-from lightning_gravac.callbacks.gravac.probe import PROBE_BYTES, LinkProbe
-from lightning_gravac.callbacks.gravac.search import (
+from lightning_gravac.callbacks.gravac.hold import AdamPolicy, check_rung, held_factor, hold_warning
+from lightning_gravac.callbacks.gravac.ladder import (
     DEFAULT_CF_MAX,
     DEFAULT_CF_MIN,
-    SEARCH_DEFAULTS,
-    SEARCHES,
-    Interval,
     Policy,
-    Search,
+    fit_bounds,
+    fit_to_budget,
+    ladder,
 )
+from lightning_gravac.callbacks.gravac.prediction import say_choice
+from lightning_gravac.callbacks.gravac.probe import PROBE_BYTES, LinkProbe, probe_at_fit_start
+from lightning_gravac.callbacks.gravac.search import SEARCH_DEFAULTS, SEARCHES, Interval, Search
 from lightning_gravac.callbacks.gravac.state import GraVACState, carried_attributes
+from lightning_gravac.callbacks.gravac.window import Reduce, after_step, end_window, probing, record_step
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.feedback.momentum import SGDMomentum, masking_retention
-from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats, ring_share
+from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats
 
 
 def _gain_power(value: float) -> float:
@@ -53,9 +52,9 @@ class GraVAC(Controller):
     - the **rest of a step** and what compressing costs are measured on the steps sent, refitted every ``window``;
     - the **gains** ``sum ||C_cf(g)||^2 / sum ||g||^2`` of the step's own gradient at every factor are probed on one
       step in ``probe_every`` (backing off while they change nothing), smoothed by a bias-corrected EWMA;
-    - a step at ``f`` makes :meth:`kept` ``(f) ** gain_power`` of a dense step's progress, times the momentum that
-      masking leaves (:meth:`masking_weight`); factors whose entries would wait longer than the run
-      (:meth:`within_budget`) are left out.
+    - a step at ``f`` makes :func:`~.prediction.kept` ``(f) ** gain_power`` of a dense step's progress, times the
+      momentum that masking leaves (:func:`~.prediction.masking_weight`); factors whose entries would wait longer than
+      the run (:func:`~.ladder.within_budget`) are left out.
 
     Until the first window ends (3 steps) it sends the most aggressive admitted factor. Under Adam or AdamW it sends
     dense or whole in fp16, whichever the link makes faster, while Adam's second moment settles; then the strategy
@@ -145,21 +144,22 @@ class GraVAC(Controller):
         gain_of: GainOf | None = None,
         gain_power: float | None = None,
         link_probe: bool | None = None,
-        adam: Literal["moment", "fp16", "dense", "compress"] = "moment",
+        adam: AdamPolicy = "moment",
         probe_backoff: int | None = None,
         fp16_rung: bool | None = None,
         weigh_masking: bool = True,
         budget: bool = True,
     ) -> None:
-        # Which bounds are defaults, fitted to the model at setup (`fit_to_model`), and which the user chose.
-        self._fitted = {"cf_min": cf_min is None, "cf_max": cf_max is None}
+        #: Which bounds are defaults, fitted to the model at setup (:meth:`fit_to_model`), and which the user chose.
+        self.default_bounds = {"cf_min": cf_min is None, "cf_max": cf_max is None}
         cf_min = DEFAULT_CF_MIN if cf_min is None else validate_cf(cf_min, "cf_min")
         cf_max = DEFAULT_CF_MAX if cf_max is None else validate_cf(cf_max, "cf_max")
         if cf_min > cf_max:
             raise ValueError(f"`cf_min` ({cf_min:g}) must not exceed `cf_max` ({cf_max:g}).")
         super().__init__(cf=cf_min)
         self.search = choice(search, "search", tuple(SEARCHES))
-        self._rule, defaults = SEARCHES[self.search], SEARCH_DEFAULTS[self.search]
+        #: The decision rule of ``search`` (:class:`SearchRule`).
+        self.rule, defaults = SEARCHES[self.search], SEARCH_DEFAULTS[self.search]
         self.window = whole(defaults["window"] if window is None else window, "window")
         self.epsilon = fraction(defaults["epsilon"] if epsilon is None else epsilon, "epsilon")
         self.omega = fraction(omega, "omega")
@@ -179,19 +179,18 @@ class GraVAC(Controller):
         #: Whether the model search may send a step whole in fp16 (decided at setup: fp32 gradients, a method whose
         #: residual the hook keeps, ``cf_min`` above 2).
         self.fp16_rung = bool(defaults["fp16_rung"] if fp16_rung is None else fp16_rung)
-        # The gradients' dtype is the largest trainable parameter's, set at setup (`masking_weight`).
-        self.weigh_masking, self._grad_dtype = bool(weigh_masking), torch.float32
+        #: The gradients' dtype: the largest trainable parameter's, set at setup (what an entry's wait is counted in).
+        self.weigh_masking, self.grad_dtype = bool(weigh_masking), torch.float32
         # `budget_steps`: the fit's steps (`trainer.estimated_stepping_batches`, set at fit start; inf when unknown).
-        self.budget, self.budget_steps = bool(budget) and self._rule.models_cost, math.inf
-        if self.fp16_rung and not self._rule.models_cost:
+        self.budget, self.budget_steps = bool(budget) and self.rule.models_cost, math.inf
+        if self.fp16_rung and not self.rule.models_cost:
             raise ValueError("`fp16_rung=True` needs `search='model'`: the sequential search has no cost model for it.")
         # The user's choice, which `fp16_rung` is derived from at each setup and fit; a ladder from 2 or less has the
         # factor already.
-        self._rung_asked, self.fp16_rung = self.fp16_rung, self.fp16_rung and cf_min > HALF
-        default_first = self._rule.first_window(self.window)
+        self.fp16_rung_asked, self.fp16_rung = self.fp16_rung, self.fp16_rung and cf_min > HALF
+        default_first = self.rule.first_window(self.window)
         self.first_window = default_first if first_window is None else whole(first_window, "first_window")
-        self.cf_max, self.ladder = cf_max, self._ladder(cf_min, cf_max)
-
+        self.cf_max, self.ladder = cf_max, ladder(cf_min, cf_max, self.policy)
         #: What the run carries in its checkpoint: the search, identical on every rank, and the current window.
         self.search_state = GraVACState(cf_min=cf_min, candidate=min(cf_min * 2.0, cf_max),
                                         probe_interval=self.probe_every, gain_of=gain_basis)  # fmt: skip
@@ -203,45 +202,31 @@ class GraVAC(Controller):
         self.half_per_byte: float | None = None
         # The largest all-reduce the link probe timed; the trainable parameters' bytes (a dense step's before one is
         # measured), set at fit start.
-        self._probe_bytes, self._model_bytes = PROBE_BYTES[1], 0
-        self._warm_up = False  # the next observed step is a fit's first: its time is not tallied
-        self._world_size, self._batch_size, self._step_start, self.bytes_dense = 1, 1, 0.0, 0
+        self._probe_bytes, self.model_bytes = PROBE_BYTES[1], 0
+        #: Whether the next observed step is a fit's first, whose time is not tallied (set at fit start).
+        self.warm_up = False
+        #: The ranks (set at setup), this rank's samples in the step under way, and the last step's dense bytes.
+        self.world_size, self.batch_size, self._step_start, self.bytes_dense = 1, 1, 0.0, 0
+
+    @property
+    def compression_state(self) -> CompressionState | None:
+        """The strategy's compression state, ``None`` before setup (when :attr:`state` raises). Setup sets it; set it by
+        hand to drive the controller without a trainer (the next :meth:`apply` hands the factor over)."""
+        return self._state
+
+    @compression_state.setter
+    def compression_state(self, state: CompressionState | None) -> None:
+        self._state = state
 
     @override
     def fit_to_model(self, largest: int) -> None:
-        """Fit the default bounds (those not passed) to the method's reach (:meth:`Compressor.factor_range`, once the
-        strategy's method is known: QSGD's 2- to 8-bit codes), else 10 and 1000, capped at ``largest``, the size of
-        the model's largest gradient. Said when they change."""
-        reach = self._state.compressor.factor_range(self._grad_dtype) if self._state is not None else None
-        cf_min, cf_max = reach if reach is not None else (DEFAULT_CF_MIN, DEFAULT_CF_MAX)
-        cf_max = min(cf_max, float(largest)) if self._fitted["cf_max"] else self.cf_max
-        cf_min = min(cf_min, cf_max) if self._fitted["cf_min"] else self.search_state.cf_min
-        if (cf_min, cf_max) == (self.search_state.cf_min, self.cf_max):
-            return
-        self.search_state.cf_min, self.cf_max, self.ladder = cf_min, cf_max, self._ladder(cf_min, cf_max)
-        self.search_state.candidate = min(max(self.search_state.candidate, cf_min), cf_max)
-        if self.cf not in (DENSE, HALF):  # dense or fp16 (a resumed run's factor) stay what they are
-            self.cf = min(max(self.cf, cf_min), cf_max)
-        why = f"{self.state.compressor.name!r} sends from {reach[0]:.3g} to {reach[1]:.3g}" if reach else ""
-        if largest in (cf_max, cf_min):
-            why += ("; " if why else "") + f"the model's largest gradient has {largest} entries"
-        rank_zero_info(f"GraVAC: factors {', '.join(f'{f:.3g}' for f in self.ladder)} ({why or 'the defaults'}).")
-
-    def _ladder(self, cf_min: float, cf_max: float) -> tuple[float, ...]:
-        factors, scale = [cf_min], 2.0
-        while factors[-1] < cf_max:
-            factors.append(min(cf_min * scale, cf_max))
-            scale = self.next_scale(scale)
-        return tuple(factors)
-
-    def next_scale(self, scale: float) -> float:
-        """The policy: exponential squares the scale (2, 4, 16, 256, ...), geometric doubles it."""
-        return scale * scale if self.policy == "exponential" else 2 * scale
+        """Fit the default bounds to the method and the model's largest gradient (:func:`~.ladder.fit_bounds`)."""
+        fit_bounds(self, largest)
 
     @property
     def probe_cfs(self) -> tuple[float, ...]:
         """The factors whose gain the hook measures each step."""
-        return self._rule.probe_cfs(self)
+        return self.rule.probe_cfs(self)
 
     @property
     @override
@@ -251,11 +236,11 @@ class GraVAC(Controller):
     @property
     def ewma_alpha(self) -> float:
         """The gains' smoothing factor in force."""
-        return self.alpha if self.alpha is not None else max(0.02, min(0.5, self._world_size / 100))
+        return self.alpha if self.alpha is not None else max(0.02, min(0.5, self.world_size / 100))
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self._world_size = trainer.world_size
+        self.world_size = trainer.world_size
         super().setup(trainer, pl_module, stage)
         method = self.state.compressor
         if self._gain_of_default and method.owns_feedback:  # it selects from its own accumulation, not the gradient
@@ -266,22 +251,8 @@ class GraVAC(Controller):
                 "selects from an accumulation of its own, not from the gradient. Use `gain_of='error_fed'`."
             )
         trainable = [p for p in pl_module.parameters() if p.requires_grad]
-        self._grad_dtype = max(trainable, key=lambda p: p.numel()).dtype if trainable else torch.float32
-        self._check_rung(pl_module)
-
-    def _check_rung(self, pl_module: "pl.LightningModule") -> None:
-        """Turn the fp16 rung off where it cannot be sent: 16-bit parameters, a method with its own accumulation or
-        one factor, a ladder from 2 or less (at setup, and again at fit start for layers built in configure_model).
-        Turn it on for the hold of an Adam-like optimizer (``adam="fp16"``), where it is the only factor besides 1."""
-        method = self.state.compressor
-        fp32 = all(p.dtype == torch.float32 for p in pl_module.parameters() if p.requires_grad)
-        held = self.adaptive_optimizer and self.adam in ("fp16", "moment") and self._rule.models_cost
-        # Held for Adam, a method of one factor (the moments' scaled signs) leaves fp16 a choice of its own.
-        own_state = method.owns_feedback or method.near_lossless or (method.fixed_cf is not None and not held)
-        # From the user's choice, not from what the last fit derived: an Adam fit's rung does not outlive that fit.
-        self.fp16_rung = (
-            (self._rung_asked or held) and fp32 and not own_state and (held or self.search_state.cf_min > HALF)
-        )
+        self.grad_dtype = max(trainable, key=lambda p: p.numel()).dtype if trainable else torch.float32
+        check_rung(self, pl_module)
 
     @property
     def holds_for_adam(self) -> bool:
@@ -302,67 +273,34 @@ class GraVAC(Controller):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
-        if not self._rule.models_cost:
+        if not self.rule.models_cost:
             self._hold_for_adam()
             return
-        self._check_rung(pl_module)
-        self._model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+        check_rung(self, pl_module)
+        self.model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
         fresh = self.search_state.steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
         if self.budget:  # the same on every rank: the trainer's settings and the data's length
             self.budget_steps = float(trainer.estimated_stepping_batches)
-            self._fit_ladder_to_budget()
-        self._warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
+            fit_to_budget(self)
+        self.warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
         if self.link_probe and trainer.world_size > 1:
-            self.probed = self.measure_link(trainer)
-            rank_zero_info(
-                f"GraVAC: link measured at fit start: {self.probed[0] * 1e6:.0f} us a message, "
-                f"{8 / self.probed[1] / 1e6 if self.probed[1] > 0 else math.inf:.0f} Mbit/s."
-            )
-            if self.fp16_rung:
-                self.half_per_byte, cast_cost = self.measure_half(trainer)
-                # A resumed run keeps its cost, measured since on the steps it sent in fp16, unless it has none (a
-                # checkpoint of a run whose rung was off, or of a version that did not measure it).
-                if fresh or self.search_state.cast_cost <= 0:
-                    self.search_state.cast_cost = cast_cost
+            probe_at_fit_start(self, trainer, fresh)
             if fresh:
-                self.cf = self._choose()
+                self.cf = self.choose()
                 self._hand_over(self.state)
-                self._say_choice(None)
+                say_choice(self, None)
         self._hold_for_adam()
         # The fp16 rung of an Adam fit is known from here on: a resumed run's next step may be a half one.
         self._hand_over(self.state)
 
-    def _say_choice(self, previous: float | None) -> None:
-        """Say on rank 0 what is sent and why: at fit start (``previous`` ``None``) and whenever the regime changes
-        (dense, whole in fp16, compressed), with the link and the predicted seconds of a dense step and of this one."""
-        if previous is not None and regime(previous, self.rungs) == regime(self.cf, self.rungs):
-            return
-        link = self.search_state.link if self.search_state.link is not None else self._probed_link()
-        dense_bytes = self.bytes_dense or self._model_bytes
-        sending = {"dense": "dense (cf 1)", "fp16": "the whole gradient in fp16"}.get(
-            regime(self.cf, self.rungs), f"compressed at cf {self.cf:g}"
-        )
-        when = "first steps" if previous is None else f"after step {self.search_state.steps}"
-        if link is None or self.probed is None or not dense_bytes:
-            rank_zero_info(f"GraVAC: {when}: sending {sending}.")
-            return
-        why = (
-            f"the link measured {8 / self.probed[1] / 1e6 if self.probed[1] > 0 else math.inf:.0f} Mbit/s, so a "
-            f"dense step is predicted at {1e3 * self.predicted_seconds(link, DENSE, dense_bytes):.1f} ms"
-        )
-        if self.cf != DENSE:
-            why += f" and this one at {1e3 * self.predicted_seconds(link, self.cf, dense_bytes):.1f} ms"
-        if previous is None and self.cf != DENSE:
-            why += " (until the first window has measured the gains, the most aggressive factor)"
-        rank_zero_info(f"GraVAC: {when}: sending {sending}: {why}.")
-
     def _hold_for_adam(self) -> None:
         """Under an Adam-like optimizer held dense or fp16: the factor of the first step (a resumed run's too), and
-        what the user gets, said once a fit."""
+        what the user gets, said once a fit (unless Adam's moments move after the warm-up: said by the base class)."""
         if self.holds_for_adam:
-            self.cf = self._choose()
+            self.cf = self.choose()
             self._hand_over(self.state)
-            self._say_hold()
+            if self.state.feedback.adam.frozen_from is None:
+                rank_zero_warn(hold_warning(self))
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the compression group's all-reduce, the same on every rank
@@ -390,49 +328,14 @@ class GraVAC(Controller):
             super()._on_adaptive_optimizer()
         # Else said by `_hold_for_adam` at the end of fit start, once the probes have told whether fp16 can be sent.
 
-    def _say_hold(self) -> None:
-        """Say, on rank 0, what an Adam-like optimizer gets: dense or fp16 by the link, or dense and why."""
-        if self.state.feedback.adam.frozen_from is not None:
-            return  # its moments move after the warm-up: said by `_freeze_adam`
-        if self.rungs and self.adam in ("fp16", "moment"):
-            sending = "sending each step dense or whole in fp16, whichever the measured link makes faster"
-        else:
-            sending = f"sending dense (factor 1): {self._why_no_half()}"
-        rank_zero_warn(
-            f"GraVAC: the optimizer scales each coordinate by a running second moment (Adam-like), which lossy "
-            f"{self.state.compressor.name!r} gradients upset: {sending}. `GraVAC(adam='compress')` compresses anyway."
-        )
-
-    def _why_no_half(self) -> str:
-        """Why an Adam-like optimizer's hold cannot send fp16 (with :attr:`rungs` empty)."""
-        if self.adam == "dense":
-            return "asked with `adam='dense'`"
-        if not self._rule.models_cost:
-            return "the sequential search has no cost model to weigh fp16 against dense"
-        if not self.fp16_rung:
-            return (
-                f"fp16 cannot be sent here (parameters not in fp32, or {self.state.compressor.name!r} keeps an "
-                "accumulation of its own or sends one fixed factor)"
-            )
-        return "the link was not measured (one rank, or `link_probe=False`), so fp16 cannot be shown to pay"
-
     @override
     def apply(self, state: CompressionState) -> None:
         super().apply(state)
-        if self.holds_for_adam:  # dense or fp16 (chosen by `_choose`): no gains to measure
+        if self.holds_for_adam:  # dense or fp16 (chosen by `choose`): no gains to measure
             state.cf, state.probe_cfs = self.cf, ()
             state.half = self.cf == HALF and self.fp16_rung
             return
-        # Every step of the first window; then one step in `probe_every` (the gains are smoothed anyway), so that a
-        # settled or dense choice stops paying for the measurement on the other steps; fewer while probes change
-        # nothing, none while no factor could pay whatever it kept.
-        probing = self.search_state.windows == 0 or (
-            self.search_state.steps % self.search_state.probe_interval == 0 and self.gains_can_matter()
-        )
-        if self.moments_moved():  # Adam's moments: the first step that sends them measures their gains
-            fixed = state.compressor.fixed_cf is not None
-            probing = not fixed and (probing or state.step == state.feedback.adam.frozen_from)
-        state.probe_cfs = self.probe_cfs if probing else ()
+        state.probe_cfs = self.probe_cfs if probing(self, state) else ()
         state.gain_of = self.search_state.gain_of
         state.half = self.cf == HALF and self.fp16_rung
 
@@ -443,14 +346,14 @@ class GraVAC(Controller):
         super().on_train_batch_start(trainer, pl_module, batch, *args)
         self._step_start = time.perf_counter()
         try:
-            self._batch_size = extract_batch_size(batch)
+            self.batch_size = extract_batch_size(batch)
         except (MisconfigurationException, RecursionError):
             # No tensor to count (or too deep a structure): the batch counts as one sample. Throughputs are then per
             # batch; the model search ranks progress per second without it, the sequential search compares factors
             # measured with the same count.
-            if self._batch_size != 1 or self.search_state.steps == 0:
+            if self.batch_size != 1 or self.search_state.steps == 0:
                 rank_zero_warn("GraVAC: no batch size found in the batch; throughputs are reported per batch.")
-            self._batch_size = 1
+            self.batch_size = 1
 
     def step_seconds(self, stats: StepStats) -> float:
         """This rank's time for the step that produced ``stats`` (forward, backward, communication, optimizer).
@@ -465,75 +368,20 @@ class GraVAC(Controller):
 
     @override
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
-        self.search_state.steps += 1
-        self.bytes_dense = stats.bytes_dense
-        gains = stats.probe_gains()
-        if gains:  # the EWMA decays per step: a probe after p steps without one weighs 1 - (1 - alpha)^p
-            weight = 1 - (1 - self.ewma_alpha) ** (self.search_state.steps - self.search_state.last_probe)
-            self.search_state.last_probe = self.search_state.steps
-            for cf, gain in gains.items():
-                self._rule.smooth(self, cf, gain, weight)
-        self.search_state.buckets = max(1, stats.buckets)
-        if self.cf not in (DENSE, *self.rungs) and stats.bytes_sent and stats.bytes_dense:
-            # What a step sends beyond dense/cf: headers, at least one entry a tensor, rounding to whole entries.
-            self.search_state.payload_fixed = max(0.0, stats.bytes_sent - stats.bytes_dense / self.cf)
-        seconds = self.step_seconds(stats)
-        if self._warm_up:  # a fit's first step allocates, builds DDP's buckets, warms caches: not a step's cost
-            self._warm_up = False
-            self._after_step(trainer, probed=bool(gains))
-            return
-        tally = self.search_state.tally.setdefault(self.cf, Tally())
-        tally.steps += 1
-        tally.samples += self._batch_size
-        tally.seconds += seconds
-        tally.comm_seconds += stats.comm_s
-        compress_seconds = self.compress_seconds(stats)
-        tally.compress_seconds += compress_seconds
-        if not gains:
-            tally.plain_steps += 1
-            tally.plain_compress_seconds += compress_seconds
-        # The sent factor's gain, measured on what the gains are of: the error-fed gradient (what was sent of it), or
-        # the step's own gradient (the probes' smoothed value).
-        fresh = self.search_state.gain_of == "gradient" and self.cf not in (DENSE, *self.rungs)
-        tally.gain += self.search_state.gains.get(self.cf, stats.gain) if fresh else stats.gain
-        tally.moved_bytes += self._moved(stats)
-        self._after_step(trainer, probed=bool(gains))
+        probed = record_step(self, stats)
+        after_step(self, self._reduce(trainer), probed)
 
-    def _moved(self, stats: StepStats) -> float:
-        """Bytes a rank moved in the step of ``stats``: ``(N-1)`` payloads for the buckets gathered, a ring
-        all-reduce's ``2 (N-1)/N`` of what was sent for the others (dense buckets, and summable payloads: Random-K's,
-        a half step's)."""
-        n = self._world_size
-        share = stats.gathered / stats.buckets if stats.buckets else 0.0
-        return stats.bytes_sent * (share * (n - 1) + (1 - share) * ring_share(n))
-
-    def _after_step(self, trainer: "pl.Trainer | None", probed: bool = False) -> None:
-        probed = probed and self.search_state.windows > 0  # the first window probes every step: no back-off from those
-        if self.interval == "step":
-            self.search_state.progress += 1
-            if self.search_state.progress >= self.window_length:
-                self._end_window(trainer)
-        sent, self.cf = self.cf, self._choose()
-        self._back_off(changed=self.cf != sent, probed=probed)
-        self._say_choice(sent)
-
-    def _back_off(self, changed: bool, probed: bool) -> None:
-        """Space the probes: a probe after the first window that leaves the choice as it was doubles the spacing (up
-        to ``probe_every x probe_backoff`` steps); any change of choice brings it back to ``probe_every``."""
-        if changed:
-            self.search_state.probe_interval = self.probe_every
-        elif probed:
-            self.search_state.probe_interval = min(
-                2 * self.search_state.probe_interval, self.probe_every * self.probe_backoff
-            )
+    def _reduce(self, trainer: "pl.Trainer | None") -> Reduce | None:
+        """A reduction over the compression's ranks, which every rank must call alike; ``None`` without a trainer."""
+        return None if trainer is None else lambda values, op: self._all_reduce(trainer, values, op)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.interval == "epoch":
             self.search_state.progress += 1
             if self.search_state.progress >= self.window_length:
-                self._end_window(trainer)
-                self.cf = self._choose()
+                end_window(self, self._reduce(trainer))
+                self.cf = self.choose()
                 self._hand_over(self.state)
 
     @property
@@ -541,216 +389,25 @@ class GraVAC(Controller):
         """Steps (or epochs) of the current window: ``first_window`` for the first, ``window`` after."""
         return self.first_window if self.search_state.windows == 0 else self.window
 
-    def _choose(self) -> float:
+    def choose(self) -> float:
         """The factor to send next step: decided from values every rank holds identically."""
-        if self.holds_for_adam:
-            return self._dense_or_half()
-        if self.moments_moved() and self.state.compressor.fixed_cf is not None:
-            return self._fastest_whole_or_fixed()
-        return self._rule.choose(self)
-
-    def _fastest_whole_or_fixed(self) -> float:
-        """Adam's moments under a method of one factor (scaled signs): dense, fp16 or that factor, whichever the cost
-        model predicts fastest; that factor while the link is unknown. Nothing to search: what a step keeps of the
-        moment is carried by error feedback, and the second moment no longer sees it."""
-        fixed = float(self.state.compressor.fixed_cf or DENSE)
-        link = self.search_state.link if self.search_state.link is not None else self._probed_link()
-        if link is None:
-            return fixed
-        dense_bytes = self.bytes_dense or self._model_bytes
-        options = [DENSE, *self.rungs, fixed]
-        return min(options, key=lambda cf: (self.predicted_seconds(link, cf, dense_bytes), cf))
-
-    def _dense_or_half(self) -> float:
-        """Under an Adam-like optimizer: fp16 if the rung can be sent and the cost model predicts it faster than
-        dense (before the first window ends, from the fit-start probe alone: the rest of the step is the same for
-        both), else dense. The same on every rank."""
-        link = self.search_state.link if self.search_state.link is not None else self._probed_link()
-        if self.adam == "dense" or not self.rungs or link is None:
-            return DENSE
-        dense_bytes = self.bytes_dense or self._model_bytes
-        half = self.predicted_seconds(link, HALF, dense_bytes)
-        return HALF if half < self.predicted_seconds(link, DENSE, dense_bytes) else DENSE
-
-    def _end_window(self, trainer: "pl.Trainer | None") -> None:
-        self.search_state.progress = 0
-        if not self.search_state.tally:
-            return
-        factors = sorted(self.search_state.tally)
-        local = torch.tensor(
-            [[t.seconds, t.comm_seconds, t.compress_seconds, t.plain_compress_seconds]
-             for t in (self.search_state.tally[f] for f in factors)],
-            dtype=torch.float64,
-        )  # fmt: skip
-        samples = torch.tensor([float(self.search_state.tally[f].samples) for f in factors], dtype=torch.float64)
-        # Step times are this rank's own: the slowest rank sets the pace, and every rank must see the same value. So
-        # must the samples: a rank's batches may differ from another's (batching by tokens, an uneven last batch of
-        # an iterable data set), and the sequential search settles on these throughputs.
-        if trainer is not None:
-            local = self._all_reduce(trainer, local, dist.ReduceOp.MAX)
-            samples = self._all_reduce(trainer, samples)
-        else:
-            samples = samples * self._world_size
-        slowest = local
-        measured, compress, plain = {}, [0.0, 0], [0.0, 0]
-        rows = zip(factors, slowest.tolist(), samples.tolist(), strict=True)
-        for f, (seconds, comm_seconds, compress_s, plain_s), total in rows:
-            tally = self.search_state.tally[f]
-            self.search_state.throughput[f] = total / seconds * (tally.gain / tally.steps)
-            measured[f] = (tally.steps, seconds, comm_seconds, tally.moved_bytes)
-            if f == HALF and self.fp16_rung:  # the casts' cost, kept apart from the method's
-                self.search_state.cast_cost = (
-                    (plain_s / tally.plain_steps) if tally.plain_steps else compress_s / tally.steps
-                )
-            elif f != DENSE:
-                compress = [compress[0] + compress_s, compress[1] + tally.steps]
-                plain = [plain[0] + plain_s, plain[1] + tally.plain_steps]
-        if plain[1] or compress[1]:  # what compressing costs a step: from steps without probes when there were any
-            self.search_state.compress_cost = plain[0] / plain[1] if plain[1] else compress[0] / compress[1]
-        self.search_state.tally.clear()
-        self.search_state.windows += 1
-        self._rule.end_window(self, measured, slowest.tolist(), factors)
-        self._check_plateau()
-
-    def fit_step_model(
-        self, measured: dict[float, tuple[int, float, float, float]], slowest: list[list[float]], factors: list[float]
-    ) -> Link | None:
-        """The step's cost model from this window's steps: the link from the setup probe when it ran (else fitted to
-        the measured communication times), the rest of the step as measured minus communication and compression."""
-        steps = sum(m[0] for m in measured.values())
-        if steps == 0:
-            return None
-        compress_total = sum(row[2] for row in slowest)
-        if self.probed is None:
-            link = fit_link(measured)
-            if link is not None:
-                link.other_seconds = max(0.0, link.other_seconds - compress_total / steps)
-            return link
-        link = self._probed_link()
-        assert link is not None
-        comm = sum(n * link.per_step + moved * link.seconds_per_byte for n, _, _, moved in measured.values())
-        seconds = sum(m[1] for m in measured.values())
-        link.other_seconds = max(0.0, (seconds - comm - compress_total) / steps)
-        return link
-
-    def _probed_link(self) -> Link | None:
-        """The cost model of the fit-start probe (``None`` when it did not run): a message a bucket and its seconds a
-        moved byte; the rest of the step 0, for the caller to set once measured."""
-        if self.probed is None:
-            return None
-        latency, per_byte = self.probed
-        return Link(0.0, per_byte, latency * self.search_state.buckets)
-
-    def _check_plateau(self) -> None:
-        ranked = sorted(self.search_state.throughput.items(), key=lambda item: item[1], reverse=True)
-        if len(ranked) >= 2 and ranked[0][1] > 0 and (ranked[0][1] - ranked[1][1]) / ranked[0][1] <= self.omega:
-            self.search_state.settled = min(ranked[0][0], ranked[1][0])  # the less aggressive of the two
-        else:
-            self.search_state.settled = None
-
-    def predicted_throughput(self, cf: float, dense_bytes: float) -> float:
-        """``Tc`` the link model predicts for ``cf``: samples a second x weighed gain (``nan`` before a window ends)."""
-        return self._world_size * self._batch_size * self._progress_per_second(cf, dense_bytes)
-
-    def _progress_per_second(self, cf: float, dense_bytes: float) -> float:
-        """``gain(cf) ** gain_power`` over the predicted seconds of a step at ``cf``: the same on every rank."""
-        if self.search_state.link is None:
-            return math.nan
-        seconds = self.predicted_seconds(self.search_state.link, cf, dense_bytes)
-        # fp16 keeps all but the rounding, which error feedback carries to the next step.
-        full = cf in (DENSE, *self.rungs)
-        progress = 1.0 if full else self.kept(cf) ** self.gain_power * self.masking_weight(cf)
-        return progress / seconds if seconds > 0 else math.inf
-
-    def kept(self, cf: float) -> float:
-        """What a step at ``cf`` keeps of a dense step, from its gain: the gain itself for a biased method (the energy
-        it sends now, error feedback delaying the rest); for an unbiased one, whose gain is ``1 + w`` (``w`` the
-        variance it adds, relative to the gradient's energy), ``1 / (1 + w)``, as that variance costs steps."""
-        gain = self.search_state.gains.get(cf, 0.0)
-        if self._state is not None and not self._state.compressor.biased and gain > 1.0:
-            return 1.0 / gain
-        return min(gain, 1.0)
-
-    def _fit_ladder_to_budget(self) -> None:
-        """Replace the rungs the budget leaves out by the most aggressive factor it admits (whole, at least
-        ``cf_min``), so that the search can send the edge: a method's wait is proportional to its factor."""
-        state = self._state
-        per_cf = state.compressor.masked_wait(1.0, self._grad_dtype) if state is not None else None
-        if per_cf is None or not math.isfinite(self.budget_steps):
-            return
-        kept = [cf for cf in self.ladder if self.within_budget(cf)]
-        edge = float(math.floor(self.budget_steps / per_cf))
-        if len(kept) == len(self.ladder):
-            return
-        left_out = [f"{cf:g}" for cf in self.ladder if cf not in kept]
-        if edge >= self.search_state.cf_min and (not kept or edge > kept[-1]):
-            kept.append(edge)
-        self.ladder = tuple(kept)
-        rank_zero_info(
-            f"GraVAC: a run of {self.budget_steps:.0f} steps: cf {', '.join(left_out)} left out (an entry would wait "
-            f"longer than the run to be sent); factors {', '.join(f'{f:g}' for f in self.ladder) or 'none'}."
-        )
-
-    def within_budget(self, cf: float) -> bool:
-        """Whether an entry sent at ``cf`` waits no longer than the run's steps (:attr:`budget_steps`) on average; true
-        for methods that send every entry each step (quantizers, casts, low rank). The same on every rank."""
-        state = self._state
-        if not self.budget or state is None or cf in (DENSE, *self.rungs):
-            return True
-        wait = state.compressor.masked_wait(cf, self._grad_dtype)
-        return wait is None or wait <= self.budget_steps
-
-    def masking_weight(self, cf: float) -> float:
-        """The share of dense momentum's step that momentum factor masking leaves a step sent at ``cf``
-        (:func:`~lightning_gravac.feedback.momentum.masking_retention` at the method's mean wait between two sends
-        of an entry), the least over the optimizer's momentum settings; 1 where nothing is masked or with
-        ``weigh_masking`` off. Only from settings every rank holds alike."""
-        state = self._state
-        if state is None or not self.weigh_masking or cf in (DENSE, *self.rungs):
-            return 1.0
-        method = state.compressor
-        wait = method.masked_wait(cf, self._grad_dtype)
-        if wait is None:
-            return 1.0
-        own = method.masked_momentum()  # DGC's, which it keeps itself
-        settings = {SGDMomentum(own)} if own > 0 else state.feedback.momentum.masked_settings()
-        kept = [masking_retention(wait, s.momentum, s.nesterov, method.random_sends) for s in settings]
-        return min(kept, default=1.0)
-
-    def predicted_seconds(self, link: Link, cf: float, dense_bytes: float) -> float:
-        """A step's seconds at ``cf`` by the fitted model: the rest, compressing, a message a bucket, the bytes."""
-        per_byte = link.seconds_per_byte
-        if cf == DENSE:
-            moved, extra = moved_bytes(dense_bytes, dense_bytes, self._world_size), 0.0
-        elif cf in self.rungs:  # the whole gradient in fp16, all-reduced (summable): its cost a byte, and the casts
-            moved, extra = ring_share(self._world_size) * dense_bytes / cf, self.search_state.cast_cost
-            per_byte = self.half_per_byte if self.half_per_byte is not None else per_byte
-        else:
-            moved = moved_bytes(dense_bytes / cf + self.search_state.payload_fixed, dense_bytes, self._world_size)
-            extra = self.search_state.compress_cost
-        return link.other_seconds + link.per_step + moved * per_byte + extra
+        held = held_factor(self)
+        return held if held is not None else self.rule.choose(self)
 
     def gains_can_matter(self) -> bool:
         """Whether some factor could beat dense if it kept all of the gradient (gain 1): if none can (compressing
         costs more time than its bytes save, as on a fast link), no gain changes the choice and the model search
         stops measuring them. True for the sequential search and before the step's cost is known."""
-        return self._rule.gains_can_matter(self)
-
-    def best_predicted(self) -> float:
-        eligible = [DENSE, *self.rungs] + [
-            cf for cf in self.ladder if self.search_state.gains.get(cf, 0.0) >= self.epsilon and self.within_budget(cf)
-        ]
-        # Ranked without the samples a step (N x this rank's batch, which a last batch can make differ between
-        # ranks): every term left is the same on every rank, so is the choice.
-        return max(eligible, key=lambda cf: (self._progress_per_second(cf, self.bytes_dense), -cf))
+        return self.rule.gains_can_matter(self)
 
     @override
     def metrics(self, stats: StepStats) -> dict[str, float]:
+        s = self.search_state
         metrics = super().metrics(stats)
-        metrics["gravac/cf_min"] = self.search_state.cf_min
-        metrics["gravac/probe_cf"] = self.search_state.candidate
-        metrics["gravac/settled"] = self.search_state.settled if self.search_state.settled is not None else 0.0
-        metrics["gravac/compression_throughput"] = self.search_state.throughput.get(self.state.cf, 0.0)
+        metrics["gravac/cf_min"] = s.cf_min
+        metrics["gravac/probe_cf"] = s.candidate
+        metrics["gravac/settled"] = s.settled if s.settled is not None else 0.0
+        metrics["gravac/compression_throughput"] = s.throughput.get(self.state.cf, 0.0)
         return metrics
 
     @override

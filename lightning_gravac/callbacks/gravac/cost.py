@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from lightning_gravac.state import gathers, ring_share
+from lightning_gravac.state import StepStats, gathers, ring_share
 
 DENSE = 1.0
 
@@ -21,6 +21,28 @@ class Tally:
     plain_compress_seconds: float = 0.0
     samples: int = 0  # this rank's; summed over ranks at the window's end
 
+    def add(
+        self,
+        seconds: float,
+        comm_seconds: float,
+        compress_seconds: float,
+        samples: int,
+        gain: float,
+        moved: float,
+        probed: bool,
+    ) -> None:
+        """One more step sent at this factor; ``probed``: it measured the probes' gains too."""
+        self.steps += 1
+        self.samples += samples
+        self.seconds += seconds
+        self.comm_seconds += comm_seconds
+        self.compress_seconds += compress_seconds
+        if not probed:
+            self.plain_steps += 1
+            self.plain_compress_seconds += compress_seconds
+        self.gain += gain
+        self.moved_bytes += moved
+
 
 @dataclass
 class Link:
@@ -31,7 +53,11 @@ class Link:
     per_step: float = 0.0  # communication time that does not grow with the bytes (latency, the header)
 
 
-def fit_link(tallies: dict[float, tuple[int, float, float, float]]) -> Link | None:
+#: A window's steps by factor: ``(steps, seconds, comm seconds, moved bytes)``, summed.
+Measured = dict[float, tuple[int, float, float, float]]
+
+
+def fit_link(tallies: Measured) -> Link | None:
     """The link model from ``{cf: (steps, seconds, comm_seconds, moved_bytes)}`` summed over a window's steps.
 
     Communication a step is fitted as ``per_step + bytes * seconds_per_byte`` by least squares over the factors
@@ -54,6 +80,34 @@ def fit_link(tallies: dict[float, tuple[int, float, float, float]]) -> Link | No
     return Link(other, mean_y / mean_x)
 
 
+def probed_link(probed: tuple[float, float] | None, buckets: int) -> Link | None:
+    """The cost model of the fit-start probe's ``(seconds a message, seconds a moved byte)`` (``None`` when it did not
+    run): a message a bucket and its seconds a moved byte; the rest of the step 0, for the caller to set once
+    measured."""
+    if probed is None:
+        return None
+    latency, per_byte = probed
+    return Link(0.0, per_byte, latency * buckets)
+
+
+def fit_step(measured: Measured, compress_seconds: float, probed: Link | None) -> Link | None:
+    """The step's cost model from a window's steps (``measured``) and their seconds compressing: the link of the
+    fit-start probe when it ran (``probed``), else fitted to the measured communication times; the rest of the step as
+    measured minus communication and compression. ``None`` for a window without steps, or without bytes to fit to."""
+    steps = sum(m[0] for m in measured.values())
+    if steps == 0:
+        return None
+    if probed is None:
+        link = fit_link(measured)
+        if link is not None:
+            link.other_seconds = max(0.0, link.other_seconds - compress_seconds / steps)
+        return link
+    comm = sum(n * probed.per_step + moved * probed.seconds_per_byte for n, _, _, moved in measured.values())
+    seconds = sum(m[1] for m in measured.values())
+    probed.other_seconds = max(0.0, (seconds - comm - compress_seconds) / steps)
+    return probed
+
+
 def regime(cf: float, rungs: tuple[float, ...]) -> str:
     """``"dense"``, ``"fp16"`` (a rung: the whole gradient cast) or ``"compressed"``."""
     return "dense" if cf == DENSE else "fp16" if cf in rungs else "compressed"
@@ -69,5 +123,8 @@ def moved_bytes(payload_bytes: float, dense_bytes: float, world_size: int) -> fl
     return (n - 1) * payload_bytes if gathers(payload_bytes, dense_bytes, n) else ring_share(n) * dense_bytes
 
 
-#: A window's steps by factor: ``(steps, seconds, comm seconds, moved bytes)``, summed.
-Measured = dict[float, tuple[int, float, float, float]]
+def moved_in_step(stats: StepStats, world_size: int) -> float:
+    """Bytes a rank moved in the step of ``stats``: ``(N-1)`` payloads for the buckets gathered, a ring all-reduce's
+    ``2 (N-1)/N`` of what was sent for the others (dense buckets, and summable payloads: Random-K's, a half step's)."""
+    share = stats.gathered / stats.buckets if stats.buckets else 0.0
+    return stats.bytes_sent * (share * (world_size - 1) + (1 - share) * ring_share(world_size))

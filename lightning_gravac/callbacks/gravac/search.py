@@ -7,19 +7,17 @@ A rule holds no state of its own: it reads and writes the controller's carried s
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_gravac.callbacks.gravac.cost import DENSE, Measured
+from lightning_gravac.callbacks.gravac.ladder import next_scale, within_budget
+from lightning_gravac.callbacks.gravac.prediction import best_predicted, fit_step_model, predicted_seconds
 
 if TYPE_CHECKING:
     from lightning_gravac.callbacks.gravac.controller import GraVAC
 
-Policy = Literal["exponential", "geometric"]
 Search = Literal["sequential", "model"]
 Interval = Literal["step", "epoch"]
 
-#: The factors GraVAC searches between by default (each capped at the size of the model's largest gradient).
-DEFAULT_CF_MIN, DEFAULT_CF_MAX = 10.0, 1000.0
-
 #: What the arguments left at ``None`` mean, per search. ``"sequential"`` is the paper's GraVAC; ``"model"`` is the
-#: default (see the class docstring for each departure and the measurement behind it).
+#: default (``docs/algorithms.md`` has each departure and the measurement behind it).
 SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "sequential": {"epsilon": 0.7, "window": 500, "probe_every": 1, "gain_of": "error_fed", "gain_power": 1.0,
                    "link_probe": False, "probe_backoff": 1, "fp16_rung": False},
@@ -97,7 +95,7 @@ class Sequential(SearchRule):
             and abs(gain_min - gain_candidate) / gain_min <= c.omega
         ):
             s.cf_min = s.candidate
-        s.scale = c.next_scale(s.scale)
+        s.scale = next_scale(s.scale, c.policy)
         s.candidate = min(s.cf_min * s.scale, c.cf_max)
 
 
@@ -124,25 +122,25 @@ class Model(SearchRule):
     def choose(self, c: "GraVAC") -> float:
         gains = c.search_state.gains
         if c.search_state.link is not None:
-            return c.best_predicted()
+            return best_predicted(c)
         if c.probed is not None:
             # The first window, on a measured link: the step's cost is not known yet, the gains may not be either. Send
             # the most aggressive eligible factor, the cheapest on any link: error feedback keeps what it leaves for
             # later, and a few steps at it cost no accuracy (the first decision follows the window).
-            eligible = [cf for cf in c.ladder if gains.get(cf, 1.0) >= c.epsilon and c.within_budget(cf)]
+            eligible = [cf for cf in c.ladder if gains.get(cf, 1.0) >= c.epsilon and within_budget(c, cf)]
             return max(eligible, default=DENSE)
         return SEARCHES["sequential"].choose(c)  # no link measured: the paper's rule until the first fit
 
     def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
         s = c.search_state
-        s.link = c.fit_step_model(measured, slowest, factors) or s.link
+        s.link = fit_step_model(c, measured, slowest) or s.link
 
     def gains_can_matter(self, c: "GraVAC") -> bool:
         link = c.search_state.link
         if link is None:
             return True
-        dense = c.predicted_seconds(link, DENSE, c.bytes_dense)
-        return any(c.predicted_seconds(link, cf, c.bytes_dense) < dense for cf in c.ladder)
+        dense = predicted_seconds(c, link, DENSE, c.bytes_dense)
+        return any(predicted_seconds(c, link, cf, c.bytes_dense) < dense for cf in c.ladder)
 
 
 #: GraVAC's decision rules by the name ``search`` takes.
