@@ -44,83 +44,44 @@ def _gain_power(value: float) -> float:
 class GraVAC(Controller):
     """Adapt the compression factor to what compression loses (gain) and what the link costs (step time).
 
-    **The default** (``GraVAC()``, which ``GraVACStrategy()`` installs) sends, each step, the factor of highest
-    predicted progress a second among dense and a ladder of factors (``cf_min, x2, x4, x16, ...`` up to ``cf_max``):
-
-    - the **link** is measured at fit start (all-reduces of growing size, the slowest rank's times): a cost a message
-      and a cost a byte, so the first decision knows what a dense step costs without sending one;
-    - the **rest of a step** and what compressing costs are measured on the steps sent, refitted every ``window``;
-    - the **gains** ``sum ||C_cf(g)||^2 / sum ||g||^2`` of the step's own gradient at every factor are probed on one
-      step in ``probe_every`` (backing off while they change nothing), smoothed by a bias-corrected EWMA;
-    - a step at ``f`` makes :func:`~.prediction.kept` ``(f) ** gain_power`` of a dense step's progress, times the
-      momentum that masking leaves (:func:`~.prediction.masking_weight`); factors whose entries would wait longer than
-      the run (:func:`~.ladder.within_budget`) are left out.
-
-    Until the first window ends (3 steps) it sends the most aggressive admitted factor. Under Adam or AdamW it sends
-    dense or whole in fp16, whichever the link makes faster, while Adam's second moment settles; then the strategy
-    freezes it and sends each rank's first moment compressed (``adam``). It says what it
-    sends and why at fit start and at every change between dense, fp16 and compressed. Every input of a decision
-    crossed the network or was reduced over ranks, so every rank decides alike. Why each rule departs from the
-    paper, and the measurements behind it: ``docs/algorithms.md``.
-
-    **The paper's GraVAC** (Tyagi & Swany, IEEE CLOUD 2023) is ``GraVAC(search="sequential")``: the arguments left at
-    ``None`` take the paper's values (error-fed gain, ``epsilon`` 0.7 as the gate, window 500, probes every step).
-    Each step it sends a candidate factor if its gain reaches ``epsilon``, else ``cf_min`` if that does, else dense;
-    each window it measures every sent factor's throughput ``samples / t_step x gain``, promotes the candidate when
-    the gains agree within ``omega``, advances it (``policy``) and settles when two throughputs agree within
-    ``omega``.
+    Each step it sends the factor of highest predicted progress a second among dense and a ladder of factors
+    (``cf_min, x2, x4, x16, ...`` up to ``cf_max``), from the link measured at fit start, the steps sent and the gains
+    the hook probes. Under Adam or AdamW it sends dense or fp16 while Adam's second moment settles, then Adam's first
+    moment compressed. Every rank decides alike. ``GraVAC(search="sequential")`` is the paper's GraVAC (Tyagi & Swany,
+    IEEE CLOUD 2023). The rules, and why they depart from the paper: ``docs/algorithms.md``.
 
     Args:
-        cf_min: least aggressive factor, where compression starts. ``None``: 10, or the size of the model's largest
-            gradient if that is smaller.
-        cf_max: most aggressive factor ever used. ``None``: 1000, or the size of the model's largest gradient if that
-            is smaller (no tensor can be compressed further: at least one entry is always sent). A value passed
-            explicitly is never changed: one the model cannot honour raises at setup.
-        epsilon: minimum gain a factor must keep to be sent, in (0, 1]. ``None``: 0.02 (model), 0.7 (sequential).
+        cf_min: least aggressive factor. ``None``: 10, or the size of the model's largest gradient if smaller.
+        cf_max: most aggressive factor. ``None``: 1000, or the size of the model's largest gradient if smaller. A
+            value passed is kept: one the model cannot honour raises at setup.
+        epsilon: the gain a factor must keep to be sent, in (0, 1]. ``None``: 0.02 (model), 0.7 (sequential).
         omega: relative tolerance for promotion and plateau, in (0, 1].
         window: steps (or epochs) between search decisions (the model search's refits of the step's cost).
             ``None``: 50 (model), 500 (sequential).
         policy: how the ladder (or the candidate) advances, ``"exponential"`` or ``"geometric"``.
-        alpha: EWMA factor of the gains, in (0, 1]; ``None`` for the paper's ``N/100`` clamped to [0.02, 0.5].
+        alpha: EWMA factor of the gains, in (0, 1]. ``None``: the paper's ``N/100`` clamped to [0.02, 0.5].
         interval: unit of ``window``, ``"step"`` or ``"epoch"``.
-        search: ``"model"`` (the default, above) or ``"sequential"`` (the paper).
-        probe_every: after the first window, measure the probe factors' gains on one step in this many (1: every
-            step). Steps without probes send at the chosen factor alone. The smoothing still runs per step: a probe
-            after ``p`` steps weighs ``1 - (1 - alpha)^p``. ``None``: 25 (model), 1 (sequential).
-        first_window: length of the first window (in ``interval`` units); ``None``: 3 (model; its first decision
-            needs only the link's cost and a step's), ``window`` (sequential).
-        gain_of: what the gains are measured on, ``"error_fed"`` (gradient plus residual) or ``"gradient"`` (the
-            step's own gradient). ``None``: ``"gradient"`` for the model search unless the method keeps an
-            accumulation of its own (DGC), else ``"error_fed"``.
-        gain_power: the model search weighs a factor's progress as ``gain ** gain_power`` (1: the paper's
-            throughput). ``None``: 1/3 (model), 1 (sequential).
-        link_probe: time all-reduces at fit start to know the link before the first step (model search).
-            ``None``: on for the model search.
-        adam: what to do when the optimizer divides each coordinate by a running second moment (Adam, AdamW,
-            RMSprop, Adagrad) and the method is lossy. Error-fed sparse and quantized gradients upset Adam's
-            per-coordinate normalisation; a 16-bit cast does not, nor does compressing Adam's first moment once its
-            second is frozen (``docs/optimizers.md``). ``"moment"`` (default): for ``torch.optim.Adam`` and ``AdamW``
-            (as the strategy's ``momentum_correction`` allows), send the first tenth of the run as ``"fp16"`` does
-            while the second moment settles, then each rank's first moment compressed with error feedback, the
-            second frozen: at the method's factor or dense or fp16, whichever the cost model predicts faster (a method
-            of one factor, such as the default's scaled signs), else by the search; other Adam-like optimizers as
-            ``"fp16"``. ``"fp16"``: send each step dense or whole in fp16 (its rounding error-fed), whichever the cost
-            model predicts faster from the link and the fp16 all-reduce measured at fit start and the steps sent since
-            (model search, fp32 parameters, a method without an accumulation of its own; otherwise dense), and say so
-            once. ``"dense"``: hold factor 1. ``"compress"``: search on the gradients as with SGD.
-        probe_backoff: after the first window, each probe that leaves the choice as it was doubles the spacing of
-            the probes, up to ``probe_every x probe_backoff`` steps; a change of choice brings it back to
-            ``probe_every`` (1: no back-off). ``None``: 8 (model: probes between 25 and 200 steps apart), 1
-            (sequential).
-        fp16_rung: let the model search send a step whole in fp16 (``None``: off: it paid on no cell of the benchmark
-            matrix, ``docs/algorithms.md``). When on, it is
-            turned off at setup for 16-bit parameters (nothing to halve), for methods that keep an accumulation of
-            their own (DGC) or have one factor (casts, sign methods), and for ``cf_min`` of 2 or less.
-        weigh_masking: weigh each factor's progress by the momentum that momentum factor masking keeps at it (model
-            search only).
-        budget: leave out the factors whose entries would wait longer than the run's steps
-            (``trainer.estimated_stepping_batches``), and make the most aggressive one it admits the ladder's last
-            rung (model search only).
+        search: ``"model"`` (the default) or ``"sequential"`` (the paper's).
+        probe_every: after the first window, the gains are measured on one step in this many. ``None``: 25 (model),
+            1 (sequential).
+        first_window: length of the first window (in ``interval`` units). ``None``: 3 (model), ``window`` (sequential).
+        gain_of: what the gains are of, ``"error_fed"`` (gradient plus residual) or ``"gradient"`` (the step's own).
+            ``None``: ``"gradient"`` for the model search unless the method keeps an accumulation of its own (DGC),
+            else ``"error_fed"``.
+        gain_power: a factor's progress is weighed as ``gain ** gain_power``. ``None``: 1/3 (model), 1 (sequential).
+        link_probe: measure the link at fit start, before the first step. ``None``: on for the model search.
+        adam: under an optimizer that divides each coordinate by a running second moment (Adam, AdamW, RMSprop,
+            Adagrad) and a lossy method: ``"moment"`` holds the first tenth of an Adam or AdamW run as ``"fp16"`` does,
+            then sends each rank's first moment compressed, the second frozen; ``"fp16"`` sends each step dense or
+            whole in fp16, whichever the cost model predicts faster; ``"dense"`` holds factor 1; ``"compress"``
+            searches on the gradients as with SGD.
+        probe_backoff: each probe after the first window that leaves the choice as it was doubles the probes'
+            spacing, up to ``probe_every x probe_backoff`` steps. ``None``: 8 (model), 1 (sequential).
+        fp16_rung: let the model search send a step whole in fp16 (turned off at setup where it cannot be sent).
+            ``None``: off.
+        weigh_masking: weigh each factor's progress by the momentum that momentum factor masking keeps at it.
+        budget: leave out the factors whose entries would wait longer than the run's steps, and make the most
+            aggressive one it admits the ladder's last rung (model search).
 
     Raises:
         ValueError: for a factor below 1, ``cf_min > cf_max``, ``epsilon``/``omega``/``alpha`` outside (0, 1], a
