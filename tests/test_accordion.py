@@ -16,7 +16,7 @@ from models import loader, trainer_kwargs
 
 def _accordion(**kwargs) -> Accordion:
     a = Accordion(**kwargs)
-    a._state = CompressionState(get_compressor("topk"), error_feedback=True)
+    a.compression_state = CompressionState(get_compressor("topk"), error_feedback=True)
     a.compressible = ["w"]
     a.layer_cf = {"w": a.low_cf, "b": 1.0}
     return a

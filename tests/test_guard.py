@@ -81,7 +81,7 @@ def _guarded_static(compressor: str, cooldown: int):
     state = CompressionState(get_compressor(compressor), error_feedback=compressor != "dgc")
     controller = Static(cf=10)
     controller.guard = DivergenceGuard(ratio=10, min_history=3, cooldown=cooldown)
-    controller._state = state
+    controller.compression_state = state
     controller.apply(state)
     connector = SimpleNamespace(should_update_logs=False)
     trainer = SimpleNamespace(global_step=0, current_epoch=0, callback_metrics={}, _logger_connector=connector)
@@ -118,7 +118,7 @@ def test_a_trigger_drops_a_method_own_accumulation_and_the_hold_survives_a_resum
     assert state.compressor.state_dict() == {} and state.cf == 1.0
     # Resumed mid-hold: the restored controller hands over factor 1, not its own 10.
     resumed = Static(cf=10)
-    resumed._state = CompressionState(get_compressor("topk"), error_feedback=True)
+    resumed.compression_state = CompressionState(get_compressor("topk"), error_feedback=True)
     resumed.load_state_dict(controller.state_dict())
     assert resumed.state.cf == 1.0
 
@@ -140,7 +140,7 @@ def test_a_backward_pass_outside_the_strategy_is_ended_by_the_controller():
     # ends the step itself, so the statistics are read and the step count (which seeds the draws) still advances.
     state = CompressionState(get_compressor("randomk"), error_feedback=True)
     controller = Static(cf=10)
-    controller._state = state
+    controller.compression_state = state
     connector = SimpleNamespace(should_update_logs=False)
     trainer = SimpleNamespace(global_step=0, current_epoch=0, callback_metrics={}, _logger_connector=connector)
     for step in (1, 2):

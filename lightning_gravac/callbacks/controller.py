@@ -91,6 +91,16 @@ class Controller(Callback):
             raise RuntimeError(f"{type(self).__name__} is not attached to a GraVACStrategy yet.")
         return self._state
 
+    @property
+    def compression_state(self) -> CompressionState | None:
+        """The strategy's compression state, ``None`` before setup (when :attr:`state` raises). Setup sets it; set it by
+        hand to drive the controller without a trainer (the next :meth:`apply` hands the factor over)."""
+        return self._state
+
+    @compression_state.setter
+    def compression_state(self, state: CompressionState | None) -> None:
+        self._state = state
+
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         # By the state the strategy carries, not by its class: the strategy module imports the controllers.

@@ -169,16 +169,6 @@ class GraVAC(Controller):
         #: The ranks (set at setup), this rank's samples in the step under way, and the last step's dense bytes.
         self.world_size, self.batch_size, self._step_start, self.bytes_dense = 1, 1, 0.0, 0
 
-    @property
-    def compression_state(self) -> CompressionState | None:
-        """The strategy's compression state, ``None`` before setup (when :attr:`state` raises). Setup sets it; set it by
-        hand to drive the controller without a trainer (the next :meth:`apply` hands the factor over)."""
-        return self._state
-
-    @compression_state.setter
-    def compression_state(self, state: CompressionState | None) -> None:
-        self._state = state
-
     @override
     def fit_to_model(self, largest: int) -> None:
         """Fit the default bounds to the method and the model's largest gradient (:func:`~.ladder.fit_bounds`)."""
