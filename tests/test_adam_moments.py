@@ -62,61 +62,6 @@ def test_moved_moments_step_as_adam_with_its_second_moment_held(optimizer):
     torch.testing.assert_close(state["exp_avg_sq"].double() / (1 - betas[1] ** len(grads)), held, rtol=1e-5, atol=0)
 
 
-def _clipped_as_torch(grads, clip, limit):
-    """Each step's gradients clipped as ``clip_grad_norm_`` (jointly) or ``clip_grad_value_`` would, in float64."""
-    out = []
-    for raw in grads:
-        step = [g.double() for g in raw]
-        if clip == "norm":
-            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in step]))
-            out.append([g * min(1.0, limit / (float(total) + 1e-6)) for g in step])
-        else:
-            out.append([g.clamp(-limit, limit) for g in step])
-    return out
-
-
-@pytest.mark.parametrize("clip", ["norm", "value"])
-@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam])
-def test_clipping_clips_the_gradient_that_the_moved_direction_implies(optimizer, clip):
-    # After the freeze `.grad` holds the averaged direction; what is clipped is the gradient it implies, jointly with
-    # a parameter that holds a plain gradient, and the step is Adam's on the clipped gradient, as stock training's.
-    torch.manual_seed(1)
-    p0 = torch.randn(50)
-    grads = [[torch.randn(50) * (1 + t), torch.randn(20)] for t in range(8)]
-    lr, betas, eps, decay, warmup = 1e-2, (0.9, 0.999), 1e-8, 0.05, 3
-    limit = 10.0 if clip == "norm" else 1.5
-    param, other = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(torch.zeros(20))
-    opt = optimizer([param], lr=lr, betas=betas, eps=eps, weight_decay=decay)
-    moments = AdamMoments()
-    moments.take_from([opt], {id(param): "w"})
-    moments.frozen_from = warmup
-    others = []
-    for step, (g, o) in enumerate(grads):
-        grad = g.clone()
-        if moments.active(step):
-            moments.local_(["w"], [grad])
-        param.grad, other.grad = grad, o.clone()
-        limits = {"max_norm": limit} if clip == "norm" else {"value": limit}
-        if not moments.clip_([param, other], **limits):  # nothing moved: clipped as the precision plugin does
-            assert not moments.active(step)
-            if clip == "norm":
-                torch.nn.utils.clip_grad_norm_([param, other], limit)
-            else:
-                torch.nn.utils.clip_grad_value_([param, other], limit)
-        others.append(other.grad.clone())
-        hidden = moments.step_()
-        opt.step()
-        moments.restore(hidden)
-    clipped = _clipped_as_torch(grads, clip, limit)
-    assert any(not torch.equal(c[1], o.double()) for c, (_, o) in zip(clipped, grads, strict=True))  # it clipped
-    p, m, _ = _frozen_reference(
-        p0, [c[0].float() for c in clipped], warmup, lr, betas, eps, decay, optimizer is torch.optim.AdamW
-    )
-    torch.testing.assert_close(param.detach().double(), p, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(opt.state[param]["exp_avg"].double(), m, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(torch.stack(others).double(), torch.stack([c[1] for c in clipped]), rtol=1e-4, atol=1e-6)
-
-
 def test_the_learning_rate_is_read_from_a_restored_optimizers_groups():
     param = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.AdamW([param], lr=1.0, weight_decay=0.0)
@@ -236,41 +181,6 @@ def test_the_default_sends_adams_moments_as_scaled_signs_after_a_tenth_of_the_ru
     for method, frozen_from, w in ranks:
         assert (method, frozen_from) == ("efsignsgd", 10)
         assert all(torch.equal(w[k], ranks[0][2][k]) for k in w)
-
-
-def _clipped_default(rank, world_size):
-    pl.seed_everything(0)
-    moved_clips = []
-    clip = AdamMoments.clip_
-
-    def counting(self, params, max_norm=None, value=None):
-        moved = clip(self, params, max_norm, value)
-        moved_clips.append(moved)
-        return moved
-
-    AdamMoments.clip_ = counting  # a spawned process of its own: put back for nothing else
-    trainer = pl.Trainer(
-        strategy=GraVACStrategy(),
-        callbacks=[StopAfter(14)],
-        max_steps=100,
-        gradient_clip_val=0.05,
-        **trainer_kwargs(world_size),
-    )
-    model = _AdamW(width=64)
-    trainer.fit(model, loader())
-    state = trainer.strategy.compression_state
-    finite = all(torch.isfinite(p).all() for p in model.parameters())
-    return state.compressor.name, state.feedback.adam.frozen_from, moved_clips, finite, weights(model)
-
-
-@pytest.mark.distributed
-def test_a_trainer_that_clips_gradients_moves_the_moments_and_clips_the_implied_gradient():
-    ranks = run_distributed(_clipped_default, timeout=300)
-    for method, frozen_from, moved_clips, finite, w in ranks:
-        assert (method, frozen_from, finite) == ("efsignsgd", 10, True)
-        # Lightning's clipping reached the moved path on every step from the freeze (step 10 of 14), not before.
-        assert moved_clips == [False] * 10 + [True] * 4
-        assert all(torch.equal(w[k], ranks[0][4][k]) for k in w)
 
 
 def _stock_resume(rank, world_size, ckpt):

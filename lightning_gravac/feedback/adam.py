@@ -22,11 +22,9 @@ as it would under stock DDP.
 """
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import Tensor
-from torch.nn.utils import clip_grad_value_, clip_grads_with_norm_, get_total_norm
 
 #: Flags of a parameter group under which the optimizer's update is not the one reproduced here.
 _UNSUPPORTED = ("amsgrad", "maximize", "differentiable", "capturable", "fused")
@@ -156,56 +154,6 @@ class AdamMoments:
                 hidden.append((param, grad))
                 param.grad = None
         return hidden
-
-    def clip_(self, params: Iterable[Tensor], max_norm: float | None = None, value: float | None = None) -> bool:
-        """Clip the gradients of ``params`` the way stock training clips them, by their global ``max_norm`` (as
-        ``torch.nn.utils.clip_grad_norm_``) or at ``value`` (as ``clip_grad_value_``), where some hold this step's
-        averaged direction: what is clipped there is the averaged gradient the direction implies,
-        ``g = (d s - b1 m) / (1 - b1)`` (less Adam's L2 term), and the direction follows it,
-        ``d += (1 - b1) (clipped(g) - g) / s``; the others' gradients are clipped as they are. Returns ``False``
-        (nothing done) when no gradient of ``params`` is a moved direction this step: the caller clips as usual.
-        No host sync: an unclipped direction has 0 added to it, which leaves it as it was."""
-        moved = {id(self._groups[name][2]): name for name in self._moved}
-        params = [p for p in params if p.grad is not None]
-        grads = {id(p): p.grad for p in params if p.grad is not None}
-        if not any(id(p) in moved for p in params):
-            return False
-        with torch.no_grad():
-            implied = {id(p): self._implied(moved[id(p)], p) for p in params if id(p) in moved}
-            others = [p for p in params if id(p) not in moved]
-            if max_norm is not None:
-                total = get_total_norm([implied.get(id(p), grads[id(p)]) for p in params])
-                clip_grads_with_norm_(others, max_norm, total)
-                kept = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-                clipped = {key: g * kept for key, g in implied.items()}
-            else:
-                assert value is not None
-                clip_grad_value_(others, value)
-                clipped = {key: g.clamp(-value, value) for key, g in implied.items()}
-            for p in params:
-                if id(p) in implied:
-                    name = moved[id(p)]
-                    beta1 = self._group_of(name)["betas"][0]
-                    change = clipped[id(p)].sub_(implied[id(p)]).mul_(1 - beta1).div_(self._scales[name])
-                    grads[id(p)].add_(change.view_as(p))
-        return True
-
-    def _group_of(self, name: str) -> dict:
-        optimizer, index, _ = self._groups[name]
-        return optimizer.param_groups[index]
-
-    def _implied(self, name: str, param: Tensor) -> Tensor:
-        """The averaged gradient of ``param`` (moved this step) that its averaged direction implies (see :meth:`clip_`),
-        as a new tensor shaped as ``param``."""
-        optimizer, index, _ = self._groups[name]
-        group, state = optimizer.param_groups[index], optimizer.state[param]
-        beta1 = group["betas"][0]
-        assert param.grad is not None
-        g = param.grad.view_as(param) * self._scales[name]
-        g.sub_(state["exp_avg"], alpha=beta1).div_(1 - beta1)
-        if group["weight_decay"] and not group.get("decoupled_weight_decay", False):
-            g.sub_(param, alpha=group["weight_decay"])  # Adam's L2 term: torch's step adds it after clipping
-        return g
 
     @staticmethod
     def restore(hidden: list[tuple[Tensor, Tensor]]) -> None:

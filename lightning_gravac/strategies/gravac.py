@@ -285,29 +285,8 @@ class GraVACStrategy(DDPStrategy):
                     )
                 # Adam's first moment can move too, its second frozen after a warm-up: from when, the controller
                 # decides at fit start (`Controller._freeze_adam`).
-                if self._why_adam_stays() is None and state.feedback.adam.take_from(self.optimizers, dense):
-                    self._clip_implied_gradients()
-
-    def _clip_implied_gradients(self) -> None:
-        """Once Adam's moments move, the parameters' ``.grad`` hold the averaged direction, not the gradient: clipping
-        (``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients`` under manual optimization) clips the gradient
-        that direction implies instead (:meth:`~lightning_gravac.feedback.adam.AdamMoments.clip_`), as stock training
-        would clip the averaged gradient. Lightning clips in its precision plugin and has no hook around that for a
-        strategy, so this plugin instance's two clipping methods are wrapped; on a step that moved nothing they are the
-        plugin's own."""
-        plugin, adam = self.precision_plugin, self.compression_state.feedback.adam
-        by_norm, by_value = plugin.clip_grad_by_norm, plugin.clip_grad_by_value
-
-        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-            if not adam.clip_(plugin.main_params(optimizer), max_norm=float(clip_val)):
-                by_norm(optimizer, clip_val)
-
-        def clip_grad_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-            if not adam.clip_(plugin.main_params(optimizer), value=float(clip_val)):
-                by_value(optimizer, clip_val)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
-        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+                if self._why_adam_stays() is None:
+                    state.feedback.adam.take_from(self.optimizers, dense)
 
     def _method_for_sgd(self) -> None:
         """The zero-argument default under ``torch.optim.SGD``: send QSGD instead of Top-K (see the ``compressor``
@@ -362,9 +341,13 @@ class GraVACStrategy(DDPStrategy):
         )
 
     def _why_adam_stays(self) -> str | None:
-        """Why Adam's moments cannot move here, or ``None``: a model that is mostly embedding tables has rows that no
-        warm-up sees, whose frozen second moment is none, and its inactive rows would take a sign's noise every step
-        (the embedding bag ended at NaN under AdamW; docs/optimizers.md)."""
+        """Why Adam's moments cannot move here, or ``None``. Lightning clips what the parameters' ``.grad`` hold after
+        backward, which are the averaged moments once they move; a model that is mostly embedding tables has rows
+        that no warm-up sees, whose frozen second moment is none, and its inactive rows would take a sign's noise
+        every step (the embedding bag ended at NaN under AdamW; docs/optimizers.md)."""
+        module = self.lightning_module
+        if module is not None and module._trainer is not None and module.trainer.gradient_clip_val:
+            return "the trainer clips gradients (`gradient_clip_val`), which would clip Adam's moved moments instead"
         share = self._embedding_share()
         if share >= EMBEDDING_SHARE:
             return f"{share:.0%} of the trainable parameters are embedding tables, whose rows no warm-up sees all of"
