@@ -142,22 +142,33 @@ examples:
   python -m lightning_gravac run lstm_ptb 'trainer.callbacks[0].init_args.cf_max=100'"""
 
 
+#: LightningCLI's subcommands, handed to it as they are.
+CLI_COMMANDS = ("fit", "validate", "test", "predict")
+
+
 def main(argv: Sequence[str]) -> None:
-    """``python -m lightning_gravac``: the recipes, else the LightningCLI."""
+    """``python -m lightning_gravac``: the recipes, else the LightningCLI. A command that is neither (a typo) and a
+    recipe that does not exist answer with this tool's usage, before Lightning is loaded."""
     command, rest = (argv[0], list(argv[1:])) if argv else ("", [])
     if command == "quickstart":
         run_recipe([QUICKSTART, *rest])
     elif command == "run":
         if not rest or "=" in rest[0]:
             raise SystemExit(USAGE)
+        try:
+            find_recipe(rest[0])
+        except FileNotFoundError as error:
+            raise SystemExit(f"{error}\n\n{USAGE}") from None
         run_recipe(rest)
     elif command == "recipes":
         for name in list_recipes():
             print(f"{name:20s} {find_recipe(name).read_text().splitlines()[0].lstrip('# ')}")
     elif command in ("", "-h", "--help"):
         print(USAGE)
-    else:
+    elif command in CLI_COMMANDS or command.startswith("-"):  # a subcommand, or LightningCLI's own flags first
         cli_main(argv)
+    else:
+        raise SystemExit(f"unknown command {command!r}\n\n{USAGE}")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,10 @@ def test_the_module_lists_its_recipes_and_explains_its_commands(tmp_path):
     assert [line.split()[0] for line in listed.stdout.splitlines()] == ALL_RECIPES
     usage = module("run")
     assert usage.returncode != 0 and "quickstart [dotted.key=value ...]" in usage.stderr
+    # A typo and a recipe that does not exist answer with the tool's usage, not LightningCLI's or a traceback.
+    typo, missing = module("recipe"), module("run", "quickstrat")
+    assert typo.returncode != 0 and "unknown command 'recipe'" in typo.stderr and "recipes " in typo.stderr
+    assert missing.returncode != 0 and "No recipe 'quickstrat'" in missing.stderr and "Traceback" not in missing.stderr
     # Help and the list answer without loading torch or Lightning (seconds of CPU): the package defers both.
     for args in (["--help"], ["recipes"]):
         timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_gravac", *args], check=True,

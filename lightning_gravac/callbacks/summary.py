@@ -1,5 +1,6 @@
 """A summary of a run's communication, printed at the end of training."""
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,9 @@ class RunSummary(Callback):
             print(f"RunSummary: plot of the factor, gain and {self.monitor} saved to {self.plot_path}")
 
     def save_plot(self, path: Path) -> Path:
-        """Plot the factor in force, the gain, the compression throughput and the monitored metric to ``path`` (PNG)."""
-        # Imported here: matplotlib is optional (the `plot` extra), and its backend must be chosen before pyplot loads.
+        """Plot the factor sent (and the sequential search's candidate), the gain, the compression throughput and the
+        monitored metric over the steps to ``path`` (PNG); a series never logged gets no panel."""
+        # Imported on use: its backend must be chosen before pyplot loads, and a run that saves no plot pays nothing.
         import matplotlib  # noqa: PLC0415
 
         matplotlib.use("Agg")  # files only: no display on a training node
@@ -113,21 +115,36 @@ class RunSummary(Callback):
         import matplotlib.ticker  # noqa: PLC0415
 
         steps = [r["step"] for r in self.history]
-        series = [("gravac/cf", "compression factor", True), ("gravac/gain", "gain ||C(g)||²/||g||²", False)]
-        if any("gravac/compression_throughput" in r for r in self.history):  # GraVAC's T_sys x gain
-            series.append(("gravac/compression_throughput", "samples/s x gain", False))
-        series.append((self.monitor, self.monitor, False))
-        fig, axes = plt.subplots(len(series), 1, sharex=True, figsize=(8, 2.4 * len(series)))
-        for ax, (key, label, log) in zip(axes, series, strict=True):
-            ax.plot(steps, [r.get(key, float("nan")) for r in self.history], lw=1.2)
-            ax.set_ylabel(label)
-            if log:
+
+        def values(key: str) -> list[float]:
+            if key == "gravac/compression_throughput":  # 0 until a window has measured it: a gap, not a value
+                return [r.get(key) or float("nan") for r in self.history]
+            return [r.get(key, float("nan")) for r in self.history]
+
+        series = [
+            ("gravac/cf", "factor (dense / sent, log)"),
+            ("gravac/gain", "gain ||C(g)||²/||g||²"),
+            ("gravac/compression_throughput", "samples/s x gain"),  # GraVAC's T_sys x gain
+            (self.monitor, self.monitor),
+        ]
+        series = [(key, label) for key, label in series if any(math.isfinite(v) for v in values(key))]
+        fig, axes = plt.subplots(len(series), 1, sharex=True, figsize=(8, 2.4 * len(series)), squeeze=False)
+        for ax, (key, label) in zip(axes[:, 0], series, strict=True):
+            ax.plot(steps, values(key), lw=1.2, label="sent" if key == "gravac/cf" else None)
+            if key == "gravac/cf" and any("gravac/probe_cf" in r for r in self.history):
+                ax.plot(steps, values("gravac/probe_cf"), lw=1.0, ls="--", label="candidate probed")
+                ax.legend(loc="upper left", fontsize="small")
+            finite = [v for v in values(key) if math.isfinite(v)]
+            if key == "gravac/cf" or (min(finite) > 0 and max(finite) > 10 * min(finite)):  # factors; a falling loss
                 ax.set_yscale("log")
-                # Plain numbers at the factors sent (10, 20, 100), not matplotlib's 2x10^1 and blank decades.
+                # Plain numbers at 1, 2 and 5 of each decade (10, 20, 50, 100), not matplotlib's 2x10^1.
+                ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
                 ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-                ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_ylabel(label)
             ax.grid(alpha=0.3)
-        axes[-1].set_xlabel("step")
+        axes[-1, 0].set_xlabel("step")
+        axes[-1, 0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=100)

@@ -29,7 +29,8 @@ def read_tokens(path: Path) -> list[str]:
     if not Path(path).is_file():
         raise FileNotFoundError(
             f"PTB: expected {path} (the standard ptb.train.txt / ptb.valid.txt / ptb.test.txt). Place the files "
-            "there or set `synthetic: true` for a token stream of the same size."
+            "there, or train on a token stream of the same size with `synthetic: true` (on the command line: "
+            "data.init_args.synthetic=true)."
         )
     tokens: list[str] = []
     with open(path, encoding="utf-8") as f:
