@@ -1,10 +1,11 @@
 """What a rank carries from one step to the next because it compresses: the one part that writes it."""
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor
 
+from lightning_gravac.compressors.base import Compressor, Payload
 from lightning_gravac.feedback.adam import AdamMoments
 from lightning_gravac.feedback.momentum import MomentumCorrection
 from lightning_gravac.feedback.residuals import ErrorFeedback
@@ -49,6 +50,18 @@ class Feedback:
         takes what compression still owed."""
         for name in self.carry_(names, grads):
             self.residuals.discard(name)
+
+    def error_fed_sq(self, key: str, grad: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``grad`` plus the residual of ``key`` in a buffer that becomes the new residual in place (PowerSGD's rounds
+        write it before the step is known finite), and its ``||x||^2`` where a kernel found it
+        (:meth:`ErrorFeedback.error_fed_sq`)."""
+        return self.residuals.error_fed_sq(key, grad)
+
+    def absorb(self, deferred: Iterable[tuple[str, Tensor, Compressor, Payload]]) -> dict[str, Tensor]:
+        """The step is known finite on every rank, and the decoded average is about to overwrite the tensors that
+        were error-fed in place: their residuals ``x - decode(payload)``, written over the ones they replace (one
+        buffer a parameter), by key."""
+        return {key: self.residuals.absorb(key, x, method, payload) for key, x, method, payload in deferred}
 
     def settle(
         self,

@@ -443,7 +443,7 @@ def _error_feed(work: Work) -> dict[str, Tensor | None]:
     entry without error feedback)."""
     if work.mode != "recycle":
         return {}
-    fed = [work.state.feedback.residuals.error_fed_sq(s.key, s.tensor) for s in work.segments]
+    fed = [work.state.feedback.error_fed_sq(s.key, s.tensor) for s in work.segments]
     work.segments = [replace(s, tensor=x) for s, (x, _) in zip(work.segments, fed, strict=True)]
     return {s.key: sq for s, (_, sq) in zip(work.segments, fed, strict=True)}
 
@@ -524,13 +524,11 @@ def _materialize(work: Work) -> None:
 
 def land(work: Work, norms: Tensor) -> Header:
     """The summed header of an arrived bucket, before its decoded average overwrites the bucket: on a finite step the
-    residuals of the segments error-fed in place are taken into the memory (over the residuals they replace); on a
-    non-finite one they are dropped and the stored residuals stay as they were."""
+    residuals of the segments error-fed in place are taken into the feedback part (over the ones they replace); on
+    a non-finite one they are dropped and the stored residuals stay as they were."""
     header = Header.unpack(norms, work.fresh is not None)
     if math.isfinite(header.basis):
-        memory = work.state.feedback.residuals
-        for key, error_fed, method, payload in work.deferred:
-            work.pending[key] = memory.absorb(key, error_fed, method, payload)
+        work.pending.update(work.state.feedback.absorb(work.deferred))
     work.deferred = []
     return header
 
