@@ -156,7 +156,7 @@ class CompressionState:
     world_size: int = 1
     param_names: dict[int, str] = field(default_factory=dict)
 
-    # Carried across steps: residuals and moved moments (written by `feedback` alone), the step's bookkeeping.
+    # Carried across steps: residuals and moved moments (written by `feedback/`'s code alone), the step's bookkeeping.
     feedback: Feedback = field(default_factory=Feedback)
     step: int = 0  # steps that communicated: advanced by `end_step` only (it seeds every method's draws)
     epoch: int = -1  # the training epoch the compressor was last told of (`begin_step`)

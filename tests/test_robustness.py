@@ -236,6 +236,9 @@ def _sparse_gradients(rank, world_size):
         out[name] = {**weights(model), "moved": not torch.equal(model.bag.weight, before)}
         if name == "cf 4":  # the head's momentum went into the hook, the embedding's stayed in the optimizer
             out["moved momentum"] = sorted(trainer.strategy.compression_state.feedback.momentum.settings)
+        if name == "cf 1":  # the sparse bucket is sent as it is: its bytes count as dense's
+            metrics = callbacks[0].last_metrics
+            out["cf 1 traffic"] = (metrics["gravac/bytes_sent"], metrics["gravac/bytes_dense"])
     # One group for both: it keeps its momentum whole in the optimizer, and the strategy says so.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -252,6 +255,8 @@ def test_a_sparse_embedding_gradient_is_averaged_as_stock_ddp_does_beside_compre
     r0, r1 = run_distributed(_sparse_gradients)
     assert r0.pop("moved momentum") == r1.pop("moved momentum") == ["head.bias", "head.weight"]
     assert r0.pop("one group moved") == r1.pop("one group moved") == []
+    sent, dense = r0.pop("cf 1 traffic")
+    assert sent == dense and r1.pop("cf 1 traffic") == (sent, dense)
     assert len(r0.pop("warned")) == 1 and r1.pop("warned") == []  # rank 0 warns, once
     for setup in ("stock", "cf 1", "cf 4", "default"):
         assert r0[setup].pop("moved") and r1[setup].pop("moved"), setup

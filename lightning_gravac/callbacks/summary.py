@@ -122,7 +122,7 @@ class RunSummary(Callback):
             return [r.get(key, float("nan")) for r in self.history]
 
         series = [
-            ("gravac/cf", "factor (dense / sent, log)"),
+            ("gravac/cf", "compression factor (log)"),
             ("gravac/gain", "gain ||C(g)||²/||g||²"),
             ("gravac/compression_throughput", "samples/s x gain"),  # GraVAC's T_sys x gain
             (self.monitor, self.monitor),
@@ -131,7 +131,8 @@ class RunSummary(Callback):
         fig, axes = plt.subplots(len(series), 1, sharex=True, figsize=(8, 2.4 * len(series)), squeeze=False)
         for ax, (key, label) in zip(axes[:, 0], series, strict=True):
             ax.plot(steps, values(key), lw=1.2, label="sent" if key == "gravac/cf" else None)
-            if key == "gravac/cf" and any("gravac/probe_cf" in r for r in self.history):
+            # The sequential search's candidate, where it moved: the model search probes its whole ladder instead.
+            if key == "gravac/cf" and len({v for v in values("gravac/probe_cf") if math.isfinite(v)}) > 1:
                 ax.plot(steps, values("gravac/probe_cf"), lw=1.0, ls="--", label="candidate probed")
                 ax.legend(loc="upper left", fontsize="small")
             finite = [v for v in values(key) if math.isfinite(v)]

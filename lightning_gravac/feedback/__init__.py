@@ -1,7 +1,8 @@
 """What the comm hook carries from one step to the next: error feedback's residuals and the optimizer's moved moments.
 
-:class:`Feedback` is the one part that writes them; :func:`encode` is the one sequence of error feedback, compression
-and residual that the communicators and the benchmarks share.
+:class:`Feedback` stores and drops them (the residuals and moved buffers are written by this package's code alone);
+:func:`encode` is the one sequence of error feedback, compression and residual that the communicators and the
+benchmarks share.
 """
 
 from lightning_gravac.feedback.adam import AdamMoments

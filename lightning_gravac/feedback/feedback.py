@@ -1,4 +1,4 @@
-"""What a rank carries from one step to the next because it compresses: the one part that writes it."""
+"""What a rank carries from one step to the next because it compresses, and the part that stores and drops it."""
 
 from collections.abc import Iterable, Sequence
 from typing import Any

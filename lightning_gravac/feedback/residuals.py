@@ -30,16 +30,11 @@ class ErrorFeedback:
         # step costs page faults on CPU. At most one a parameter, the size of the residual it replaced.
         self._spare: dict[str, Tensor] = {}
 
-    def error_fed(self, key: str, grad: Tensor) -> Tensor:
-        """``grad`` + the residual of ``key`` in a buffer of the memory's (recycled), to become the next residual.
-
-        The stored residual and ``grad`` are left as they are, so a step that is later dropped loses nothing.
-        """
-        return self.error_fed_sq(key, grad)[0]
-
     def error_fed_sq(self, key: str, grad: Tensor) -> tuple[Tensor, Tensor | None]:
-        """:meth:`error_fed`, and ``||x||^2`` of the result (float64, 0-d) where the compiled kernel found it in the
-        same pass (contiguous fp32 CPU tensors), else ``None``."""
+        """``x = grad`` + the residual of ``key``, in a buffer of the memory's (recycled) that becomes the next
+        residual, and ``||x||^2`` (float64, 0-d) where the compiled kernel found it in the same pass (contiguous fp32
+        CPU tensors), else ``None``. The stored residual and ``grad`` are left as they are, so a step that is later
+        dropped loses nothing."""
         out = self._spare.pop(key, None)
         if out is None or out.shape != grad.shape or out.dtype != grad.dtype or out.device != grad.device:
             out = torch.empty_like(grad, memory_format=torch.contiguous_format)

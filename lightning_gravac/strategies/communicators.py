@@ -96,7 +96,7 @@ class Segment:
     """One unit of compression: a layer's gradient, or the whole bucket."""
 
     key: str
-    tensor: Tensor  # what is compressed: the gradient (error-fed on the way, by `Work.feedback`), or the bucket
+    tensor: Tensor  # what is compressed: the gradient (error-fed on the way, by `Work.mode`), or the bucket
     cf: float
     compressor: Compressor
     out: Tensor  # where the averaged result goes: a view into the bucket buffer
@@ -104,7 +104,7 @@ class Segment:
 
 @dataclass
 class Work:
-    """One compressed bucket on its way through a communicator.
+    """One bucket on its way through a communicator.
 
     Written by the hook: everything up to ``start``. Written by the communicator: the payloads, the header and the
     pending residuals (by parameter; ``None`` drops one), committed by :func:`settle` once the step is known finite
@@ -150,7 +150,7 @@ class Work:
 
 
 class Communicator(ABC):
-    """How a compressed bucket crosses the network: its collectives, its header, its settle."""
+    """How a bucket crosses the network: its collectives (and a compressed one's header), ending in :func:`settle`."""
 
     @abstractmethod
     def send(self, work: Work) -> Future[Tensor]:
@@ -383,7 +383,7 @@ class SparseReduced(Communicator):
             # Its bytes, as the sum's (each rank's own rows differ in number; the sum is the same on every rank):
             # values and int64 indices, sent as they are, so dense and sent alike.
             nbytes = result._values().numel() * result.element_size() + result._indices().numel() * 8
-            settle(work, nbytes, REDUCE)
+            settle(work, nbytes, REDUCE, bytes_dense=nbytes)
             return result
 
         return handle.get_future().then(done)
@@ -548,6 +548,7 @@ def settle(
     bytes_sent: int,
     collective: Collective,
     *,
+    bytes_dense: int | None = None,
     header: Header | None = None,
     finite: bool = True,
     timing: Timing | None = None,
@@ -559,7 +560,8 @@ def settle(
     A compressed bucket's ``header`` says whether every rank's gradient was finite; a non-finite step poisons the
     result with NaN on every rank, so that a mixed-precision scaler skips it. Without a header (a plain all-reduce,
     whose result already is stock DDP's) the caller says ``finite``. ``averaged``: the averaged gradients of a bucket
-    sent dense, for the moved momentum.
+    sent dense, for the moved momentum. ``bytes_dense``: what stock DDP would have sent, where it is not the bucket's
+    dense size (a sparse gradient's rows).
     """
     state = work.state
     if header is not None:
@@ -572,7 +574,8 @@ def settle(
     state.feedback.settle(work.names, work.pending, finite, averaged, work.params, work.exact)
     if header is not None and not finite:
         work.buffer.fill_(math.nan)
-    record = BucketRecord(bytes_sent=bytes_sent, bytes_dense=work.dense_bytes, collective=collective)
+    dense = work.dense_bytes if bytes_dense is None else bytes_dense
+    record = BucketRecord(bytes_sent=bytes_sent, bytes_dense=dense, collective=collective)
     if header is not None:
         record.sq_norm, record.sq_norm_sent = header.basis, header.sent
         record.probe_sq, record.probe_basis = header.probes, header.probe_basis

@@ -2,7 +2,7 @@
 
 Every bucket leaves through a communicator (:func:`~lightning_gravac.strategies.communicators.communicator_for`),
 and every communicator ends in the same ``settle``, which hands the outcome to the feedback part
-(:class:`~lightning_gravac.feedback.Feedback`, the one writer of residuals and moved momentum). The hook decides the
+(:class:`~lightning_gravac.feedback.Feedback`, which stores or drops residuals and moved momentum). The hook decides the
 path and prepares the bucket as a :class:`~lightning_gravac.strategies.communicators.Work`:
 
 1. local SGD (from ``state.local_sgd_from``): nothing is sent; pending residuals go into the local step;

@@ -103,5 +103,7 @@ def carried_attributes(owner: _Owner) -> _Owner:
         return property(get, set_, doc=f"``search_state.{name}``.")
 
     for f in fields(GraVACState):
+        if hasattr(owner, f.name):
+            raise TypeError(f"{owner.__name__}.{f.name} exists: the carried field of that name would replace it.")
         setattr(owner, f.name, alias(f.name))
     return owner
