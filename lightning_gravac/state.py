@@ -189,6 +189,12 @@ class CompressionState:
         self.feedback.reset()
         self.compressor.reset()
 
+    def rescale_(self, factor: float) -> None:
+        """The gradients' scale changed by ``factor`` (a mixed-precision scaler): what is kept in gradient units, the
+        residuals and the method's own accumulations, follows it."""
+        self.feedback.rescale_(factor)
+        self.compressor.rescale_(factor)
+
     def cf_of(self, name: str) -> float:
         """The factor in force for parameter ``name``: its own if the controller set one, else the global one."""
         if self.compressor.passthrough:

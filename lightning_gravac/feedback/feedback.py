@@ -84,13 +84,13 @@ class Feedback:
         if not finite:
             if exact:
                 momentum.defer(names, params)
-            else:
+            elif momentum:
                 momentum.discard(names)
             return
         if exact:
             assert averaged is not None
             momentum.after_dense_(names, averaged, params)
-        else:
+        elif momentum:  # nothing moved: no buffer to mask, resync or commit (every bucket of every step)
             momentum.mask_(pending)
             if averaged is not None and not pending:
                 momentum.resync(names, averaged)

@@ -265,28 +265,25 @@ class GraVACStrategy(DDPStrategy):
             self.compressor.check_optimizer(optimizer)
         state = self.compression_state
         # Methods without error feedback (unbiased quantizers, casts, signSGD's vote) and methods with a momentum of
-        # their own (DGC) keep the optimizer's momentum; so does local SGD, whose steps never reach the hook.
-        # Under a gradient scaler (fp16 mixed precision) the hook sees gradients scaled by a factor that changes from
-        # step to step, which a momentum kept in the hook would mix up: the optimizer keeps its momentum then.
-        scaled = getattr(self.precision_plugin, "scaler", None) is not None
-        if self.momentum_correction and state.error_feedback and not self.compressor.owns_feedback:
-            if state.local_sgd_from is None and not self.compressor.passthrough and not scaled:
-                # A sparse gradient (`nn.Embedding(sparse=True)`) goes through the hook as it is: its parameters'
-                # groups keep their momentum in the optimizer (a group with a parameter not named here stays whole).
-                sparse = self._sparse_parameters()
-                dense = {i: name for i, name in state.param_names.items() if i not in sparse}
-                moved = [name for opt in self.optimizers for name in state.feedback.momentum.take_from(opt, dense)]
-                self._warn_sparse_groups(sparse)
-                if moved:
-                    rank_zero_info(
-                        f"GraVACStrategy: momentum correction: the optimizer's momentum (and weight decay) for "
-                        f"{len(moved)} parameters is applied in the comm hook before compression and set to 0 in the "
-                        "optimizer. `GraVACStrategy(momentum_correction=False)` leaves the optimizer alone."
-                    )
-                # Adam's first moment can move too, its second frozen after a warm-up: from when, the controller
-                # decides at fit start (`Controller._freeze_adam`).
-                if self._why_adam_stays() is None:
-                    state.feedback.adam.take_from(self.optimizers, dense)
+        # their own (DGC) keep the optimizer's momentum; so do local SGD and a gradient scaler (see the predicate).
+        movable = self._hook_can_hold_optimizer_state() and state.error_feedback and not self.compressor.passthrough
+        if movable and not self.compressor.owns_feedback:
+            # A sparse gradient (`nn.Embedding(sparse=True)`) goes through the hook as it is: its parameters'
+            # groups keep their momentum in the optimizer (a group with a parameter not named here stays whole).
+            sparse = self._sparse_parameters()
+            dense = {i: name for i, name in state.param_names.items() if i not in sparse}
+            moved = [name for opt in self.optimizers for name in state.feedback.momentum.take_from(opt, dense)]
+            self._warn_sparse_groups(sparse)
+            if moved:
+                rank_zero_info(
+                    f"GraVACStrategy: momentum correction: the optimizer's momentum (and weight decay) for "
+                    f"{len(moved)} parameters is applied in the comm hook before compression and set to 0 in the "
+                    "optimizer. `GraVACStrategy(momentum_correction=False)` leaves the optimizer alone."
+                )
+            # Adam's first moment can move too, its second frozen after a warm-up: from when, the controller
+            # decides at fit start (`Controller._freeze_adam`).
+            if self._why_adam_stays() is None:
+                state.feedback.adam.take_from(self.optimizers, dense)
 
     def _method_for_sgd(self) -> None:
         """The zero-argument default under ``torch.optim.SGD``: send QSGD instead of Top-K (see the ``compressor``
@@ -313,6 +310,13 @@ class GraVACStrategy(DDPStrategy):
             "`GraVACStrategy('topk')` sends Top-K."
         )
 
+    def _hook_can_hold_optimizer_state(self) -> bool:
+        """Whether the optimizer's momentum (SGD's, Adam's first moment) may move into the hook: asked for
+        (``momentum_correction``), every step reaching the hook (no local SGD), and gradients in one unit from step to
+        step (no gradient scaler, whose changing factor a momentum kept in the hook would mix up)."""
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None
+        return self.momentum_correction and self.compression_state.local_sgd_from is None and not scaled
+
     def _method_for_adam(self) -> None:
         """The zero-argument default under ``torch.optim.Adam`` or ``AdamW``: Adam's first moment is sent as scaled
         signs with error feedback once the second is frozen (1-bit Adam's compression), where Top-K's few entries a
@@ -320,9 +324,7 @@ class GraVACStrategy(DDPStrategy):
         gradient is sent. The moments move only where the strategy can move them (``momentum_correction``, no
         gradient scaler, no local SGD, no sparse gradient)."""
         state = self.compression_state
-        if not (self._method_open and self._default_controller and self.momentum_correction):
-            return
-        if state.local_sgd_from is not None or getattr(self.precision_plugin, "scaler", None) is not None:
+        if not (self._method_open and self._default_controller and self._hook_can_hold_optimizer_state()):
             return
         if self._sparse_parameters() or not self.optimizers:
             return
@@ -477,8 +479,7 @@ class GraVACStrategy(DDPStrategy):
             return
         state, scale = self.compression_state, float(scaler.get_scale())
         if state.grad_scale is not None and scale != state.grad_scale:
-            state.feedback.rescale_(scale / state.grad_scale)
-            self.compressor.rescale_(scale / state.grad_scale)
+            state.rescale_(scale / state.grad_scale)
         state.grad_scale = scale
 
     @override
