@@ -5,10 +5,11 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
 from lightning_gravac.zoo import CIFARDataModule, ImageClassifier, LSTMLanguageModel, PTBDataModule, SyntheticImages
 from lightning_gravac.zoo.cifar import ARCHIVES, read_split
-from lightning_gravac.zoo.language import Streams, read_tokens, synthetic_stream
+from lightning_gravac.zoo.language import Streams, rank_loader, read_tokens, synthetic_stream
 from lightning_gravac.zoo.transforms import normalize, random_crop, random_flip
 from lightning_gravac.zoo.vision import resnet, vgg
 
@@ -117,6 +118,18 @@ def test_streams_run_in_order_so_the_hidden_state_can_carry():
                                                 [[8, 9], [18, 19]]]  # fmt: skip
     assert windows[-1][1].tolist() == [[9, 10], [19, 20]]  # row r reads tokens 10r.. and predicts the next
     assert len(Streams(stream, rows=2, bptt=4)) == 3
+
+
+def test_each_rank_reads_its_own_share_in_order_through_a_distributed_sampler():
+    stream = torch.arange(2 * (2 * 10) + 1)
+    for rank in (0, 1):
+        loader = rank_loader(stream, world=2, rank=rank, rows=2, bptt=4)
+        own = Streams(stream[rank * 20 : (rank + 1) * 20 + 1], rows=2, bptt=4)
+        assert isinstance(loader.sampler, DistributedSampler)  # Lightning adds none of its own then
+        assert len(loader) == len(own) == 3
+        for (x, y), (x_own, y_own) in zip(loader, own, strict=True):
+            assert torch.equal(x, x_own) and torch.equal(y, y_own)
+    assert next(iter(rank_loader(stream, world=2, rank=1, rows=2, bptt=4)))[0][0, 0] == 20
 
 
 def test_synthetic_ptb_has_its_sizes_and_vocabulary():

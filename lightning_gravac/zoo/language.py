@@ -13,7 +13,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics.text import Perplexity
 
 from lightning_gravac.zoo.optim import configure_sgd
@@ -54,8 +54,9 @@ def synthetic_stream(length: int, vocab: int, seed: int) -> Tensor:
     return phrases[picks].reshape(-1)[:length].clone()
 
 
-class Streams(IterableDataset):
-    """``(inputs, targets)`` windows of ``bptt`` tokens over ``rows`` parallel streams, in order."""
+class Streams(Dataset):
+    """``(inputs, targets)`` windows of ``bptt`` tokens over ``rows`` parallel streams: window ``i`` follows window
+    ``i - 1`` in every row, so a model that reads them in order can carry its hidden state across them."""
 
     def __init__(self, stream: Tensor, rows: int, bptt: int) -> None:
         usable = (stream.numel() - 1) // rows * rows
@@ -66,11 +67,39 @@ class Streams(IterableDataset):
     def __len__(self) -> int:
         return math.ceil((self.columns - 1) / self.bptt) if self.columns > 1 else 0
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} of {len(self)}")
+        start = i * self.bptt
         inputs = self.data[: self.rows * self.columns].view(self.rows, self.columns)
         targets = self.data[1 : self.rows * self.columns + 1].view(self.rows, self.columns)
-        for start in range(0, self.columns - 1, self.bptt):
-            yield inputs[:, start : start + self.bptt], targets[:, start : start + self.bptt]
+        return inputs[:, start : start + self.bptt], targets[:, start : start + self.bptt]
+
+
+class RankShares(Dataset):
+    """Every rank's contiguous share of a token stream as :class:`Streams`, interleaved: item ``t * world + r`` is
+    window ``t`` of rank ``r``'s share. :func:`rank_loader` reads it with a ``DistributedSampler`` that does not
+    shuffle, so each rank reads its own text in order, and Lightning, which adds no sampler where the loader has a
+    distributed one, leaves it so."""
+
+    def __init__(self, stream: Tensor, world: int, rows: int, bptt: int) -> None:
+        share = stream.numel() // world
+        self.world = world
+        self.shares = [Streams(stream[r * share : (r + 1) * share + 1], rows, bptt) for r in range(world)]
+
+    def __len__(self) -> int:
+        return self.world * len(self.shares[0])
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        step, rank = divmod(i, self.world)
+        return self.shares[rank][step]
+
+
+def rank_loader(stream: Tensor, world: int, rank: int, rows: int, bptt: int) -> DataLoader:
+    """This rank's windows of ``stream`` in order (:class:`RankShares`), each window a batch."""
+    shares = RankShares(stream, world, rows, bptt)
+    sampler: DistributedSampler[int] = DistributedSampler(shares, num_replicas=world, rank=rank, shuffle=False)
+    return DataLoader(shares, batch_size=None, sampler=sampler)
 
 
 class PTBDataModule(pl.LightningDataModule):
@@ -130,19 +159,15 @@ class PTBDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         self._load()
 
-    def _streams(self, split: str) -> Streams:
-        # This rank's contiguous share of the stream, so that every rank reads its own text in order.
+    def _loader(self, split: str) -> DataLoader:
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
-        stream = self.splits[split]
-        share = stream.numel() // world
-        return Streams(stream[rank * share : (rank + 1) * share + 1], self.batch_size, self.bptt)
+        return rank_loader(self.splits[split], world, rank, self.batch_size, self.bptt)
 
     def train_dataloader(self) -> DataLoader:
-        # An iterable dataset: Lightning adds no distributed sampler, the shares above do the splitting.
-        return DataLoader(self._streams("train"), batch_size=None)
+        return self._loader("train")
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._streams("valid"), batch_size=None)
+        return self._loader("valid")
 
 
 class LSTMLanguageModel(pl.LightningModule):
