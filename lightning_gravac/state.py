@@ -14,6 +14,7 @@ from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.compressors.cast import FP16
 from lightning_gravac.compressors.none import NoCompression
 from lightning_gravac.feedback import Feedback
+from lightning_gravac.tables import RowTables
 
 Granularity = Literal["layer", "bucket"]
 GainOf = Literal["error_fed", "gradient"]
@@ -150,6 +151,7 @@ class CompressionState:
     half: bool = False  # send this step whole in fp16 (the model search's 16-bit rung), whatever the factors say
     # Fixed by the strategy at setup.
     local_sgd_from: int | None = None  # the step from which gradients stay local (periodic model averaging)
+    rows: RowTables = field(default_factory=RowTables)  # embedding tables sent by their touched rows (`tables`)
 
     # Bound at hook registration (by the strategy).
     process_group: dist.ProcessGroup | None = None
@@ -176,6 +178,7 @@ class CompressionState:
         self.world_size = dist.get_world_size(process_group)
         self.compressor.setup(self.world_size, dist.get_rank(process_group))
         self.param_names = {id(p): name for name, p in module.named_parameters()}
+        self.rows.find(module)
 
     def use_method(self, compressor: Compressor, error_feedback: bool) -> None:
         """Send with ``compressor`` from now on (set up for this process group when bound); before any step."""

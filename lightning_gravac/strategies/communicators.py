@@ -3,8 +3,9 @@
 The comm hook (:mod:`lightning_gravac.strategies.hook`) prepares a bucket as a :class:`Work` (its segments: each layer,
 or the whole bucket; their factors and methods; the step's own-gradient probes) and hands it to
 :func:`communicator_for`. Buckets that are not compressed: :class:`Local` (local SGD: nothing sent),
-:class:`SparseReduced` (a sparse gradient's all-reduce) and :class:`Plain` (stock DDP's all-reduce, bit for bit). The
-compressed ones, by the method's :class:`~lightning_gravac.compressors.base.Communication`:
+:class:`SparseReduced` (a sparse gradient's all-reduce), :class:`Plain` (stock DDP's all-reduce, bit for bit) and
+:class:`RowsReduced` (the same sum, of embedding tables by the rows their step touched). The compressed
+ones, by the method's :class:`~lightning_gravac.compressors.base.Communication`:
 
 - :class:`Gathered` (``GATHER``): error feedback, compression and residuals (:func:`encode`), then an all-gather of
   the packed payloads and the header, decoded rank by rank in rank order; or, when the gather would move more bytes
@@ -132,6 +133,10 @@ class Work:
     plain: bool = False
     params: list[Tensor] = field(default_factory=list)
     exact: bool = False
+    # Of a plain bucket: the positions in `names` of the embedding tables sent by their touched rows (`RowsReduced`),
+    # and whether it goes in fp16 (a half step).
+    rows: list[int] = field(default_factory=list)
+    half: bool = False
     local: bool = False  # local SGD: nothing is sent (`Local`)
 
     @property
@@ -356,15 +361,80 @@ class Plain(Communicator):
 
         def done(fut: Future[list[Tensor]]) -> Tensor:
             result = received_value(fut, state, "dense all-reduce")[0]
-            # No header on this path: whether some rank's gradient was not finite is read off the result itself (one
-            # sum of the bucket), and only when something depends on it: residuals carried in (a finite step has
-            # delivered them, a non-finite one keeps them) or momentum buffers. Without either, plain steps pay nothing.
-            moved = bool(state.feedback.momentum)
-            finite = not (work.pending or moved) or all_finite(result)
-            averaged = views_like(result, work.buffer, work.grads) if moved else None
-            return settle(work, work.dense_bytes, REDUCE, finite=finite, averaged=averaged)
+            return _settle_plain(work, result, work.dense_bytes)
 
         return handle.get_future().then(done)
+
+
+class RowsReduced(Communicator):
+    """A plain bucket (sent dense, or whole in fp16 on a half step) with embedding tables whose step touched few rows:
+    one all-reduce of which rows any rank touched (a byte a row), then one of those rows and the bucket's other
+    parameters. A row no rank touched is zero on every rank, so the sum is the dense all-reduce's: bit for bit on two
+    ranks, up to the order of the sum on more (the ring adds the same values at other offsets). A table whose touched
+    rows are more than :data:`~lightning_gravac.tables.ROWS_SHARE` of it goes whole. The second all-reduce needs the
+    first's result: it is launched from the hook's thread after waiting for the first, as :class:`LowRank` does, and
+    reading the union's size syncs the host with a CUDA device once a bucket."""
+
+    def send(self, work: Work) -> Future[Tensor]:
+        state, tables = work.state, _tables_of(work)
+        touched = torch.cat([work.grads[i].view(rows, -1).ne(0).any(1) for i, rows in tables]).to(torch.uint8)
+        mask_bytes = touched.numel()
+        first = dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=state.process_group, async_op=True).get_future()
+        try:
+            first.wait()
+        except Exception as error:
+            raise failure(state, "all-reduce of the embedding tables' touched rows", error) from error
+        chosen: dict[int, Tensor] = {}  # a table's position -> the rows it sends
+        offset = 0
+        for i, rows in tables:
+            union = touched[offset : offset + rows].bool()
+            offset += rows
+            indices = union.nonzero().view(-1)
+            if state.rows.observe(work.names[i], indices.numel(), state.step):
+                chosen[i] = indices
+        parts = [
+            work.grads[i].view(work.grads[i].shape[0], -1).index_select(0, chosen[i]) if i in chosen else grad
+            for i, grad in enumerate(work.grads)
+        ]
+        # Divided before summing as `Plain` does, or on a half step cast and then divided as the fp16 rung's `Summed`
+        # does: bit for bit what the whole bucket would have given.
+        payload = torch.cat([part.reshape(-1) for part in parts])
+        if work.half:
+            payload = payload.to(state.cast.wire_dtype).div_(state.world_size)
+        else:
+            payload.mul_(1.0 / state.world_size)
+        second = dist.all_reduce(payload, group=state.process_group, async_op=True).get_future()
+        sent = mask_bytes + payload.numel() * payload.element_size()
+
+        def done(fut: Future[list[Tensor]]) -> Tensor:
+            summed = received_value(fut, state, "all-reduce of the embedding tables' touched rows")[0]
+            at = 0
+            for i, (grad, part) in enumerate(zip(work.grads, parts, strict=True)):
+                values = summed[at : at + part.numel()].view_as(part)
+                at += part.numel()
+                if i in chosen:  # the other rows are zero here as on every rank
+                    grad.view(grad.shape[0], -1).index_copy_(0, chosen[i], values.to(grad.dtype))
+                else:
+                    grad.copy_(values)
+            return _settle_plain(work, work.buffer, sent)
+
+        return second.then(done)
+
+
+def _tables_of(work: Work) -> list[tuple[int, int]]:
+    """``(position, rows)`` of each table of ``work`` sent by its rows."""
+    return [(i, work.state.rows.rows[work.names[i]]) for i in work.rows]
+
+
+def _settle_plain(work: Work, result: Tensor, bytes_sent: int) -> Tensor:
+    """The end of a plain bucket, whose ``result`` already is the dense all-reduce's. No header on this path: whether
+    some rank's gradient was not finite is read off the result itself (one sum of the bucket), and only when something
+    depends on it: residuals carried in (a finite step has delivered them, a non-finite one keeps them) or momentum
+    buffers. Without either, plain steps pay nothing."""
+    moved = bool(work.state.feedback.momentum)
+    finite = not (work.pending or moved) or all_finite(result)
+    averaged = views_like(result, work.buffer, work.grads) if moved else None
+    return settle(work, bytes_sent, REDUCE, finite=finite, averaged=averaged)
 
 
 class SparseReduced(Communicator):
@@ -404,19 +474,19 @@ _BY_PATTERN: dict[Communication, Communicator] = {
     Communication.SUM: Summed(),
     Communication.ROUNDS: LowRank(),
 }
-_DENSE_PROBED, _PLAIN, _SPARSE, _LOCAL = DenseProbed(), Plain(), SparseReduced(), Local()
+_DENSE_PROBED, _PLAIN, _ROWS, _SPARSE, _LOCAL = DenseProbed(), Plain(), RowsReduced(), SparseReduced(), Local()
 
 
 def communicator_for(work: Work) -> Communicator:
     """The communicator of a bucket: nothing sent under local SGD; a sparse gradient's all-reduce; stock DDP's
-    all-reduce; dense with probes; PowerSGD's rounds; the all-reduce of payloads when every segment's are summable (a
-    layer sent dense is); else the gather."""
+    all-reduce (of embedding tables by their touched rows, where some are); dense with probes; PowerSGD's rounds; the
+    all-reduce of payloads when every segment's are summable (a layer sent dense is); else the gather."""
     if work.local:
         return _LOCAL
     if work.buffer.is_sparse:
         return _SPARSE
     if work.plain:
-        return _PLAIN
+        return _ROWS if work.rows else _PLAIN
     if work.dense:
         return _DENSE_PROBED
     if work.method.communication is Communication.ROUNDS:

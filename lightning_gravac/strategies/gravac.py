@@ -24,6 +24,7 @@ from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.feedback.adam import adam_groups_supported
 from lightning_gravac.state import CompressionState, Granularity
 from lightning_gravac.strategies.hook import gravac_hook
+from lightning_gravac.tables import untied_tables
 
 _GRANULARITIES = ("layer", "bucket")
 #: Where the strategy keeps the step counter and every rank's residuals in a Lightning checkpoint.
@@ -109,6 +110,11 @@ class GraVACStrategy(DDPStrategy):
             keeps the whole momentum (heavy-ball delayed by error feedback): faster at a learning rate well inside
             dense's stable range, but it diverged near the largest rate dense survives, where masking trained
             (BENCHMARKS.md).
+        embedding_rows: on a step or a layer sent dense, or whole in fp16, send an embedding table
+            (``nn.Embedding``, ``nn.EmbeddingBag`` with a dense gradient, not tied to another layer) by the rows some
+            rank's step touched: first which rows (a byte a row), then those rows; the others are zero on every rank,
+            so the sum is a dense all-reduce's (bit for bit on two ranks). Where a step touches more than half of a
+            table, it goes whole. ``False``: whole tables. (fp16 rows do not carry their rounding to the next step.)
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
@@ -133,6 +139,7 @@ class GraVACStrategy(DDPStrategy):
         start_local_sgd_step: int = 0,
         momentum_correction: bool = True,
         momentum_masking: bool | None = None,
+        embedding_rows: bool = True,
         **kwargs: Any,
     ) -> None:
         clashing = [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]
@@ -182,6 +189,7 @@ class GraVACStrategy(DDPStrategy):
             local_sgd_from=start_local_sgd_step if model_averaging_period is not None else None,
         )
         self.compression_state.feedback.momentum.masking = momentum_masking is not False
+        self.compression_state.rows.enabled = embedding_rows
         if model_averaging_period is not None:
             self._ddp_comm_state = local_sgd
 
@@ -356,16 +364,13 @@ class GraVACStrategy(DDPStrategy):
         return None
 
     def _embedding_share(self) -> float:
-        """The share of the trainable parameters' entries held by embedding tables (``nn.Embedding``,
-        ``nn.EmbeddingBag``) that no other layer shares: a table tied to an output layer gets a dense gradient."""
+        """The share of the trainable parameters' entries held by embedding tables that no other layer shares (a table
+        tied to an output layer gets a dense gradient)."""
         module = self.lightning_module
         if module is None:
             return 0.0
-        embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-        tables = {id(p): p for m in module.modules() if isinstance(m, embeddings) for p in m.parameters(False)}
-        tied = {id(p) for m in module.modules() if not isinstance(m, embeddings) for p in m.parameters(False)}
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        own = sum(p.numel() for i, p in tables.items() if p.requires_grad and i not in tied)
+        own = sum(p.numel() for p in untied_tables(module) if p.requires_grad)
         return own / trainable if trainable else 0.0
 
     def _sparse_parameters(self) -> set[int]:

@@ -8,7 +8,8 @@ path and prepares the bucket as a :class:`~lightning_gravac.strategies.communica
 1. local SGD (from ``state.local_sgd_from``): nothing is sent; pending residuals go into the local step;
 2. a sparse gradient: summed over ranks as stock DDP does;
 3. every factor is 1, no probe is asked for: the plain all-reduce, bit for bit what stock DDP does (residuals left
-   by earlier compressed steps are carried in and dropped once the result is known finite);
+   by earlier compressed steps are carried in and dropped once the result is known finite); embedding tables whose
+   step touched few rows go by those rows (the same sum), on a half step too (in fp16);
 4. otherwise its segments (each layer, or the whole bucket) with their factors and methods (on a *half* step,
    ``state.half``, the fp16 cast whatever the factor: the controller's 16-bit rung), the probes of the step's own
    gradient when the controller asks for them, and how error feedback is applied; the communicator of the method's
@@ -60,8 +61,15 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     dense = all(cf == 1.0 for cf in cfs)
     params = bucket.parameters() if feedback.momentum else []
     feedback.direction_(names, grads, state.step)  # Adam's step direction, once its second moment is frozen
-    if dense and not state.probe_cfs:
-        return _plain(state, buffer, names, grads, params)
+    if not state.probe_cfs:
+        if dense:
+            return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step))
+        # A half step's embedding tables by their rows: fp16 without carrying the rounding (as torch's fp16 hook
+        # sends), where nothing owed or moved depends on the cast's residual.
+        plain_half = state.half and not feedback.momentum and not (state.error_feedback and feedback.owes(names))
+        rows = state.rows.in_bucket(names, state.step) if plain_half else []
+        if rows:
+            return _plain(state, buffer, names, grads, params, rows, half=True)
 
     start = time.perf_counter()
     feedback.local_(names, grads, params)  # this rank's momentum: what is compressed is the update direction
@@ -86,15 +94,22 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
 
 
 def _plain(
-    state: CompressionState, buffer: Tensor, names: list[str], grads: list[Tensor], params: list[Tensor]
+    state: CompressionState,
+    buffer: Tensor,
+    names: list[str],
+    grads: list[Tensor],
+    params: list[Tensor],
+    rows: list[int],
+    half: bool = False,
 ) -> Future[Tensor]:
-    """Every factor 1, nothing probed: the plain all-reduce. With buffers in sync and no residual pending, the moved
-    momentum applies after it, bit for bit as the optimizer's would; else each rank's momentum moves first and the
-    pending residuals are carried in, sent in full."""
+    """Every factor 1 (or a half step of ``rows``), nothing probed: the plain all-reduce, of the embedding tables at
+    ``rows`` by the rows their step touched. With buffers in sync and no residual pending, the moved momentum applies
+    after it, bit for bit as the optimizer's would; else each rank's momentum moves first and the pending residuals
+    are carried in, sent in full."""
     feedback = state.feedback
     carried = state.error_feedback and feedback.owes(names)
     exact = bool(feedback.momentum) and feedback.momentum.in_sync(names) and not carried
-    work = Work(state, buffer, [], names, grads, plain=True, params=params, exact=exact)
+    work = Work(state, buffer, [], names, grads, plain=True, params=params, exact=exact, rows=rows, half=half)
     if not exact:
         feedback.local_(names, grads, params)
         if state.error_feedback:
