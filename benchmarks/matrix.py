@@ -128,7 +128,7 @@ FAMILIES = [row for row in FAMILY_SETTINGS if row not in FIXED]
 #: Momentum correction without DGC's momentum factor masking, for the masking study (``--tasks cnn``).
 UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
 #: The default without one of its rules, to measure what the rule changes side by side (``weigh_masking``).
-ABLATIONS = ["default, masking unweighed", "default, budget off"]
+ABLATIONS = ["default, masking unweighed", "default, budget off", "default, whole tables"]
 #: Milder Top-K factors, for short budgets.
 MILD = ["topk cf=20", "topk cf=40"]
 ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS + MILD
@@ -278,6 +278,8 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return GraVACStrategy(), [GraVAC(weigh_masking=False)]
     if row == "default, budget off":  # the default's controller without the budget rule (and so Top-K's method)
         return GraVACStrategy(), [GraVAC(budget=False)]
+    if row == "default, whole tables":  # embedding tables whole on dense and fp16 steps, not by their touched rows
+        return GraVACStrategy(embedding_rows=False), []
     if row in FAMILY_SETTINGS:
         method, cf = FAMILY_SETTINGS[row]
         # "ef": error-fed, and SGD's momentum moved into the hook with it (the default leaves it in the optimizer).

@@ -340,7 +340,10 @@ class GraVACStrategy(DDPStrategy):
             return
         why = self._why_adam_stays()
         if why is not None:
-            rank_zero_info(f"GraVACStrategy: {why}: Adam keeps its moments, and each step is sent dense or in fp16.")
+            tables = " (its embedding tables by the rows each step touched: the same sum)" if state.rows.rows else ""
+            rank_zero_info(
+                f"GraVACStrategy: {why}: Adam keeps its moments, and each step is sent dense or in fp16{tables}."
+            )
             return
         method = get_compressor(ADAM_METHOD)
         state.use_method(method, error_feedback=True)
