@@ -5,14 +5,16 @@ import math
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_gravac import GraVACStrategy, RunSummary, Static, get_compressor
+from lightning_gravac import Controller, GraVACStrategy, RunSummary, Static, StepStats, get_compressor
 from lightning_gravac.compressors import DGC, sparse_k
 from lightning_gravac.launch import run_distributed
+from lightning_gravac.strategies.gravac import CHECKPOINT_KEY
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
-from models import loader, trainer_kwargs
+from models import loader, trainer_kwargs, weights
 
 
 def _g(n: int = 20_000, seed: int = 0) -> torch.Tensor:
@@ -82,6 +84,88 @@ def test_discarded_state_is_as_if_the_step_never_happened():
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_dense_steps_are_heavy_ball_momentum():
+    # At factor 1 DGC sends its momentum: the weights follow SGD(momentum=m) on the same gradients. Not bit for bit: DGC
+    # computes m u + g in one fused pass, SGD m u then + g.
+    dgc = DGC(momentum=0.9, clip_norm=None, warmup_epochs=0)
+    ours, theirs = torch.zeros(20_000), nn.Parameter(torch.zeros(20_000))
+    sgd = torch.optim.SGD([theirs], lr=0.1, momentum=0.9)
+    for step in range(6):
+        g = _g(seed=step)
+        sent = g.clone()
+        assert dgc.deliver_([("w", sent)], step=step).keys() == {"w"}
+        dgc.commit(["w"])
+        ours -= 0.1 * sent
+        theirs.grad = g
+        sgd.step()
+        torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=1e-6)
+    assert dgc.state_dict().keys() == {"u/w"}, "the momentum stays, nothing is left accumulated"
+
+
+def test_a_dense_step_delivers_what_compressed_steps_accumulated():
+    # Everything sent over the steps is every step's momentum-corrected input once a dense step ends them: what
+    # compressed steps left in v arrives with it, and the momentum goes on (masked where entries were sent, and kept
+    # through the dense step).
+    dgc = DGC(momentum=0.9, clip_norm=None, warmup_epochs=0)
+    u, inputs, sent = torch.zeros(20_000), torch.zeros(20_000), torch.zeros(20_000)
+    for step, dense in enumerate([False, False, True, False, True]):
+        g = _g(seed=step)
+        u = torch.add(g, u, alpha=0.9)
+        inputs += u
+        if dense:
+            delivered = g.clone()
+            dgc.deliver_([("w", delivered)], step=step)
+            sent += delivered
+        else:
+            payload = dgc.compress(g, cf=50, key="w", step=step)
+            sent += dgc.decompress(payload)
+            u[payload.wire[1].long()] = 0  # momentum factor masking
+        dgc.commit(["w"])
+        torch.testing.assert_close(dgc.state_dict()["u/w"], u, rtol=0, atol=1e-6)
+        if dense:
+            torch.testing.assert_close(sent, inputs, rtol=0, atol=1e-5)
+            assert "v/w" not in dgc.state_dict()
+
+
+def test_a_dense_step_delivers_the_accumulation_clipped_as_a_compressed_one():
+    dgc = DGC(momentum=0.9, clip_norm=1.0, warmup_epochs=0)
+    dgc.setup(world_size=4)
+    delivered = _g() * 100
+    dgc.deliver_([("w", delivered)])
+    assert torch.linalg.vector_norm(delivered).item() == pytest.approx(0.5, rel=1e-5)  # clip_norm / sqrt(4)
+
+
+def test_without_momentum_correction_a_dense_step_sends_the_gradient_as_it_is():
+    dgc = DGC(momentum_correction=False, clip_norm=None, warmup_epochs=0)
+    dgc.compress(_g(seed=1), cf=10, key="w")
+    dgc.commit(["w"])
+    before = dgc.state_dict()
+    g = _g(seed=2)
+    sent = g.clone()
+    assert dgc.deliver_([("w", sent)]) == {}
+    dgc.commit(["w"])
+    assert torch.equal(sent, g) and torch.equal(dgc.state_dict()["v/w"], before["v/w"])
+
+
+def test_a_discarded_dense_step_leaves_the_momentum_and_the_accumulation_as_they_were():
+    dgc = DGC(clip_norm=None, warmup_epochs=0)
+    dgc.compress(_g(seed=1), cf=10, key="w")
+    dgc.commit(["w"])
+    before = dgc.state_dict()
+    assert before.keys() == {"u/w", "v/w"}
+    dgc.deliver_([("w", _g(seed=2) * float("nan"))])
+    dgc.discard(["w"])
+    after = dgc.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    # The buffers it had taken are free again: the next dense step reuses them and commits as usual.
+    delivered = _g(seed=3)
+    dgc.deliver_([("w", delivered)])
+    dgc.commit(["w"])
+    u = torch.add(_g(seed=3), before["u/w"], alpha=0.9)
+    torch.testing.assert_close(delivered, before["v/w"] + u, rtol=0, atol=1e-6)
+    assert dgc.state_dict().keys() == {"u/w"}
+
+
 def test_probe_is_pure_and_approximately_nested():
     dgc = DGC(clip_norm=None, warmup_epochs=0)
     g = _g()
@@ -140,3 +224,55 @@ def test_dgc_trains_like_dense_through_its_warmup():
     # DGC at 20x within 30% of dense SGD with the same momentum, after 8 epochs. (At 100x this small task needs
     # longer; Top-K with error feedback and the optimizer's momentum instead diverges, which is what DGC fixes.)
     assert r0["dgc"] < 1.3 * r0["dense"]
+
+
+class _Alternating(Controller):
+    """Three steps at cf 20, three sent dense, in turn, by the trainer's step: a resumed run goes on where it was."""
+
+    def __init__(self) -> None:
+        super().__init__(cf=20.0)
+
+    def observe(self, stats: StepStats, trainer: pl.Trainer) -> None:
+        self.cf = 20.0 if (trainer.global_step // 3) % 2 == 0 else 1.0
+
+
+def _interrupted_vs_uninterrupted(rank, world_size, ckpt_dir):
+    def fit(callbacks, ckpt_path=None):
+        pl.seed_everything(0)
+        summary, trainer_args = RunSummary(), trainer_kwargs(world_size, enable_checkpointing=True)
+        trainer = pl.Trainer(strategy=GraVACStrategy("dgc"), callbacks=[_Alternating(), summary, *callbacks],
+                             max_steps=12, **trainer_args)  # fmt: skip
+        model = TeacherRegression(lr=0.05)
+        trainer.fit(model, loader(n=256), ckpt_path=ckpt_path)  # 4 steps an epoch on each rank
+        return {
+            "cf": [r["gravac/cf"] for r in summary.history],
+            "weights": weights(model),
+            "state": trainer.strategy.compressor.state_dict(),
+        }
+
+    # At epochs' ends (a checkpoint mid-epoch resumes the data loader from the epoch's start): after step 4, which was
+    # sent dense (DGC keeps u alone), and after step 8, which was compressed (u and v).
+    whole = fit([ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, save_top_k=-1)])
+    path = {step: f"{ckpt_dir}/epoch={step // 4 - 1}-step={step}.ckpt" for step in (4, 8)}
+    resumed = {step: fit([], ckpt_path=path[step]) for step in (4, 8)}
+    saved = {}  # the names of the DGC state each checkpoint holds
+    for step in (4, 8):
+        checkpoint = torch.load(path[step], weights_only=False)
+        saved[step] = set(checkpoint[CHECKPOINT_KEY]["compressor"])
+    return {"whole": whole, "resumed": resumed, "saved": saved}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_run_of_dense_and_compressed_steps_resumes_bit_for_bit(tmp_path):
+    for rank in run_distributed(_interrupted_vs_uninterrupted, ckpt_dir=str(tmp_path), timeout=300):
+        whole = rank["whole"]
+        assert whole["cf"] == [20.0] * 3 + [1.0] * 3 + [20.0] * 3 + [1.0] * 3
+        for step, resumed in rank["resumed"].items():
+            assert resumed["cf"] == whole["cf"][step:], step
+            assert all(torch.equal(resumed["weights"][k], w) for k, w in whole["weights"].items()), step
+            assert resumed["state"].keys() == whole["state"].keys(), step
+            assert all(torch.equal(resumed["state"][k], t) for k, t in whole["state"].items()), step
+        saved = rank["saved"]
+        assert saved[4] and all(k.startswith("u/") for k in saved[4]), "after a dense step DGC keeps u alone"
+        assert {k for k in saved[8] if k.startswith("v/")}, "after a compressed step, v too"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gravac.compressors import get_compressor, sparse_k
+from lightning_gravac.compressors import DGC, get_compressor, sparse_k
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.state import GATHER, REDUCE, Collective, CompressionState
 from lightning_gravac.strategies.hook import gravac_hook
@@ -231,6 +231,86 @@ def test_probe_gains_are_of_the_error_fed_or_of_the_step_own_gradient(granularit
         for fed, own in zip(gains["error_fed"]["got"][1:], gains["gradient"]["got"][1:], strict=True):
             assert all((abs(a - b) > 1e-3) == (cf > 1) for a, b in zip(fed, own, strict=True))
     assert ranks[0] == ranks[1], "gains are sums over ranks: every rank must see the same"
+
+
+#: DGC's steps through every path a factor of 1 takes: (global factor, per-layer factors, probe factors).
+DGC_STEPS = [
+    (50.0, {}, ()),  # compressed
+    (1.0, {}, ()),  # the plain all-reduce: the accumulation and the momentum delivered
+    (50.0, {"0.weight": 1.0, "2.bias": 1.0}, (20.0,)),  # two layers sent dense inside a compressed bucket, probed
+    (1.0, {}, (20.0,)),  # dense while the controller probes
+    (1.0, {}, ()),  # plain again: heavy-ball momentum
+    (50.0, {}, (20.0,)),  # compressed, probed
+]
+
+
+def _dgc_units(names, grads, step, granularity, cf, param_cf):
+    """What DGC compresses, as the hook cuts it: (key, parameters, tensor, factor) of each layer, or of the whole bucket
+    (in DDP's order: the parameters' at first, reversed once DDP has rebuilt its buckets; dense where every factor
+    is 1)."""
+    if granularity == "layer":
+        return [(n, [n], g.clone(), param_cf.get(n, cf)) for n, g in zip(names, grads, strict=True)]
+    order = names if step == 0 else names[::-1]
+    by_name = dict(zip(names, grads, strict=True))
+    dense = all(param_cf.get(n, cf) == 1.0 for n in names)
+    flat = torch.cat([by_name[n].reshape(-1) for n in order])
+    return [(f"bucket:{order[0]}", order, flat, 1.0 if dense else cf)]
+
+
+def _dgc_steps(rank, world, granularity):
+    """DGC through the hook against this rank's own DGC: a rank sends the top-k of its ``v`` where compressed and
+    ``v + u`` where sent dense; the average, the header's norms and the state kept must agree."""
+    options = dict(momentum=0.9, clip_norm=1.0, warmup_epochs=0)
+    state = CompressionState(DGC(**options), error_feedback=False, granularity=granularity)
+    own = DGC(**options)
+    own.setup(world, rank)
+    _, reference, ddp = _hooked(state)
+    out = []
+    for step, (cf, param_cf, probe_cfs) in enumerate(DGC_STEPS):
+        state.cf, state.param_cf, state.probe_cfs = cf, param_cf, probe_cfs
+        names, grads = _backward_both(ddp, reference, step, rank)
+        shapes = {n: g.shape for n, g in zip(names, grads, strict=True)}
+        sent, sums = {}, torch.zeros(1 + len(probe_cfs), dtype=torch.float64)  # ||g||^2 and the probes' norms
+        units = _dgc_units(names, grads, step, granularity, cf, param_cf)
+        for key, params, tensor, unit_cf in units:
+            if unit_cf == 1.0:
+                if probe_cfs:  # a probe is pure: of the accumulation this step makes, before it is delivered
+                    sums[1:] += own.probe(tensor, probe_cfs, key=key, step=step)
+                own.deliver_([(key, tensor)], step=step)
+                sums[0] += tensor.double().square().sum()
+                decoded = tensor
+            else:
+                payload, probes = own.compress_and_probe(tensor, unit_cf, probe_cfs, key=key, step=step)
+                sums += torch.cat([payload.basis.view(1), probes])
+                decoded = own.decompress(payload)
+            parts = decoded.reshape(-1).split([shapes[n].numel() for n in params])
+            sent.update({n: part.view(shapes[n]) for n, part in zip(params, parts, strict=True)})
+        own.commit([key for key, _, _, _ in units])
+        dist.all_reduce(sums)
+        stats = state.pop_stats()
+        got = dict(ddp.module.named_parameters())
+        expected = {n: sum(d * (1.0 / world) for d in _all_ranks(sent[n])) for n in names}
+        out.append({
+            "err": max((got[n].grad - expected[n]).abs().max().item() for n in names),
+            "gains": list(stats.probe_gains().values()),
+            "expected_gains": (sums[1:] / sums[0]).tolist(),
+            "sq_norm": (stats.sq_norm, sums[0].item()),
+        })  # fmt: skip
+    theirs, ours = state.compressor.state_dict(), own.state_dict()
+    equal = theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    return out, sorted(ours), equal
+
+
+@pytest.mark.parametrize("granularity", ["layer", "bucket"])
+def test_dgc_delivers_its_momentum_and_accumulation_on_every_path_a_factor_of_1_takes(granularity):
+    for steps, kept, equal in run_distributed(_dgc_steps, granularity=granularity):
+        for step, ((cf, _, probe_cfs), s) in enumerate(zip(DGC_STEPS, steps, strict=True)):
+            assert s["err"] < 1e-6, step
+            assert s["gains"] == pytest.approx(s["expected_gains"], rel=1e-6), step
+            if probe_cfs or cf > 1:  # a header's norms (the plain all-reduce has none)
+                assert s["sq_norm"][0] == pytest.approx(s["sq_norm"][1], rel=1e-6), step
+        # The last step was compressed: v is kept again beside u, the same as the reference's.
+        assert equal and any(k.startswith("v/") for k in kept) and any(k.startswith("u/") for k in kept)
 
 
 def _low_rank_steps(rank, world, cf):

@@ -97,30 +97,35 @@ def test_a_nonfinite_gradient_on_one_rank_is_skipped_and_never_enters_the_residu
     assert all(torch.equal(a, b) for a, b in zip(*(r["weights"].values() for r in ranks), strict=True))
 
 
-def _nonfinite_on_the_dense_path(rank, world_size):
+def _nonfinite_on_the_dense_path(rank, world_size, compressor):
     pl.seed_everything(0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     residuals = Residuals()
     trainer = pl.Trainer(
-        strategy=GraVACStrategy("topk"), callbacks=[Cycling(factors=(20, 1), every=5), residuals], max_steps=8,
+        strategy=GraVACStrategy(compressor), callbacks=[Cycling(factors=(20, 1), every=5), residuals], max_steps=8,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)], **trainer_kwargs(world_size),
     )  # fmt: skip
     model = FaultyRegression(fault="nan", at_step=5, width=128, lr=0.1)
     trainer.fit(model, loader())
-    return {"residuals": residuals.steps, "scale": scaler.get_scale(), "weights": weights(model)}
+    kept = residuals.compressor_steps if compressor == "dgc" else residuals.steps
+    return {"residuals": kept, "scale": scaler.get_scale(), "weights": weights(model)}
 
 
-def test_a_nonfinite_step_sent_dense_keeps_the_residuals_it_would_have_delivered():
-    # Steps 0-4 at cf 20 leave residuals; step 5 is the first at cf 1 (plain all-reduce, no header) and rank 1's
-    # gradient is NaN there: the residuals added into that step are kept, and the next finite step delivers them.
-    ranks = run_distributed(_nonfinite_on_the_dense_path)
+@pytest.mark.parametrize("compressor", ["topk", "dgc"])
+def test_a_nonfinite_step_sent_dense_keeps_the_residuals_it_would_have_delivered(compressor):
+    # Steps 0-4 at cf 20 leave residuals (Top-K's; DGC's own u and v); step 5 is the first at cf 1 (plain all-reduce,
+    # no header) and rank 1's gradient is NaN there: what was added into that step is kept, and the next finite step
+    # delivers it (DGC keeps its momentum u).
+    ranks = run_distributed(_nonfinite_on_the_dense_path, compressor=compressor)
     for r in ranks:
         assert r["scale"] == 2.0**7
         steps = r["residuals"]
         assert steps[4], "compressed steps left residuals"
         assert steps[5].keys() == steps[4].keys()
         assert all(torch.equal(steps[5][k], steps[4][k]) for k in steps[4])
-        assert steps[6] == {}, "the first finite dense step delivered them"
+        delivered = {k for k in steps[4] if not k.startswith("u/")}
+        assert delivered and not delivered & steps[6].keys(), "the first finite dense step delivered them"
+        assert steps[6].keys() == steps[4].keys() - delivered
     assert all(torch.equal(a, b) for a, b in zip(*(r["weights"].values() for r in ranks), strict=True))
 
 

@@ -172,6 +172,16 @@ class Compressor(ABC):
         """:meth:`compress` at ``cf`` and :meth:`probe` at ``probe_cfs`` together (multi-level where nested)."""
         return self.compress(tensor, cf, key=key, step=step), self.probe(tensor, probe_cfs, key=key, step=step)
 
+    def deliver_(
+        self, units: Sequence[tuple[str, Tensor]], probe_cfs: Sequence[float] = (), *, step: int = 0
+    ) -> dict[str, Tensor]:
+        """Turn each ``(key, tensor)`` a step sends dense (factor 1) in place into what the method delivers there, for a
+        method whose state of its own must reach the weights on dense steps too (DGC's momentum and accumulation); the
+        new state is pending until :meth:`commit`. Returns, by key of each tensor changed, the kept squared norms at
+        ``probe_cfs`` of the method's selection from what it delivers (float64, empty without factors). By default
+        nothing changes: a dense step sends the tensor as it is."""
+        return {}
+
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         """Add ``scale`` times the sum of several decoded payloads to the flat tensor ``out``.
 

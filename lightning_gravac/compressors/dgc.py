@@ -27,6 +27,11 @@ class DGC(Sparsifier):
     and the payload is filled to exactly ``k``. During the first ``warmup_epochs`` epochs
     the density is at least ``0.25 ** (epoch + 1)`` (75%, 93.75%, ... sparsity).
 
+    A tensor sent dense (factor 1, :meth:`deliver_`) carries the momentum and the accumulation: with ``a`` its clipped
+    gradient, ``u = m u + a`` and ``v + u`` is sent; then ``v`` is 0 and ``u`` stays (nothing was delayed, so nothing
+    is masked). A run of dense steps is heavy-ball momentum ``m``, as ``SGD(momentum=m)`` under stock DDP; weight
+    decay, which the optimizer applies, stays outside the momentum on every step.
+
     DGC keeps its own residual (``v``), so the strategy's error feedback stays off, and its momentum correction
     replaces the optimizer's momentum: use ``SGD(momentum=0)`` (checked at setup) or ``momentum_correction=False``.
     State is committed only after a step is known finite on every rank, and is saved in checkpoints for every rank.
@@ -73,7 +78,8 @@ class DGC(Sparsifier):
         self.world_size = 1
         self._u: dict[str, Tensor] = {}
         self._v: dict[str, Tensor] = {}
-        self._pending: dict[str, tuple[Tensor | None, Tensor]] = {}  # u and v after the step, until committed
+        # u and v after the step, until committed (v None: a dense step sent it all).
+        self._pending: dict[str, tuple[Tensor | None, Tensor | None]] = {}
         # Buffers of the state a commit replaced, reused for the next step's (no gradient-sized allocation a step).
         self._spare_u: dict[str, Tensor] = {}
         self._spare_v: dict[str, Tensor] = {}
@@ -200,6 +206,22 @@ class DGC(Sparsifier):
         _, v, _, _ = self._accumulate(tensor, key, recycle=False)
         return self._probe_v(v, cfs, tensor.dtype, key, step)
 
+    def deliver_(
+        self, units: Sequence[tuple[str, Tensor]], probe_cfs: Sequence[float] = (), *, step: int = 0
+    ) -> dict[str, Tensor]:
+        """With momentum correction, each tensor becomes ``v + u`` in place, ``u = m u + a`` from its clipped
+        gradient ``a`` as on a compressed step; the pending state keeps ``u`` and empties ``v``. Without it, nothing."""
+        if not self.momentum_correction:
+            return {}
+        delivered = {}
+        for key, tensor in units:
+            u, v, _, _ = self._accumulate(tensor, key)
+            delivered[key] = self._probe_v(v, probe_cfs, tensor.dtype, key, step)
+            tensor.copy_(v.view(tensor.shape))
+            self._spare_v[key] = v  # everything accumulated is sent: the buffer holds nothing to keep
+            self._pending[key] = (u, None)
+        return delivered
+
     def commit(self, keys: Sequence[str]) -> None:
         for key in keys:
             if key in self._pending:
@@ -212,15 +234,16 @@ class DGC(Sparsifier):
         for key in keys:
             pending = self._pending.pop(key, None)
             if pending is not None:  # the new state's buffers are free again
-                u, v = pending
-                self._spare_v[key] = v
-                if u is not None:
-                    self._spare_u[key] = u
+                for new, spares in zip(pending, (self._spare_u, self._spare_v), strict=True):
+                    if new is not None:
+                        spares[key] = new
 
     @staticmethod
-    def _swap(current: dict[str, Tensor], spares: dict[str, Tensor], key: str, new: Tensor) -> None:
-        old = current.get(key)
-        current[key] = new
+    def _swap(current: dict[str, Tensor], spares: dict[str, Tensor], key: str, new: Tensor | None) -> None:
+        """``new`` becomes the state of ``key`` (``None``: none, all of it sent); the buffer it replaces a spare."""
+        old = current.pop(key, None) if new is None else current.get(key)
+        if new is not None:
+            current[key] = new
         if old is not None:
             spares[key] = old
 

@@ -16,6 +16,9 @@ ones, by the method's :class:`~lightning_gravac.compressors.base.Communication`:
 - :class:`DenseProbed`: every factor 1 but the controller measures what compression would keep: the dense bucket
   all-reduced with the header (residuals are sent in full and dropped).
 
+A layer or bucket sent dense under a method with momentum of its own (DGC) holds what the method delivers there
+(``Work.delivered``, prepared by the hook); the method's new state is committed or discarded by :func:`settle`.
+
 Each compressed communicator builds the bucket's :class:`Header` (this rank's norms, summed over ranks by a
 collective). Every communicator ends in :func:`settle`: a finite step commits the method's state and the feedback
 part stores the pending residuals and momentum; a non-finite one (some rank's gradient was not) discards them (and a
@@ -138,6 +141,9 @@ class Work:
     rows: list[int] = field(default_factory=list)
     half: bool = False
     local: bool = False  # local SGD: nothing is sent (`Local`)
+    # The units sent dense that hold what their method delivers there (DGC's momentum and accumulation), by key, with
+    # the probes of it (`Compressor.deliver_`); the method's state of those keys is pending until `settle`.
+    delivered: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def dense_bytes(self) -> int:
@@ -171,15 +177,19 @@ class _Encoded(Communicator):
         basis, sent, probes = [], [], []
         outs = self.wire_views(work)
         for s, out in zip(work.segments, outs, strict=True):
+            delivered = work.delivered.get(s.key)  # probed as it was delivered: the tensor holds it, not the input
             encoded = encode(
                 s.compressor, s.tensor, s.cf, key=s.key, step=state.step, feedback=work.mode,
-                memory=state.feedback.residuals, probe_cfs=probe_cfs, prober=state.compressor, out=out,
+                memory=state.feedback.residuals, probe_cfs=probe_cfs if delivered is None else (),
+                prober=state.compressor, out=out,
             )  # fmt: skip
             work.payloads.append(encoded.payload)
             basis.append(encoded.basis)
             sent.append(s.compressor.sent_sq_norm(encoded.payload))
             if encoded.probes is not None:
                 probes.append(encoded.probes)
+            elif delivered is not None and probe_cfs:
+                probes.append(delivered)
             if encoded.error_fed is not None:
                 work.deferred.append((s.key, encoded.error_fed, s.compressor, encoded.payload))
             elif state.error_feedback:
@@ -268,8 +278,12 @@ class DenseProbed(Communicator):
 
     def send(self, work: Work) -> Future[Tensor]:
         state, probe_cfs = work.state, work.probe_cfs
-        probe = state.compressor.probe
-        probes = [probe(s.tensor, probe_cfs, key=s.key, step=state.step) for s in work.segments] if probe_cfs else []
+        probes = []
+        for s in work.segments if probe_cfs else ():
+            found = work.delivered.get(s.key)  # probed as it was delivered: the tensor holds what the method sends
+            if found is None:
+                found = state.compressor.probe(s.tensor, probe_cfs, key=s.key, step=state.step)
+            probes.append(found)
         norm = sq_norm(work.buffer)  # sent dense: what is sent is all there is
         work.header = Header.pack(norm, [norm], probes, work.fresh)
         if state.error_feedback:
@@ -350,7 +364,8 @@ class LowRank(Communicator):
 
 class Plain(Communicator):
     """The bucket all-reduced as stock DDP does, bit for bit: every factor 1, nothing probed. Residuals carried in are
-    sent in full; the moved momentum applies after the all-reduce (``work.exact``) or moved before it."""
+    sent in full; the moved momentum applies after the all-reduce (``work.exact``) or moved before it; a method's own
+    momentum was delivered into the bucket before it (``work.delivered``)."""
 
     def send(self, work: Work) -> Future[Tensor]:
         state = work.state
@@ -429,10 +444,10 @@ def _tables_of(work: Work) -> list[tuple[int, int]]:
 def _settle_plain(work: Work, result: Tensor, bytes_sent: int) -> Tensor:
     """The end of a plain bucket, whose ``result`` already is the dense all-reduce's. No header on this path: whether
     some rank's gradient was not finite is read off the result itself (one sum of the bucket), and only when something
-    depends on it: residuals carried in (a finite step has delivered them, a non-finite one keeps them) or momentum
-    buffers. Without either, plain steps pay nothing."""
+    depends on it: residuals carried in (a finite step has delivered them, a non-finite one keeps them), momentum
+    buffers or the method's own delivered state. Without any, plain steps pay nothing."""
     moved = bool(work.state.feedback.momentum)
-    finite = not (work.pending or moved) or all_finite(result)
+    finite = not (work.pending or moved or work.delivered) or all_finite(result)
     averaged = views_like(result, work.buffer, work.grads) if moved else None
     return settle(work, bytes_sent, REDUCE, finite=finite, averaged=averaged)
 
@@ -636,7 +651,7 @@ def settle(
     state = work.state
     if header is not None:
         finite = math.isfinite(header.basis)
-    keys = [s.key for s in work.segments]
+    keys = list(dict.fromkeys([*(s.key for s in work.segments), *work.delivered]))
     if finite:
         state.compressor.commit(keys)
     else:

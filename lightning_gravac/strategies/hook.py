@@ -15,6 +15,10 @@ path and prepares the bucket as a :class:`~lightning_gravac.strategies.communica
    gradient when the controller asks for them, and how error feedback is applied; the communicator of the method's
    pattern error-feeds and compresses the segments, launches the collectives and decodes the average into the bucket.
 
+On every path that sends a layer or a bucket dense (factor 1), a method with momentum of its own (DGC) first turns it
+into what it delivers there, its momentum and accumulation (``Compressor.deliver_``), its new state committed with the
+rest by ``settle``.
+
 Every compressed bucket carries a float64 header (``communicators.Header``), summed over ranks: ``||g||^2``,
 ``||C(g)||^2`` and the norms at the controller's probe factors; those are of the error-fed gradient by default and,
 when the controller asks for the gain of the step's own gradient (``gain_of="gradient"``), of the gradient before the
@@ -90,6 +94,8 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
             feedback.carry_(names, grads)
     segments = _segments(state, names, grads, cfs, buffer)
     work = Work(state, buffer, segments, names, grads, mode, dense, fresh, start)
+    sent_dense = [(s.key, s.tensor) for s in segments if dense or s.compressor is state.identity]
+    work.delivered = state.compressor.deliver_(sent_dense, work.probe_cfs, step=state.step)
     return communicator_for(work).send(work)
 
 
@@ -105,11 +111,12 @@ def _plain(
     """Every factor 1 (or a half step of ``rows``), nothing probed: the plain all-reduce, of the embedding tables at
     ``rows`` by the rows their step touched. With buffers in sync and no residual pending, the moved momentum applies
     after it, bit for bit as the optimizer's would; else each rank's momentum moves first and the pending residuals
-    are carried in, sent in full."""
+    are carried in, sent in full. A method with momentum of its own delivers it (DGC)."""
     feedback = state.feedback
     carried = state.error_feedback and feedback.owes(names)
     exact = bool(feedback.momentum) and feedback.momentum.in_sync(names) and not carried
     work = Work(state, buffer, [], names, grads, plain=True, params=params, exact=exact, rows=rows, half=half)
+    work.delivered = state.compressor.deliver_(_units(state, names, grads, buffer), step=state.step)
     if not exact:
         feedback.local_(names, grads, params)
         if state.error_feedback:
@@ -124,7 +131,7 @@ def _segments(
     bucket at the global factor (per-layer factors need layer granularity)."""
     method = state.cast if state.half else state.compressor
     if state.granularity == "bucket":
-        return [Segment(f"bucket:{names[0]}", buffer, cfs[0] if state.half else state.cf, method, buffer)]
+        return [Segment(_bucket_key(names), buffer, cfs[0] if state.half else state.cf, method, buffer)]
     return [
         Segment(name, grad, cf, state.identity if cf == 1.0 else method, grad)
         for name, grad, cf in zip(names, grads, cfs, strict=True)
@@ -147,6 +154,18 @@ def _fresh_probes(
 ) -> tuple[Tensor, Tensor]:
     """``(sum ||C_cf(grad)||^2 at the probe factors, ||grad||^2)`` of this rank's own gradient, unit by unit as it
     is compressed (each layer, or the whole bucket)."""
-    units = [(f"bucket:{names[0]}", buffer)] if state.granularity == "bucket" else list(zip(names, grads, strict=True))
+    units = _units(state, names, grads, buffer)
     probes = [state.compressor.probe(t, state.probe_cfs, key=key, step=state.step) for key, t in units]
     return torch.stack(probes).sum(0), sq_norm(buffer)
+
+
+def _units(state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor) -> list[tuple[str, Tensor]]:
+    """The bucket's units of compression by key: each layer's gradient, or the whole bucket."""
+    if state.granularity == "bucket":
+        return [(_bucket_key(names), buffer)]
+    return list(zip(names, grads, strict=True))
+
+
+def _bucket_key(names: list[str]) -> str:
+    """The key of a whole bucket's state, named by its first parameter."""
+    return f"bucket:{names[0]}"
