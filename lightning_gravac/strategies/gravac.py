@@ -219,14 +219,6 @@ class GraVACStrategy(DDPStrategy):
                 f"GraVACStrategy takes one compression controller, the trainer has {len(controllers)}: "
                 f"{names}. Keep one."
             )
-        chosen = controllers[0] if controllers else None
-        if self.compressor.owns_feedback and not (isinstance(chosen, Static) and chosen.cf > 1):
-            rank_zero_warn(
-                f"GraVACStrategy: {self.compressor!r} applies its momentum on compressed steps only; a step sent dense "
-                "(cf 1, which an adaptive controller chooses where compressing saves no time) is plain SGD without "
-                "momentum. Pair it with a fixed factor, e.g. `callbacks=[Static(cf=100)]`, or use 'topk', whose "
-                "momentum correction covers dense steps too."
-            )
         # Known before the process group: the devices and nodes the trainer was given.
         alone = self.num_nodes * len(self.parallel_devices or []) == 1
         if controllers and alone and not (isinstance(controllers[0], Static) and controllers[0].cf == 1):
