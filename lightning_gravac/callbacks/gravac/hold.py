@@ -60,6 +60,8 @@ def hold_warning(c: "GraVAC") -> str:
         sending = "sending each step dense or whole in fp16, whichever the measured link makes faster"
     else:
         sending = f"sending dense (factor 1): {_why_no_half(c)}"
+    if c.state.rows.rows:
+        sending += " (embedding tables by the rows each step touched: the same sum)"
     return (
         f"GraVAC: the optimizer scales each coordinate by a running second moment (Adam-like), which lossy "
         f"{c.state.compressor.name!r} gradients upset: {sending}. `GraVAC(adam='compress')` compresses anyway."
