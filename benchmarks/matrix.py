@@ -33,7 +33,9 @@ side.
 Every row trains ``--steps`` steps from the same seed on the same data. The target of a task is dense DDP's smoothed
 training loss (an EWMA, factor 0.9, of the ranks' mean loss) at half the steps; a row's *time to target* is the wall
 time until its smoothed loss first reaches it, and its *final metric* is the loss on a fixed held-out set after
-``--steps`` steps (for the cnn also the accuracy).
+``--steps`` steps (for the classifiers also the accuracy). At equal time as well as at equal steps: the held-out
+metric is also evaluated ``--evals`` times along each run (its time left out of the run's clock), and a row's *time to
+dense's final metric* is when it first keeps fidelity to dense's final held-out metric (below).
 
 Rows whose trajectory does not depend on the link (all but the GraVAC rows, which time their steps) train in
 full once, on the unlimited link; on a shaped link their time is **projected**: a short run of each of them there
@@ -323,13 +325,17 @@ def use_sgd_cosine(model: pl.LightningModule, lr: float, momentum: float, steps:
 
 
 class Recorder(Callback):
-    """Per step: the ranks' mean loss (smoothed), the factor, the wall time; stops every rank together at the cap."""
+    """Per step: the ranks' mean loss (smoothed), the factor, the wall time; stops every rank together at the cap.
+    Every ``eval_every`` steps (0: never) the held-out metric on every rank (the same model on each), its time left
+    out of the run's clock."""
 
-    def __init__(self, cap: float) -> None:
+    def __init__(self, cap: float, held: Any = None, task: str = "", eval_every: int = 0) -> None:
         self.cap = cap
         self.start = 0.0
         self.ewma: float | None = None
         self.steps: list[tuple[float, float, float]] = []  # wall s at the step's end, smoothed loss, factor sent
+        self.held, self.task, self.eval_every = held, task, eval_every
+        self.evals: list[tuple[int, dict[str, float]]] = []  # (steps done, held-out metric)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # At fit start, before the controllers' (this callback comes first): a controller's setup work counts.
@@ -345,6 +351,12 @@ class Recorder(Callback):
         self.steps.append((elapsed, self.ewma, math.nan))  # the factor: once the controller has reported it
         if shared[1].item() > 0:
             trainer.should_stop = True
+        done = len(self.steps)
+        if self.eval_every and done % self.eval_every == 0 and done < (trainer.max_steps or 0):
+            paused = time.perf_counter()
+            self.evals.append((done, _evaluate(pl_module, self.held, self.task)))
+            pl_module.train()
+            self.start += time.perf_counter() - paused
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._fill(trainer)
@@ -399,6 +411,7 @@ def _train(
     cap: float,
     optimizer: str,
     sgd_lr: float | None = None,
+    evals: int = 0,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -416,7 +429,7 @@ def _train(
         if task in PLAIN_SGD_LR:
             use_plain_sgd(spec["model"], PLAIN_SGD_LR[task])
     strategy, callbacks = make_row(row, momentum if dgc else 0.0, adaptive_optimizer=adamw)
-    recorder = Recorder(cap)
+    recorder = Recorder(cap, spec["held"], task, steps // evals if evals else 0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, callbacks=[recorder, *callbacks], max_steps=steps,
         max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -431,6 +444,7 @@ def _train(
         "gains": {f"{cf:g}": g for cf, g in sorted(controller.gains.items())} if isinstance(controller, GraVAC) else {},
         "finished": finished,
         "held_out": _evaluate(spec["model"], spec["held"], task) if finished else None,
+        "evals": recorder.evals,
         "parameters": sum(p.numel() for p in spec["model"].parameters()),
     }
 
@@ -438,7 +452,7 @@ def _train(
 def _run(task: str, row: str, args: argparse.Namespace, steps: int, cap: float) -> dict[str, Any]:
     return run_distributed(
         _train, world_size=2, timeout=cap * 2 + 600, task=task, row=row, scale=args.scale, steps=steps, cap=cap,
-        optimizer=args.optimizer, sgd_lr=args.sgd_lr,
+        optimizer=args.optimizer, sgd_lr=args.sgd_lr, evals=args.evals if steps == args.steps else 0,
     )[0]  # fmt: skip
 
 
@@ -497,6 +511,11 @@ def analyse(results: dict[str, Any], tasks: list[str], links: list[str], rows: l
                 out[row] = {"seconds": seconds, "steps": reached[1] if reached else None, "how": how,
                             "final": final, "ran_steps": len(run["steps"]), "budget_seconds": budget}  # fmt: skip
             dense_final = out["dense DDP"]["final"] if "dense DDP" in rows else None
+            for row in rows:
+                run = results["adaptive"][task][link][row] if row in LINK_DEPENDENT else full[row]
+                shaped = row not in LINK_DEPENDENT and link != "unlimited"
+                profile = _profile_of(results, task, link, row) if shaped else None
+                out[row]["to_final"] = time_to_metric(run, dense_final, profile)
             keeping = [r for r in FIXED if r in rows and out[r]["seconds"] is not None
                        and keeps_fidelity(out[r]["final"], dense_final)]  # fmt: skip
             best = min((out[r]["seconds"] for r in keeping), default=None)
@@ -509,6 +528,18 @@ def analyse(results: dict[str, Any], tasks: list[str], links: list[str], rows: l
             out["best_fixed"] = min(keeping, key=lambda r: out[r]["seconds"], default=None)
             cells[f"{task}|{link}"] = out
     return cells
+
+
+def time_to_metric(
+    run: dict[str, Any], dense_final: dict[str, float] | None, profile: Callable[[float], tuple[float, float]] | None
+) -> float | None:
+    """Seconds until the run's held-out metric, evaluated along it (``--evals``) and at its end, first keeps fidelity
+    to dense's final one (``None``: never, or not evaluated); projected with ``profile`` on a shaped link."""
+    points = [*run.get("evals", []), *([(len(run["steps"]), run["held_out"])] if run["held_out"] else [])]
+    for done, metric in points:
+        if keeps_fidelity(metric, dense_final):
+            return project(run["steps"], done, profile) if profile is not None else run["steps"][done - 1][0]
+    return None
 
 
 def keeps_fidelity(final: dict[str, float] | None, dense: dict[str, float] | None) -> bool:
@@ -575,6 +606,15 @@ def tables(cells: dict[str, Any], tasks: list[str], links: list[str], rows: list
                 b, d = here.get("budget_seconds"), dense.get("budget_seconds")
                 budgets.append("-" if b is None else f"{b:.1f}" + (f" ({b / d:.2f}x)" if d else ""))
             lines.append(f"| {row} | " + " | ".join(budgets) + " |")
+        lines += ["\n| row | " + " | ".join(f"{link}: to dense's final held-out metric s (x dense)" for link in links)
+                  + " |", "| --- | " + " | ".join("---:" for _ in links) + " |"]  # fmt: skip
+        for row in rows:
+            times = []
+            for link in links:
+                here, dense = cells[f"{task}|{link}"][row], cells[f"{task}|{link}"].get("dense DDP", {})
+                t, d = here.get("to_final"), dense.get("to_final")
+                times.append("never" if t is None else f"{t:.1f}" + (f" ({t / d:.2f}x)" if d else ""))
+            lines.append(f"| {row} | " + " | ".join(times) + " |")
     return lines
 
 
@@ -730,6 +770,7 @@ def combine(per_repeat: list[dict[str, Any]], rows: list[str]) -> dict[str, Any]
                 "regret": median(regrets),
                 "vs_dense": median([r.get("vs_dense") for r in runs]),
                 "budget_seconds": median([r.get("budget_seconds") for r in runs]),
+                "to_final": median([r.get("to_final") for r in runs]),
                 "keeps_fidelity": sum(bool(r.get("keeps_fidelity")) for r in runs) * 2 > len(runs),
                 "regret_range": [min(r if r is not None else math.inf for r in regrets),
                                  max(r if r is not None else math.inf for r in regrets)],
@@ -806,6 +847,9 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.25, help="parameters a task, in units of 10M")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--timing-steps", type=int, default=10)
+    parser.add_argument(
+        "--evals", type=int, default=10, help="held-out evaluations along each run (time left out of the run's clock)"
+    )
     parser.add_argument("--cap", type=float, default=240.0, help="seconds a GraVAC run may take on a link")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument(
