@@ -60,6 +60,7 @@ class BucketRecord:
     comm_s: float = 0.0
     probe_sq: tuple[float, ...] = ()
     probe_basis: float = 0.0  # what the probes are relative to: ``sq_norm``, or ``||grad||^2`` for the fresh gradient
+    lossless: bool = False  # the dense all-reduce's sum, in whatever bytes it took (embedding tables by their rows)
 
 
 @dataclass
@@ -85,6 +86,8 @@ class StepStats:
     probe_cfs: tuple[float, ...] = ()
     probe_sq: list[float] = field(default_factory=list)
     probe_basis: float = 0.0
+    lossless_sent: int = 0  # of the buckets that sent the dense sum (`BucketRecord.lossless`)
+    lossless_dense: int = 0
 
     def probe_gains(self) -> dict[float, float]:
         """The gain at each probed factor, ``sum ||C_cf(g)||^2 / sum ||g||^2``."""
@@ -99,9 +102,10 @@ class StepStats:
 
     @property
     def compressed(self) -> bool:
-        """Whether the step sent fewer bytes than dense, and some (a step that only carried probes for the controller
-        sent more; a local SGD step sends none)."""
-        return 0 < self.bytes_sent < self.bytes_dense
+        """Whether the step's lossy buckets sent fewer bytes than dense, and some (a step that only carried probes for
+        the controller sent more; a local SGD step sends none; embedding tables sent by their rows are the dense
+        sum in fewer bytes, not compression)."""
+        return 0 < self.bytes_sent - self.lossless_sent < self.bytes_dense - self.lossless_dense
 
     @property
     def gain(self) -> float:
@@ -127,6 +131,9 @@ class StepStats:
             stats.compress_s += r.compress_s
             stats.comm_s += r.comm_s
             stats.gathered += r.collective == GATHER
+            if r.lossless:
+                stats.lossless_sent += r.bytes_sent
+                stats.lossless_dense += r.bytes_dense
         return stats
 
 
@@ -178,7 +185,7 @@ class CompressionState:
         self.world_size = dist.get_world_size(process_group)
         self.compressor.setup(self.world_size, dist.get_rank(process_group))
         self.param_names = {id(p): name for name, p in module.named_parameters()}
-        self.rows.find(module)
+        self.rows.find(module, self.world_size)
 
     def use_method(self, compressor: Compressor, error_feedback: bool) -> None:
         """Send with ``compressor`` from now on (set up for this process group when bound); before any step."""

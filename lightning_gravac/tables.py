@@ -36,19 +36,27 @@ class RowTables:
     """The tables the hook may send by their rows (parameter name -> rows), and until which step one is sent whole.
 
     Every entry follows from the module and from the union of touched rows, which every rank receives alike: the
-    same on every rank. Which way a table is sent never changes the sum, so none of it is checkpointed.
+    same on every rank. Which way a table is sent changes neither the sum nor what is kept (a half step of a bucket
+    with tables keeps no rounding either way), so none of it is checkpointed.
     """
 
     enabled: bool = True
     rows: dict[str, int] = field(default_factory=dict)
     whole_until: dict[str, int] = field(default_factory=dict)
 
-    def find(self, module: nn.Module) -> None:
-        """Name ``module``'s dense-gradient, untied, trainable tables (when enabled)."""
+    def find(self, module: nn.Module, world_size: int) -> None:
+        """Name ``module``'s dense-gradient, untied, trainable, contiguous tables (when enabled, and when there are
+        other ranks to send to: alone, a step sends nothing)."""
         names = {id(p): name for name, p in module.named_parameters()}
-        tables = untied_tables(module, dense_only=True) if self.enabled else []
-        self.rows = {names[id(p)]: p.shape[0] for p in tables if p.requires_grad and id(p) in names}
+        tables = untied_tables(module, dense_only=True) if self.enabled and world_size > 1 else []
+        self.rows = {
+            names[id(p)]: p.shape[0] for p in tables if p.requires_grad and p.is_contiguous() and id(p) in names
+        }
         self.whole_until = {}
+
+    def holds_table(self, names: list[str]) -> bool:
+        """Whether any of ``names`` is a table the hook may send by its rows."""
+        return any(name in self.rows for name in names)
 
     def in_bucket(self, names: list[str], step: int) -> list[int]:
         """The positions in ``names`` of the tables to send by their rows at ``step``."""

@@ -69,24 +69,26 @@ class Bytes(pl.Callback):
             self.dense.append(float(metrics["gravac/bytes_dense"]))
 
 
-def _fit(rank: int, world_size: int, setup: str, vocab: int) -> dict[str, Any]:
+def _fit(rank: int, world_size: int, setup: str, vocab: int, steps: int = 6) -> dict[str, Any]:
     strategies = {
         "stock": lambda: (DDPStrategy(), []),
         "rows": lambda: (GraVACStrategy("none"), [Static(cf=1)]),
         "whole": lambda: (GraVACStrategy("none", embedding_rows=False), [Static(cf=1)]),
         "half rows": lambda: (GraVACStrategy("none"), [Halves()]),
         "half whole": lambda: (GraVACStrategy("none", embedding_rows=False), [Halves()]),
+        "half rows fed": lambda: (GraVACStrategy("topk"), [Halves()]),  # error feedback keeps the cast's rounding
+        "half whole fed": lambda: (GraVACStrategy("topk", embedding_rows=False), [Halves()]),
     }
     strategy, controllers = strategies[setup]()
     pl.seed_everything(0)
     model, measured = Bag(vocab), Bytes()
-    trainer = pl.Trainer(strategy=strategy, callbacks=[*controllers, measured], **trainer_kwargs(2, max_steps=6))
+    trainer = pl.Trainer(strategy=strategy, callbacks=[*controllers, measured], **trainer_kwargs(2, max_steps=steps))
     trainer.fit(model, _loader(vocab))
     return {"weights": weights(model), "sent": measured.sent, "dense": measured.dense}
 
 
-def _run(setup: str, vocab: int = 512) -> list[dict[str, Any]]:
-    return run_distributed(_fit, world_size=2, timeout=240, setup=setup, vocab=vocab)
+def _run(setup: str, vocab: int = 512, steps: int = 6) -> list[dict[str, Any]]:
+    return run_distributed(_fit, world_size=2, timeout=240, setup=setup, vocab=vocab, steps=steps)
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -112,6 +114,20 @@ def test_a_half_step_by_rows_gives_the_whole_fp16_cast_bit_for_bit():
     assert len(sent) == 6 and all(s < 0.15 * d for s, d in zip(sent, dense, strict=True))
 
 
+def test_half_steps_of_a_bucket_with_tables_keep_no_rounding_under_error_feedback_by_rows_or_whole():
+    # Top-K's error feedback would keep each half step's rounding; a bucket with a table keeps none (a rounding left on
+    # a row would make it look touched next step), so both equal the cast without error feedback, bit for bit. 128
+    # rows, up to 40 ids a rank: the two ranks' union is about half the table, more on some steps (then whole).
+    plain = _run("half whole", vocab=128, steps=110)
+    rows, whole = _run("half rows fed", vocab=128, steps=110), _run("half whole fed", vocab=128, steps=110)
+    for rank in (0, 1):
+        assert _same(rows[rank]["weights"], plain[rank]["weights"])
+        assert not _same(whole[rank]["weights"], plain[rank]["weights"])  # whole tables alone keep the rounding
+    by_rows = [s < 0.45 * d for s, d in zip(rows[0]["sent"], rows[0]["dense"], strict=True)]
+    first_whole = by_rows.index(False)
+    assert len(by_rows) == 110 and first_whole > 0 and not any(by_rows[first_whole : first_whole + 100])
+
+
 def test_a_table_whose_steps_touch_most_rows_goes_whole_and_trains_as_stock_ddp():
     # 40 ids a rank on 32 rows: more than half the table each step.
     stock, rows = _run("stock", vocab=32), _run("rows", vocab=32)
@@ -135,11 +151,14 @@ def test_only_untied_dense_gradient_tables_are_sent_by_rows():
     assert {id(p) for p in untied_tables(model)} == {id(model.words.weight), id(model.sparse.weight),
                                                      id(model.frozen.weight)}  # fmt: skip
     tables = RowTables()
-    tables.find(model)
+    tables.find(model, world_size=2)
     assert tables.rows == {"words.weight": 100}
     off = RowTables(enabled=False)
-    off.find(model)
+    off.find(model, world_size=2)
     assert off.rows == {}
+    alone = RowTables()
+    alone.find(model, world_size=1)  # nothing to send to
+    assert alone.rows == {}
     assert tables.in_bucket(["out.bias", "words.weight"], step=0) == [1]
     assert not tables.observe("words.weight", 51, step=3)  # more than half: whole, and not asked again for a while
     assert tables.in_bucket(["words.weight"], step=102) == [] and tables.in_bucket(["words.weight"], step=103) == [0]

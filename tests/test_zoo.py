@@ -130,6 +130,9 @@ def test_each_rank_reads_its_own_share_in_order_through_a_distributed_sampler():
         for (x, y), (x_own, y_own) in zip(loader, own, strict=True):
             assert torch.equal(x, x_own) and torch.equal(y, y_own)
     assert next(iter(rank_loader(stream, world=2, rank=1, rows=2, bptt=4)))[0][0, 0] == 20
+    # 24 tokens: the second share is a token short, a window fewer; both ranks read as many as it has.
+    short = [len(rank_loader(torch.arange(24), world=2, rank=r, rows=2, bptt=4)) for r in (0, 1)]
+    assert short == [1, 1] and [len(list(rank_loader(torch.arange(24), 2, r, 2, 4))) for r in (0, 1)] == [1, 1]
 
 
 def test_synthetic_ptb_has_its_sizes_and_vocabulary():

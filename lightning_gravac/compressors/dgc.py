@@ -209,10 +209,9 @@ class DGC(Sparsifier):
     def deliver_(
         self, units: Sequence[tuple[str, Tensor]], probe_cfs: Sequence[float] = (), *, step: int = 0
     ) -> dict[str, Tensor]:
-        """With momentum correction, each tensor becomes ``v + u`` in place, ``u = m u + a`` from its clipped
-        gradient ``a`` as on a compressed step; the pending state keeps ``u`` and empties ``v``. Without it, nothing."""
-        if not self.momentum_correction:
-            return {}
+        """Each tensor becomes ``v + u`` in place, ``u = m u + a`` from its clipped gradient ``a`` as on a compressed
+        step (without momentum correction ``v + a``); the pending state keeps ``u`` and empties ``v``: a dense step
+        delivers everything accumulated."""
         delivered = {}
         for key, tensor in units:
             u, v, _, _ = self._accumulate(tensor, key)

@@ -382,47 +382,42 @@ class Plain(Communicator):
 
 
 class RowsReduced(Communicator):
-    """A plain bucket (sent dense, or whole in fp16 on a half step) with embedding tables whose step touched few rows:
-    one all-reduce of which rows any rank touched (a byte a row), then one of those rows and the bucket's other
-    parameters. A row no rank touched is zero on every rank, so the sum is the dense all-reduce's: bit for bit on two
-    ranks, up to the order of the sum on more (the ring adds the same values at other offsets). A table whose touched
-    rows are more than :data:`~lightning_gravac.tables.ROWS_SHARE` of it goes whole. The second all-reduce needs the
-    first's result: it is launched from the hook's thread after waiting for the first, as :class:`LowRank` does, and
-    reading the union's size syncs the host with a CUDA device once a bucket."""
+    """A bucket sent dense, or whole in fp16 on a half step, with embedding tables whose step touched few rows: one
+    all-reduce of which rows any rank touched (a byte a row), then one of those rows and the bucket's other parameters.
+    A row no rank touched is zero on every rank, so the sum is the whole bucket's: bit for bit on two ranks, up to the
+    order of the sum on more (the ring adds the same values at other offsets). A half step sends what the fp16 rung's
+    `Summed` sends, with its header, but keeps no rounding (:func:`_half_rows`). A table whose touched rows are more
+    than :data:`~lightning_gravac.tables.ROWS_SHARE` of it goes whole. The second all-reduce needs the first's result:
+    it is launched from the hook's thread after waiting for the first, as :class:`LowRank` does, and reading a union's
+    size syncs the host with a CUDA device once a table."""
 
     def send(self, work: Work) -> Future[Tensor]:
         state, tables = work.state, _tables_of(work)
-        touched = torch.cat([work.grads[i].view(rows, -1).ne(0).any(1) for i, rows in tables]).to(torch.uint8)
-        mask_bytes = touched.numel()
-        first = dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=state.process_group, async_op=True).get_future()
-        try:
-            first.wait()
-        except Exception as error:
-            raise failure(state, "all-reduce of the embedding tables' touched rows", error) from error
         chosen: dict[int, Tensor] = {}  # a table's position -> the rows it sends
-        offset = 0
-        for i, rows in tables:
-            union = touched[offset : offset + rows].bool()
-            offset += rows
-            indices = union.nonzero().view(-1)
-            if state.rows.observe(work.names[i], indices.numel(), state.step):
-                chosen[i] = indices
+        mask_bytes = 0
+        if tables:  # else a half step whose tables all go whole this time
+            touched = torch.cat([work.grads[i].view(rows, -1).ne(0).any(1) for i, rows in tables]).to(torch.uint8)
+            mask_bytes = touched.numel()
+            group = state.process_group
+            first = dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=group, async_op=True).get_future()
+            try:
+                first.wait()
+            except Exception as error:
+                raise failure(state, "all-reduce of the embedding tables' touched rows", error) from error
+            offset = 0
+            for i, rows in tables:
+                union = touched[offset : offset + rows].bool()
+                offset += rows
+                indices = union.nonzero().view(-1)
+                if state.rows.observe(work.names[i], indices.numel(), state.step):
+                    chosen[i] = indices
         parts = [
             work.grads[i].view(work.grads[i].shape[0], -1).index_select(0, chosen[i]) if i in chosen else grad
             for i, grad in enumerate(work.grads)
         ]
-        # Divided before summing as `Plain` does, or on a half step cast and then divided as the fp16 rung's `Summed`
-        # does: bit for bit what the whole bucket would have given.
-        payload = torch.cat([part.reshape(-1) for part in parts])
-        if work.half:
-            payload = payload.to(state.cast.wire_dtype).div_(state.world_size)
-        else:
-            payload.mul_(1.0 / state.world_size)
-        second = dist.all_reduce(payload, group=state.process_group, async_op=True).get_future()
-        sent = mask_bytes + payload.numel() * payload.element_size()
+        flat = torch.cat([part.reshape(-1) for part in parts])
 
-        def done(fut: Future[list[Tensor]]) -> Tensor:
-            summed = received_value(fut, state, "all-reduce of the embedding tables' touched rows")[0]
+        def scatter(summed: Tensor) -> Tensor:
             at = 0
             for i, (grad, part) in enumerate(zip(work.grads, parts, strict=True)):
                 values = summed[at : at + part.numel()].view_as(part)
@@ -431,9 +426,32 @@ class RowsReduced(Communicator):
                     grad.view(grad.shape[0], -1).index_copy_(0, chosen[i], values.to(grad.dtype))
                 else:
                     grad.copy_(values)
+            return work.buffer
+
+        if work.half:
+            return _half_rows(work, flat, scatter, mask_bytes)
+        # Divided before summing as `Plain` does: bit for bit what the whole bucket would have given.
+        flat.mul_(1.0 / state.world_size)
+        second = dist.all_reduce(flat, group=state.process_group, async_op=True).get_future()
+        sent = mask_bytes + flat.numel() * flat.element_size()
+
+        def done(fut: Future[list[Tensor]]) -> Tensor:
+            scatter(received_value(fut, state, "all-reduce of the embedding tables' touched rows")[0])
             return _settle_plain(work, work.buffer, sent)
 
         return second.then(done)
+
+
+def _half_rows(work: Work, flat: Tensor, scatter: Callable[[Tensor], Tensor], mask_bytes: int) -> Future[Tensor]:
+    """The half step of :class:`RowsReduced`: cast, then divided, as `Summed` sends the fp16 rung (the same sum), with
+    the header of the values and of what was sent. The cast's rounding is not kept (as torch's fp16 hook keeps none):
+    kept, it would make every row it was left on look touched at the next step, and residuals carried in are dropped
+    once the step is known finite, as on a dense step."""
+    state = work.state
+    wire = flat.to(state.cast.wire_dtype)
+    work.header = Header.pack(sq_norm(flat), [sq_norm(wire.to(flat.dtype))], [], None)
+    wire.div_(state.world_size)
+    return reduce_with_header(work, wire, lambda: scatter(wire), extra_bytes=mask_bytes)
 
 
 def _tables_of(work: Work) -> list[tuple[int, int]]:
@@ -449,7 +467,7 @@ def _settle_plain(work: Work, result: Tensor, bytes_sent: int) -> Tensor:
     moved = bool(work.state.feedback.momentum)
     finite = not (work.pending or moved or work.delivered) or all_finite(result)
     averaged = views_like(result, work.buffer, work.grads) if moved else None
-    return settle(work, bytes_sent, REDUCE, finite=finite, averaged=averaged)
+    return settle(work, bytes_sent, REDUCE, finite=finite, averaged=averaged, lossless=True)
 
 
 class SparseReduced(Communicator):
@@ -501,7 +519,7 @@ def communicator_for(work: Work) -> Communicator:
     if work.buffer.is_sparse:
         return _SPARSE
     if work.plain:
-        return _ROWS if work.rows else _PLAIN
+        return _ROWS if work.rows or work.half else _PLAIN
     if work.dense:
         return _DENSE_PROBED
     if work.method.communication is Communication.ROUNDS:
@@ -574,8 +592,11 @@ def _stack_one(payload: Payload) -> Payload:
     return payload.with_wire([w.unsqueeze(0) for w in payload.wire])
 
 
-def reduce_with_header(work: Work, tensor: Tensor, finish: Callable[[], Tensor]) -> Future[Tensor]:
-    """All-reduce ``tensor`` and the float64 header beside it, then ``finish`` makes the bucket's result."""
+def reduce_with_header(
+    work: Work, tensor: Tensor, finish: Callable[[], Tensor], extra_bytes: int = 0
+) -> Future[Tensor]:
+    """All-reduce ``tensor`` and the float64 header beside it, then ``finish`` makes the bucket's result;
+    ``extra_bytes``: what the bucket sent before (a first round)."""
     assert work.header is not None
     header = work.header
     encode_s = time.perf_counter() - work.start
@@ -587,7 +608,7 @@ def reduce_with_header(work: Work, tensor: Tensor, finish: Callable[[], Tensor])
         dist.all_reduce(tensor, group=group, async_op=True).get_future(),
         dist.all_reduce(header, group=group, async_op=True).get_future(),
     ]
-    sent = tensor.numel() * tensor.element_size() + header.numel() * 8
+    sent = tensor.numel() * tensor.element_size() + header.numel() * 8 + extra_bytes
 
     def done(fut: Future[list[Future[object]]]) -> Tensor:
         all_received(fut, work.state, "all-reduce of the bucket and its header")
@@ -638,6 +659,7 @@ def settle(
     finite: bool = True,
     timing: Timing | None = None,
     averaged: list[Tensor] | None = None,
+    lossless: bool = False,
 ) -> Tensor:
     """Every bucket's end: commit the method's state and hand the outcome to the feedback part (which stores or drops
     the pending residuals and momentum), then record the bucket's statistics.
@@ -646,7 +668,7 @@ def settle(
     result with NaN on every rank, so that a mixed-precision scaler skips it. Without a header (a plain all-reduce,
     whose result already is stock DDP's) the caller says ``finite``. ``averaged``: the averaged gradients of a bucket
     sent dense, for the moved momentum. ``bytes_dense``: what stock DDP would have sent, where it is not the bucket's
-    dense size (a sparse gradient's rows).
+    dense size (a sparse gradient's rows). ``lossless``: the result is the dense all-reduce's, whatever was sent.
     """
     state = work.state
     if header is not None:
@@ -660,7 +682,7 @@ def settle(
     if header is not None and not finite:
         work.buffer.fill_(math.nan)
     dense = work.dense_bytes if bytes_dense is None else bytes_dense
-    record = BucketRecord(bytes_sent=bytes_sent, bytes_dense=dense, collective=collective)
+    record = BucketRecord(bytes_sent=bytes_sent, bytes_dense=dense, collective=collective, lossless=lossless)
     if header is not None:
         record.sq_norm, record.sq_norm_sent = header.basis, header.sent
         record.probe_sq, record.probe_basis = header.probes, header.probe_basis

@@ -8,8 +8,9 @@ path and prepares the bucket as a :class:`~lightning_gravac.strategies.communica
 1. local SGD (from ``state.local_sgd_from``): nothing is sent; pending residuals go into the local step;
 2. a sparse gradient: summed over ranks as stock DDP does;
 3. every factor is 1, no probe is asked for: the plain all-reduce, bit for bit what stock DDP does (residuals left
-   by earlier compressed steps are carried in and dropped once the result is known finite); embedding tables whose
-   step touched few rows go by those rows (the same sum), on a half step too (in fp16);
+   by earlier compressed steps are carried in and dropped once the result is known finite; a method with momentum of
+   its own, DGC, delivers it first); embedding tables whose step touched few rows go by those rows (the same sum),
+   on a half step too (what the fp16 rung's cast gives and keeps);
 4. otherwise its segments (each layer, or the whole bucket) with their factors and methods (on a *half* step,
    ``state.half``, the fp16 cast whatever the factor: the controller's 16-bit rung), the probes of the step's own
    gradient when the controller asks for them, and how error feedback is applied; the communicator of the method's
@@ -68,12 +69,10 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if not state.probe_cfs:
         if dense:
             return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step))
-        # A half step's embedding tables by their rows: fp16 without carrying the rounding (as torch's fp16 hook
-        # sends), where nothing owed or moved depends on the cast's residual.
-        plain_half = state.half and not feedback.momentum and not (state.error_feedback and feedback.owes(names))
-        rows = state.rows.in_bucket(names, state.step) if plain_half else []
-        if rows:
-            return _plain(state, buffer, names, grads, params, rows, half=True)
+        # A half step of a bucket with embedding tables, by their rows where few were touched (`RowsReduced`: the
+        # fp16 rung's sum, its rounding not kept), where no SGD momentum moved into the hook has to follow the cast.
+        if state.half and not feedback.momentum and state.rows.holds_table(names):
+            return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step), half=True)
 
     start = time.perf_counter()
     feedback.local_(names, grads, params)  # this rank's momentum: what is compressed is the update direction
@@ -116,7 +115,8 @@ def _plain(
     carried = state.error_feedback and feedback.owes(names)
     exact = bool(feedback.momentum) and feedback.momentum.in_sync(names) and not carried
     work = Work(state, buffer, [], names, grads, plain=True, params=params, exact=exact, rows=rows, half=half)
-    work.delivered = state.compressor.deliver_(_units(state, names, grads, buffer), step=state.step)
+    if not half:  # a half step sends the cast, as the rung's own path does, not what a method delivers dense
+        work.delivered = state.compressor.deliver_(_units(state, names, grads, buffer), step=state.step)
     if not exact:
         feedback.local_(names, grads, params)
         if state.error_feedback:

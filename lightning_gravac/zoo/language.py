@@ -88,7 +88,8 @@ class RankShares(Dataset):
         self.shares = [Streams(stream[r * share : (r + 1) * share + 1], rows, bptt) for r in range(world)]
 
     def __len__(self) -> int:
-        return self.world * len(self.shares[0])
+        # The last share can be a window shorter (a token fewer): every rank reads as many windows as the shortest.
+        return self.world * min(len(share) for share in self.shares)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
         step, rank = divmod(i, self.world)
