@@ -113,8 +113,9 @@ class GraVACStrategy(DDPStrategy):
         embedding_rows: on a bucket sent dense with nothing probed, or whole in fp16 (the 16-bit rung), send an
             embedding table (``nn.Embedding``, ``nn.EmbeddingBag`` with a dense gradient, not tied to another layer)
             by the rows some rank's step touched: first which rows (a byte a row), then those rows; the others are
-            zero on every rank, so the sum is the whole table's (bit for bit on two ranks) and error feedback keeps
-            the same. Where a step touches more than half of a table, it goes whole. ``False``: whole tables.
+            zero on every rank, so the sum is the whole table's (bit for bit on two ranks). Where a step touches more
+            than half of a table, it goes whole. On a half step a bucket with a table keeps no fp16 rounding (a
+            rounding left on a row would make it look touched). ``False``: whole tables.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
