@@ -326,8 +326,9 @@ def use_sgd_cosine(model: pl.LightningModule, lr: float, momentum: float, steps:
 
 class Recorder(Callback):
     """Per step: the ranks' mean loss (smoothed), the factor, the wall time; stops every rank together at the cap.
-    Every ``eval_every`` steps (0: never) the held-out metric on every rank (the same model on each), its time left
-    out of the run's clock."""
+    Every ``eval_every`` steps (0: never) the held-out metric on every rank (the same model on each), at the start of
+    the next batch, before any controller starts timing it, on a forked random stream, its time left out of the run's
+    clock: the run's trajectory and decisions are those it has without evaluations."""
 
     def __init__(self, cap: float, held: Any = None, task: str = "", eval_every: int = 0) -> None:
         self.cap = cap
@@ -336,6 +337,7 @@ class Recorder(Callback):
         self.steps: list[tuple[float, float, float]] = []  # wall s at the step's end, smoothed loss, factor sent
         self.held, self.task, self.eval_every = held, task, eval_every
         self.evals: list[tuple[int, dict[str, float]]] = []  # (steps done, held-out metric)
+        self._due = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # At fit start, before the controllers' (this callback comes first): a controller's setup work counts.
@@ -352,14 +354,16 @@ class Recorder(Callback):
         if shared[1].item() > 0:
             trainer.should_stop = True
         done = len(self.steps)
-        if self.eval_every and done % self.eval_every == 0 and done < (trainer.max_steps or 0):
-            paused = time.perf_counter()
-            self.evals.append((done, _evaluate(pl_module, self.held, self.task)))
+        self._due = bool(self.eval_every) and done % self.eval_every == 0 and done < (trainer.max_steps or 0)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._fill(trainer)
+        if self._due:
+            self._due, paused = False, time.perf_counter()
+            with torch.random.fork_rng(devices=[]):
+                self.evals.append((len(self.steps), _evaluate(pl_module, self.held, self.task)))
             pl_module.train()
             self.start += time.perf_counter() - paused
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._fill(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fill(trainer)
