@@ -601,24 +601,24 @@ def tables(cells: dict[str, Any], tasks: list[str], links: list[str], rows: list
         target = cells[f"{task}|{links[0]}"]["target"]
         lines.append(f"\nTarget: smoothed training loss {target:.4f}. `*`: projected. (x): regret, time over the "
                      "fastest fixed factor's that keeps fidelity on that link.")  # fmt: skip
-        lines += ["\n| row | " + " | ".join(f"{link}: the whole budget s (x dense)" for link in links) + " |",
-                  "| --- | " + " | ".join("---:" for _ in links) + " |"]  # fmt: skip
-        for row in rows:
-            budgets = []
-            for link in links:
-                here, dense = cells[f"{task}|{link}"][row], cells[f"{task}|{link}"].get("dense DDP", {})
-                b, d = here.get("budget_seconds"), dense.get("budget_seconds")
-                budgets.append("-" if b is None else f"{b:.1f}" + (f" ({b / d:.2f}x)" if d else ""))
-            lines.append(f"| {row} | " + " | ".join(budgets) + " |")
-        lines += ["\n| row | " + " | ".join(f"{link}: to dense's final held-out metric s (x dense)" for link in links)
-                  + " |", "| --- | " + " | ".join("---:" for _ in links) + " |"]  # fmt: skip
-        for row in rows:
-            times = []
-            for link in links:
-                here, dense = cells[f"{task}|{link}"][row], cells[f"{task}|{link}"].get("dense DDP", {})
-                t, d = here.get("to_final"), dense.get("to_final")
-                times.append("never" if t is None else f"{t:.1f}" + (f" ({t / d:.2f}x)" if d else ""))
-            lines.append(f"| {row} | " + " | ".join(times) + " |")
+        lines += _seconds_table(cells, task, links, rows, "budget_seconds", "the whole budget", "-")
+        lines += _seconds_table(cells, task, links, rows, "to_final", "to dense's final held-out metric", "never")
+    return lines
+
+
+def _seconds_table(
+    cells: dict[str, Any], task: str, links: list[str], rows: list[str], key: str, what: str, missing: str
+) -> list[str]:
+    """A task's table of each row's seconds under ``key`` on each link, over dense's (``missing`` where none)."""
+    lines = ["\n| row | " + " | ".join(f"{link}: {what} s (x dense)" for link in links) + " |",
+             "| --- | " + " | ".join("---:" for _ in links) + " |"]  # fmt: skip
+    for row in rows:
+        values = []
+        for link in links:
+            here, dense = cells[f"{task}|{link}"][row], cells[f"{task}|{link}"].get("dense DDP", {})
+            t, d = here.get(key), dense.get(key)
+            values.append(missing if t is None else f"{t:.1f}" + (f" ({t / d:.2f}x)" if d else ""))
+        lines.append(f"| {row} | " + " | ".join(values) + " |")
     return lines
 
 
