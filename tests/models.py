@@ -346,3 +346,58 @@ def regression_data(n: int, seed: int) -> TensorDataset:
     w1, w2 = torch.randn(16, 32, generator=teacher) / 4, torch.randn(32, 4, generator=teacher) / 32**0.5
     x = torch.randn(n, 16, generator=torch.Generator().manual_seed(seed))
     return TensorDataset(x, torch.tanh(x @ w1) @ w2)
+
+
+class LinkOf(GraVAC):
+    """The default controller (model search) on a scripted link of ``bits_per_second``: the fit-start probe, a step's
+    seconds (``compute`` plus the bytes sent) and compression (free) are modelled: its decisions are deterministic."""
+
+    def __init__(self, bits_per_second: float, compute: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.per_byte, self.compute = 8 / bits_per_second, compute
+
+    def step_seconds(self, stats: StepStats) -> float:
+        return self.compute + stats.bytes_sent * self.per_byte
+
+    def compress_seconds(self, stats: StepStats) -> float:
+        return 0.0
+
+    def measure_link(self, trainer: pl.Trainer) -> tuple[float, float]:
+        return 0.0, self.per_byte
+
+    def measure_half(self, trainer: pl.Trainer) -> tuple[float, float]:
+        return self.per_byte, 0.0
+
+
+class OneCycleRegression(pl.LightningModule):
+    """A ReLU MLP regressing targets of scale ``scale`` with SGD (weight decay 1e-4) under ``OneCycleLR`` up to
+    ``max_lr``, its momentum cycled 0.85-0.95: a run near the edge of stability, where users' schedules live."""
+
+    def __init__(self, max_lr: float = 0.085, steps: int = 40, width: int = 256) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+        )
+        self.max_lr, self.steps = max_lr, steps
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.mse_loss(self(batch[0]), batch[1])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.max_lr / 25, momentum=0.9, weight_decay=1e-4)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=self.max_lr, total_steps=self.steps, base_momentum=0.85, max_momentum=0.95
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def one_cycle_loader(scale: float = 10.0, batch_size: int = 32) -> DataLoader:
+    """The teacher's targets scaled and shifted by ``scale``, for :class:`OneCycleRegression`."""
+    x, y = teacher_dataset(4096).tensors
+    return DataLoader(TensorDataset(x, scale * y + scale), batch_size=batch_size, shuffle=True)

@@ -82,17 +82,17 @@ def _by_registry_name(rank, world_size):
     _, trainer = _fit(world_size, "gravac", [record], steps=3)
     controllers = [c for c in trainer.callbacks if isinstance(c, Controller)]
     first = record.history[0]["gravac/cf"]
-    return type(trainer.strategy).__name__, [repr(c) for c in controllers], first, controllers[0].cf_max
+    return type(trainer.strategy).__name__, [repr(c) for c in controllers], first
 
 
 @pytest.mark.distributed
 def test_registry_name_runs_with_the_default_controller():
-    for strategy, controllers, cf, cf_max in run_distributed(_by_registry_name):
+    for strategy, controllers, cf in run_distributed(_by_registry_name):
         assert strategy == "GraVACStrategy"
         # The default controller, its factors fitted to the method the default sends (QSGD: plain SGD, dense model).
         (controller,) = controllers
         assert controller.startswith("GraVAC(cf_min=3.96899, cf_max=15.5152") and controller.endswith("budget=True)")
-        assert cf == cf_max  # on the probed link, the first window sends the most aggressive factor
+        assert cf == 1.0  # a loopback: a dense first step costs far less than 20 ms more than a compressed one
 
 
 @pytest.mark.parametrize(("method", "held"), [("none", 1.0), ("fp16", 2.0), ("bf16", 2.0), ("signsgd", 32.0),

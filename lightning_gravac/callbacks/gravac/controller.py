@@ -166,6 +166,10 @@ class GraVAC(Controller):
         self._probe_bytes, self.model_bytes = PROBE_BYTES[1], 0
         #: Whether the next observed step is a fit's first, whose time is not tallied (set at fit start).
         self.warm_up = False
+        #: The slowest rank's seconds of a fit's first step and the factor it sent, which the first window decides
+        #: from (model search on a probed link; ``None`` before it), and this rank's seconds of it.
+        self.first_step: tuple[float, float] | None = None
+        self.first_step_local = 0.0
         #: The ranks (set at setup), this rank's samples in the step under way, and the last step's dense bytes.
         self.world_size, self.batch_size, self._step_start, self.bytes_dense = 1, 1, 0.0, 0
 
@@ -234,6 +238,7 @@ class GraVAC(Controller):
             self.budget_steps = float(trainer.estimated_stepping_batches)
             fit_to_budget(self)
         self.warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
+        self.first_step = None
         if self.link_probe and trainer.world_size > 1:
             probe_at_fit_start(self, trainer, fresh)
             if fresh:

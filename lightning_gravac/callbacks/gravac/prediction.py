@@ -100,11 +100,49 @@ def predicted_throughput(c: "GraVAC", cf: float, dense_bytes: float) -> float:
     return c.world_size * c.batch_size * progress_per_second(c, cf, dense_bytes)
 
 
+#: The least share of a dense step a lossy step must be predicted to save to be sent: below it the saving is within
+#: the spread of a step's time on a shared machine, and the step would spend accuracy for nothing measurable.
+MIN_SAVING = 0.1
+
+
+def saves_enough(seconds: float, dense_seconds: float) -> bool:
+    """Whether a lossy step predicted at ``seconds`` saves at least :data:`MIN_SAVING` of a dense step's."""
+    return seconds <= (1 - MIN_SAVING) * dense_seconds
+
+
+#: The most a fit's first step may be predicted to cost beyond the mildest factor's and still be sent dense, before a
+#: step's computation is known: paid once a fit, it is below 2% of any run worth distributing (100 steps of 10 ms).
+FIRST_STEP_EXTRA = 0.02
+
+
+def first_window_choice(c: "GraVAC", mildest: float) -> float:
+    """Dense or ``mildest`` for a step of the first window, on the fit-start probe's link: before a step's
+    computation is known, dense where its communication costs at most :data:`FIRST_STEP_EXTRA` more; then, with the
+    rest of the step taken from the slowest rank's first step (``c.first_step``: its seconds less the communication
+    predicted for what it sent, compression counted as computation, which leans towards dense), ``mildest`` only where
+    it saves :data:`MIN_SAVING` of a step."""
+    link, dense_bytes = probed_link(c.probed, c.search_state.buckets), c.bytes_dense or c.model_bytes
+    if link is None or mildest == DENSE or not dense_bytes:
+        return mildest
+    if c.first_step is None:
+        extra = predicted_seconds(c, link, DENSE, dense_bytes) - predicted_seconds(c, link, mildest, dense_bytes)
+        return DENSE if extra <= FIRST_STEP_EXTRA else mildest
+    seconds, sent = c.first_step
+    link.other_seconds = max(0.0, seconds - predicted_seconds(c, link, sent, dense_bytes))
+    dense, lossy = (predicted_seconds(c, link, cf, dense_bytes) for cf in (DENSE, mildest))
+    return mildest if saves_enough(lossy, dense) else DENSE
+
+
 def best_predicted(c: "GraVAC") -> float:
     """The factor of highest predicted progress a second among dense, the rungs and the factors of the ladder whose
-    gain reaches ``epsilon`` and whose entries wait within the budget."""
-    gains = c.search_state.gains
-    eligible = [DENSE, *c.rungs] + [cf for cf in c.ladder if gains.get(cf, 0.0) >= c.epsilon and within_budget(c, cf)]
+    gain reaches ``epsilon``, whose entries wait within the budget and which save at least :data:`MIN_SAVING` of a
+    dense step."""
+    gains, link, dense_bytes = c.search_state.gains, c.search_state.link, c.bytes_dense
+    lossy = [*c.rungs] + [cf for cf in c.ladder if gains.get(cf, 0.0) >= c.epsilon and within_budget(c, cf)]
+    if link is not None:
+        dense = predicted_seconds(c, link, DENSE, dense_bytes)
+        lossy = [cf for cf in lossy if saves_enough(predicted_seconds(c, link, cf, dense_bytes), dense)]
+    eligible = [DENSE, *lossy]
     # Ranked without the samples a step (N x this rank's batch, which a last batch can make differ between ranks):
     # every term left is the same on every rank, so is the choice.
     return max(eligible, key=lambda cf: (progress_per_second(c, cf, c.bytes_dense), -cf))
@@ -130,5 +168,5 @@ def say_choice(c: "GraVAC", previous: float | None) -> None:
     if c.cf != DENSE:
         why += f" and this one at {1e3 * predicted_seconds(c, link, c.cf, dense_bytes):.1f} ms"
     if previous is None and c.cf != DENSE:
-        why += " (until the first window has measured the gains, the most aggressive factor)"
+        why += " (the mildest factor, until a step has measured the computation)"
     rank_zero_info(f"GraVAC: {when}: sending {sending}: {why}.")

@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_gravac.callbacks.gravac.cost import DENSE, Measured
 from lightning_gravac.callbacks.gravac.ladder import next_scale, within_budget
-from lightning_gravac.callbacks.gravac.prediction import best_predicted, fit_step_model, predicted_seconds
+from lightning_gravac.callbacks.gravac.prediction import (
+    best_predicted,
+    first_window_choice,
+    fit_step_model,
+    predicted_seconds,
+)
 
 if TYPE_CHECKING:
     from lightning_gravac.callbacks.gravac.controller import GraVAC
@@ -124,11 +129,10 @@ class Model(SearchRule):
         if c.search_state.link is not None:
             return best_predicted(c)
         if c.probed is not None:
-            # The first window, on a measured link: the step's cost is not known yet, the gains may not be either. Send
-            # the most aggressive eligible factor, the cheapest on any link: error feedback keeps what it leaves for
-            # later, and a few steps at it cost no accuracy (the first decision follows the window).
+            # The first window, on a measured link, while the gains are being measured: the first steps of training
+            # are its most sensitive, so dense or the mildest eligible factor, whichever the link justifies.
             eligible = [cf for cf in c.ladder if gains.get(cf, 1.0) >= c.epsilon and within_budget(c, cf)]
-            return max(eligible, default=DENSE)
+            return first_window_choice(c, min(eligible, default=DENSE))
         return SEARCHES["sequential"].choose(c)  # no link measured: the paper's rule until the first fit
 
     def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:

@@ -37,6 +37,8 @@ def record_step(c: "GraVAC", stats: StepStats) -> bool:
         # What a step sends beyond dense/cf: headers, at least one entry a tensor, rounding to whole entries.
         s.payload_fixed = max(0.0, stats.bytes_sent - stats.bytes_dense / c.cf)
     seconds = c.step_seconds(stats)
+    if c.first_step is None:
+        c.first_step_local = seconds
     if c.warm_up:  # a fit's first step allocates, builds DDP's buckets, warms caches: not a step's cost
         c.warm_up = False
         return bool(gains)
@@ -60,6 +62,10 @@ def after_step(c: "GraVAC", reduce: Reduce | None, probed: bool) -> None:
     factor, space the probes, and say a change of regime. ``reduce`` is ``None`` without a trainer (one process)."""
     s = c.search_state
     probed = probed and s.windows > 0  # the first window probes every step: no back-off from those
+    if c.first_step is None and s.link is None and c.probed is not None:
+        # The first window's choice needs a step's computation: the slowest rank's first step, the same on every rank.
+        local = torch.tensor([c.first_step_local], dtype=torch.float64)
+        c.first_step = (float((local if reduce is None else reduce(local, dist.ReduceOp.MAX))[0]), c.cf)
     if c.interval == "step":
         s.progress += 1
         if s.progress >= c.window_length:
