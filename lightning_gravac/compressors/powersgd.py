@@ -237,6 +237,7 @@ class _Factors(Rounds):
                 method.project(m, r, part.key) for part, m, r in zip(self.parts, self.matrices, ranks, strict=True)
             ]
             return self.ps
+        # Step 2, the communicator's: P all-reduced, `summed` begins with it.
         # Step 3: the summed P orthonormalized (in place: step 5 reads it), Q = M^T P, and what this rank keeps.
         offset = 0
         for part, p, m in zip(self.parts, self.ps, self.matrices, strict=True):
@@ -249,7 +250,7 @@ class _Factors(Rounds):
                 if m.data_ptr() != part.tensor.data_ptr():  # not fp32: `m` was a copy
                     part.tensor.copy_(m.view_as(part.tensor))
             self.qs.append(q)
-        return self.qs
+        return self.qs  # step 4, the communicator's: Q all-reduced with the header
 
     @override
     def sent_sq_norms(self) -> list[Tensor]:

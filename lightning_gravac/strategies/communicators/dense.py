@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
+from typing_extensions import override
 
 from lightning_gravac.compressors.base import all_finite, sq_norm
 from lightning_gravac.state import REDUCE
@@ -26,6 +27,7 @@ class DenseProbed(Communicator):
     """Every factor is 1 while the controller measures what compression would keep: the error-fed bucket is sent
     dense with the header (the residuals it carried are sent in full and dropped)."""
 
+    @override
     def send(self, work: Work) -> Future[Tensor]:
         state, probe_cfs = work.state, work.probe_cfs
         probes = []
@@ -47,6 +49,7 @@ class Plain(Communicator):
     sent in full; the moved momentum applies after the all-reduce (``work.exact``) or moved before it; a method's own
     momentum was delivered into the bucket before it (``work.delivered``)."""
 
+    @override
     def send(self, work: Work) -> Future[Tensor]:
         state = work.state
         # Multiply by 1/N exactly as DDP's reducer does without a hook (``mul_out(bucket, grad, 1.0 / N)``), so the
@@ -71,6 +74,7 @@ class RowsReduced(Communicator):
     it is launched from the hook's thread after waiting for the first, as :class:`~.in_rounds.InRounds` launches its
     rounds, and reading a union's size syncs the host with a CUDA device once a table."""
 
+    @override
     def send(self, work: Work) -> Future[Tensor]:
         state, tables = work.state, _tables_of(work)
         chosen: dict[int, Tensor] = {}  # a table's position -> the rows it sends
@@ -156,6 +160,7 @@ class SparseReduced(Communicator):
     touched; compression, error feedback and momentum correction work on dense gradients and leave it alone (the
     strategy keeps such a parameter's momentum in the optimizer)."""
 
+    @override
     def send(self, work: Work) -> Future[Tensor]:
         state = work.state
         work.buffer.div_(state.world_size)
@@ -176,6 +181,7 @@ class LocalSGD(Communicator):
     """Local SGD: this rank's own gradient, nothing sent (the strategy averages the parameters periodically); recorded
     by its dense size, the same on every rank."""
 
+    @override
     def send(self, work: Work) -> Future[Tensor]:
         future: Future[Tensor] = Future()
         future.set_result(settle(work, 0, REDUCE))

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
+from typing_extensions import override
 
 from lightning_gravac.compressors.base import sq_norm
 from lightning_gravac.compressors.rounds import MultiRound
@@ -22,6 +23,7 @@ class InRounds(Communicator):
     first round's all-reduce carries the segments it does not take, sent dense; each round but the last is waited for
     before the next one is computed; the last one goes with the header."""
 
+    @override
     def send(self, work: Work) -> Future[Tensor]:
         state, method = work.state, work.method
         assert isinstance(method, MultiRound)
@@ -29,15 +31,15 @@ class InRounds(Communicator):
         fed_sq = _error_feed(work)
         taken = [s.compressor is method and method.takes(s.tensor) for s in work.segments]
         parts = [s for s, flag in zip(work.segments, taken, strict=True) if flag]
-        full = [s for s, flag in zip(work.segments, taken, strict=True) if not flag]
+        dense = [s for s, flag in zip(work.segments, taken, strict=True) if not flag]
         rounds = method.rounds(parts, residual=state.error_feedback)
         payload = rounds.payload(0, None)
         probe_cfs = work.probe_cfs
         probes = [method.probe(s.tensor, probe_cfs, key=s.key) for s in work.segments] if probe_cfs else []
         norms = {s.key: _known_or(fed_sq.get(s.key), s.tensor) for s in work.segments}
         basis = torch.stack(list(norms.values())).sum()
-        dense_sq = torch.stack([norms[s.key] for s in full]).sum() if full else basis.new_zeros(())
-        flat = torch.cat([t.view(-1) for t in payload] + [s.tensor.reshape(-1).float() / world for s in full])
+        dense_sq = torch.stack([norms[s.key] for s in dense]).sum() if dense else basis.new_zeros(())
+        flat = torch.cat([t.view(-1) for t in payload] + [s.tensor.reshape(-1).float() / world for s in dense])
         sent_bytes = flat.numel() * flat.element_size() + Header.numel(len(state.probe_cfs), work.fresh is not None) * 8
         encode_s = time.perf_counter() - work.start
         launched = time.perf_counter()
@@ -57,7 +59,7 @@ class InRounds(Communicator):
                 summed = _all_reduced(work, flat, index, rounds.count)
         for s in parts if state.error_feedback else ():
             work.pending[s.key] = s.tensor  # turned into its residual by the rounds
-        for s in full:
+        for s in dense:
             work.pending[s.key] = None
         work.header = header = Header.pack(basis, [dense_sq, *rounds.sent_sq_norms()], probes, work.fresh)
         last = flat
@@ -68,8 +70,8 @@ class InRounds(Communicator):
         def finish(both: Future[list[Future[Tensor]]]) -> Tensor:
             all_received(both, state, f"all-reduce of round {rounds.count} of {rounds.count} and the header")
             rounds.finish(last, world)
-            offset = first.numel() - sum(s.tensor.numel() for s in full)
-            for s in full:
+            offset = first.numel() - sum(s.tensor.numel() for s in dense)
+            for s in dense:
                 s.out.view(-1).copy_(first[offset : offset + s.tensor.numel()])
                 offset += s.tensor.numel()
             received = time.perf_counter()

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
+from typing_extensions import override
 
 from lightning_gravac.compressors.base import Payload
 from lightning_gravac.compressors.packing import Layout
@@ -29,6 +30,7 @@ class OneRound(Communicator):
     """A pattern whose payloads are computed in one go before any collective: error feedback, compression, probes,
     residuals and the header of every segment (:func:`encode`), then :meth:`exchange`."""
 
+    @override
     def send(self, work: Work) -> Future[Tensor]:
         state, probe_cfs = work.state, work.probe_cfs
         basis, sent, probes = [], [], []
@@ -67,6 +69,7 @@ class Gathered(OneRound):
     """Packed payloads all-gathered with the header and decoded rank by rank; or, when that moves more bytes than a
     ring all-reduce of the dense bucket (``N x payload >= 2 x dense``), decoded locally and all-reduced."""
 
+    @override
     def exchange(self, work: Work) -> Future[Tensor]:
         assert work.header is not None
         layout = Layout.of(work.payloads, header_numel=work.header.numel())
@@ -96,6 +99,7 @@ class Summed(OneRound):
     """Payloads that share support across ranks, summed by one all-reduce (with the header beside it) and decoded
     once."""
 
+    @override
     def wire_views(self, work: Work) -> list[Tensor | None]:
         # Payloads of one dtype written straight into the bucket's recycled buffer (the casts): no payload is
         # allocated and none is copied into the buffer the all-reduce sends.
@@ -107,6 +111,7 @@ class Summed(OneRound):
         work.wire = work.state.wire_buffer(work.names[0], sum(sizes), dtype, work.buffer.device)
         return list(work.wire.split(sizes))
 
+    @override
     def exchange(self, work: Work) -> Future[Tensor]:
         # Divide before summing: a half-precision sum of N undivided gradients can overflow.
         if work.wire is not None:
