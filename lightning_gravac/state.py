@@ -45,6 +45,8 @@ def gathers(payload_bytes: float, dense_bytes: float, world_size: int) -> bool:
 
 #: The factor of a ``half`` step: fp16 on the wire from an fp32 gradient.
 HALF = 2.0
+#: The factor of a dense step: the gradient as it is.
+DENSE = 1.0
 
 
 @dataclass

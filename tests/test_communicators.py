@@ -20,7 +20,7 @@ from lightning_gravac.strategies.communicators import (
     DenseProbed,
     Gathered,
     Header,
-    LowRank,
+    InRounds,
     Segment,
     Summed,
     Work,
@@ -88,7 +88,7 @@ def test_each_communicator_averages_its_bucket_and_keeps_what_it_did_not_send():
     ranks = run_distributed(_all)
     expected = {  # (communicator, collective) of each step
         "gathered": [(Gathered, GATHER)] * 2, "reduced-decoded": [(Gathered, REDUCE)] * 2,
-        "summed": [(Summed, REDUCE)] * 2, "low-rank": [(LowRank, REDUCE)] * 2,
+        "summed": [(Summed, REDUCE)] * 2, "low-rank": [(InRounds, REDUCE)] * 2,
         "dense-probed": [(Gathered, GATHER), (DenseProbed, REDUCE)],
     }  # fmt: skip
     for case, steps in expected.items():
@@ -164,11 +164,11 @@ def test_encode_error_feeds_compresses_and_leaves_the_residual_the_same_way_in_e
         assert copy.basis == copy.payload.basis
 
 
-def test_low_rank_is_the_communicator_of_powersgd_only():
+def test_in_rounds_is_the_communicator_of_powersgd_only():
     state = CompressionState(PowerSGD(), error_feedback=True)
     g = torch.zeros(4, 4)
     work = Work(state, g.view(-1), [Segment("w", g, 4.0, state.compressor, g)], ["w"], [g])
-    assert isinstance(communicator_for(work), LowRank)
+    assert isinstance(communicator_for(work), InRounds)
     state.half = True
     half = Work(state, g.view(-1), [Segment("w", g, 2.0, state.cast, g)], ["w"], [g])
     assert isinstance(communicator_for(half), Summed)  # a half step is a cast, whatever the method

@@ -11,9 +11,7 @@ from typing_extensions import override
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.state import CompressionState, StepStats
-
-DENSE = 1.0
+from lightning_gravac.state import DENSE, CompressionState, StepStats
 
 
 class Accordion(Controller):

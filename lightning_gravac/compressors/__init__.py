@@ -2,8 +2,8 @@
 
 from lightning_gravac.compressors.adaq import AdaQ
 from lightning_gravac.compressors.base import (
-    Communication,
     Compressor,
+    Pattern,
     Payload,
     get_compressor,
     list_compressors,
@@ -21,6 +21,7 @@ from lightning_gravac.compressors.powersgd import PowerSGD
 from lightning_gravac.compressors.qsgd import QSGD
 from lightning_gravac.compressors.randomk import RandomK
 from lightning_gravac.compressors.redsync import RedSync
+from lightning_gravac.compressors.rounds import MultiRound, Rounds
 from lightning_gravac.compressors.sidco import SIDCo
 from lightning_gravac.compressors.signsgd import SignSGD
 from lightning_gravac.compressors.terngrad import TernGrad
@@ -33,16 +34,18 @@ __all__ = [
     "FP16",
     "QSGD",
     "AdaQ",
-    "Communication",
     "Compressor",
     "EFSignSGD",
+    "MultiRound",
     "Natural",
     "NoCompression",
     "OneBit",
+    "Pattern",
     "Payload",
     "PowerSGD",
     "RandomK",
     "RedSync",
+    "Rounds",
     "SIDCo",
     "SignSGD",
     "TernGrad",

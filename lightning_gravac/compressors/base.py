@@ -58,9 +58,10 @@ class Payload:
         return Payload(tuple(wire), self.shape, self.dtype, self.local, self.basis)
 
 
-class Communication(Enum):
+class Pattern(Enum):
     """How a method's payloads cross the network: the comm hook hands a compressed bucket to the communicator of the
-    pattern its method declares (``lightning_gravac.strategies.communicators``)."""
+    pattern its method declares (``lightning_gravac.strategies.communicators``). What the bucket then took, a gather
+    or an all-reduce, is recorded apart (``lightning_gravac.state.Collective``)."""
 
     #: Packed payloads all-gathered and decoded rank by rank, or (when that moves more bytes than a ring all-reduce of
     #: the dense bucket) decoded locally and all-reduced: Top-K, DGC, the quantizers.
@@ -68,7 +69,8 @@ class Communication(Enum):
     #: Payloads summed element-wise by an all-reduce and decoded once: they share support across ranks (Random-K's
     #: seeded indices, a cast's every entry).
     SUM = "sum"
-    #: Several rounds whose later payloads depend on earlier sums (PowerSGD: ``P``, then ``Q``).
+    #: Several all-reduces whose later payloads depend on earlier sums, for a method that implements
+    #: :class:`~lightning_gravac.compressors.rounds.MultiRound` (PowerSGD: ``P``, then ``Q``).
     ROUNDS = "rounds"
 
 
@@ -82,7 +84,7 @@ class Compressor(ABC):
         name: the registry name (``get_compressor(name)``).
         biased: whether the method is biased; error feedback defaults to on for biased methods.
         passthrough: whether the method sends the gradient unchanged; the hook then uses plain all-reduce.
-        communication: how the payloads travel (:class:`Communication`): gathered (the default), summed by an
+        communication: how the payloads travel (:class:`Pattern`): gathered (the default), summed by an
             all-reduce (payloads that share support across ranks, as Random-K's seeded indices do), or in rounds.
         owns_feedback: whether the method keeps its own residual (DGC's accumulation), so that the strategy's error
             feedback must stay off.
@@ -101,7 +103,7 @@ class Compressor(ABC):
 
     name: ClassVar[str]
     biased: bool = True
-    communication: ClassVar[Communication] = Communication.GATHER
+    communication: ClassVar[Pattern] = Pattern.GATHER
     passthrough: ClassVar[bool] = False
     owns_feedback: ClassVar[bool] = False
     requires_feedback: ClassVar[bool] = False
@@ -113,7 +115,7 @@ class Compressor(ABC):
     @property
     def summable(self) -> bool:
         """Whether the payloads of different ranks are summed element-wise by an all-reduce and decoded once."""
-        return self.communication is Communication.SUM
+        return self.communication is Pattern.SUM
 
     @property
     def error_feedback_default(self) -> bool:

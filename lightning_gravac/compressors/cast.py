@@ -8,8 +8,8 @@ from torch import Tensor
 
 from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import (
-    Communication,
     Compressor,
+    Pattern,
     Payload,
     note_clamped,
     register_compressor,
@@ -30,7 +30,7 @@ class _Cast(Compressor):
     fixed_cf = 2.0
     wire_dtype: ClassVar[torch.dtype]
     biased = False
-    communication = Communication.SUM
+    communication = Pattern.SUM
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         out = torch.empty(tensor.numel(), dtype=self.wire_dtype, device=tensor.device)

@@ -2,7 +2,7 @@
 
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Communication, Compressor, Payload, register_compressor, sq_norm
+from lightning_gravac.compressors.base import Compressor, Pattern, Payload, register_compressor, sq_norm
 
 
 @register_compressor
@@ -15,7 +15,7 @@ class NoCompression(Compressor):
     near_lossless = True
     name = "none"
     biased = False
-    communication = Communication.SUM
+    communication = Pattern.SUM
     passthrough = True
 
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:

@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-from lightning_gravac.compressors.base import Communication, Compressor, Payload, register_compressor, sparse_k, sq_norm
+from lightning_gravac.compressors.base import Compressor, Pattern, Payload, register_compressor, sparse_k, sq_norm
 from lightning_gravac.compressors.select import distinct_indices, seeded_generator
 
 
@@ -22,7 +22,7 @@ class RandomK(Compressor):
     """
 
     name = "randomk"
-    communication = Communication.SUM
+    communication = Pattern.SUM
 
     def __init__(self, seed: int = 0, unbiased: bool = False) -> None:
         self.seed = seed

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gravac.compressors.base import Communication, sq_norm
+from lightning_gravac.compressors.base import Pattern, sq_norm
 from lightning_gravac.feedback import FeedMode
 from lightning_gravac.state import HALF, CompressionState
 from lightning_gravac.strategies.communicators import Segment, Work, communicator_for
@@ -50,7 +50,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     buffer = bucket.buffer()
     local = state.local_sgd_from is not None and state.step >= state.local_sgd_from
     if buffer.is_sparse:  # a sparse gradient (`nn.Embedding(sparse=True)`): DDP gives it a bucket of its own
-        sparse = Work(state, buffer, [], [], [], local=local)
+        sparse = Work(state, buffer, [], [], [], local_sgd=local)
         return communicator_for(sparse).send(sparse)
     names = [state.param_names[id(p)] for p in bucket.parameters()]
     grads = bucket.gradients()
@@ -58,7 +58,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if local:
         if state.error_feedback:  # what compression still owed goes into the local step
             feedback.flush_(names, grads)
-        work = Work(state, buffer, [], names, grads, local=True)
+        work = Work(state, buffer, [], names, grads, local_sgd=True)
         return communicator_for(work).send(work)
 
     # A half step sends every parameter in fp16, a factor of 2 (the controller's 16-bit rung).
@@ -87,7 +87,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if state.error_feedback:
         mode = "copy"
         if state.granularity == "layer" and not dense:
-            rounds = state.compressor.communication is Communication.ROUNDS and not state.half
+            rounds = state.compressor.communication is Pattern.ROUNDS and not state.half
             mode = "recycle" if rounds else "in_place"
         if mode == "copy":
             feedback.carry_(names, grads)

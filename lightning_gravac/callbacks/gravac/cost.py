@@ -2,9 +2,7 @@
 
 from dataclasses import dataclass
 
-from lightning_gravac.state import StepStats, gathers, ring_share
-
-DENSE = 1.0
+from lightning_gravac.state import DENSE, StepStats, gathers, ring_share
 
 
 @dataclass
