@@ -401,3 +401,28 @@ def one_cycle_loader(scale: float = 10.0, batch_size: int = 32) -> DataLoader:
     """The teacher's targets scaled and shifted by ``scale``, for :class:`OneCycleRegression`."""
     x, y = teacher_dataset(4096).tensors
     return DataLoader(TensorDataset(x, scale * y + scale), batch_size=batch_size, shuffle=True)
+
+
+def clusters(n: int = 4096, n_in: int = 32, classes: int = 8, seed: int = 0) -> TensorDataset:
+    """``n`` points of ``classes`` overlapping Gaussian clusters in ``n_in`` dimensions, and their cluster."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(classes, n_in, generator=g)
+    labels = torch.randint(0, classes, (n,), generator=g)
+    return TensorDataset(centers[labels] + 1.5 * torch.randn(n, n_in, generator=g), labels)
+
+
+class ClusterClassifier(pl.LightningModule):
+    """A ReLU MLP (two hidden layers of 256) classifying :func:`clusters`, plain SGD at ``lr``."""
+
+    def __init__(self, lr: float = 0.05, n_in: int = 32, classes: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(n_in, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes)
+        )
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -439,16 +439,17 @@ def test_signsgd_majority_vote_and_efsignsgd_scale():
     out = torch.zeros(4)
     c.aggregate_(out, stacked, scale=1 / 3)  # the hook averages: the vote must survive the 1/N
     assert out.tolist() == [1.0, 1.0, 1.0, -1.0]
-    # The default scales the vote by the ranks' mean of their mean magnitudes: (1.625 + 1.025 + 2.25) / 3.
+    # The default scales the vote by the ranks' mean of their root-mean-square entries: sqrt(||g||^2 / 4) each.
     scaled = get_compressor("signsgd")
     payloads = [scaled.compress(g, cf=32) for g in ranks]
-    assert [float(p.wire[1]) for p in payloads] == pytest.approx([1.625, 1.025, 2.25])
+    rms = [(14.25 / 4) ** 0.5, (6.01 / 4) ** 0.5, (27.0 / 4) ** 0.5]
+    assert [float(p.wire[1]) for p in payloads] == pytest.approx(rms)
     stacked = payloads[0].with_wire([torch.stack([p.wire[i] for p in payloads]) for i in range(2)])
     out = torch.zeros(4)
     scaled.aggregate_(out, stacked, scale=1 / 3)
-    assert out.tolist() == pytest.approx([4.9 / 3, 4.9 / 3, 4.9 / 3, -4.9 / 3])
-    assert scaled.decompress(payloads[0]).tolist() == [1.625, -1.625, 1.625, -1.625]
-    assert float(scaled.sent_sq_norm(payloads[0])) == pytest.approx(4 * 1.625**2)
+    assert out.tolist() == pytest.approx([sum(rms) / 3, sum(rms) / 3, sum(rms) / 3, -sum(rms) / 3])
+    assert scaled.decompress(payloads[0]).tolist() == pytest.approx([rms[0], -rms[0], rms[0], -rms[0]])
+    assert float(scaled.sent_sq_norm(payloads[0])) == pytest.approx(14.25)  # as long as the rank's gradient
     assert not c.error_feedback_default and get_compressor("efsignsgd").error_feedback_default
     g = torch.tensor([1.0, -3.0, 0.5, -0.5])
     ef = get_compressor("efsignsgd")

@@ -37,12 +37,14 @@ class SignSGD(Compressor):
     """Send the sign of every entry, one bit each; the ranks' signs are combined by majority vote.
 
     Args:
-        scaled: multiply the vote by the ranks' mean of ``||g||_1 / n``, each rank's mean gradient magnitude (one
-            float a tensor beside its bits), so that a step is as large as the gradient's and the learning rate of
-            the SGD it replaces applies. ``False`` is the published method: the decoded gradient is ``sign(sum of the
-            ranks' signs)``, entries of magnitude 1 (0 on a tie), so the learning rate alone sets the step size, and
-            it needs one suited to signSGD (about ``1e-4`` for SGD on typical nets; an SGD rate such as 0.05
-            diverges).
+        scaled: multiply the vote by the ranks' mean of ``||g||_2 / sqrt(n)``, each rank's root-mean-square gradient
+            entry (one float a tensor beside its bits), so that a rank's signs are as long as its gradient and the
+            learning rate of the SGD it replaces applies: a step's second-order term is SGD's (the same stability),
+            its first-order progress ``||g||_1 / (sqrt(n) ||g||_2)`` of SGD's (the mean magnitude ``||g||_1 / n``
+            would shorten both by that ratio again). ``False`` is the published method: the decoded gradient is
+            ``sign(sum of the ranks' signs)``, entries of magnitude 1 (0 on a tie), so the learning rate alone sets
+            the step size, and it needs one suited to signSGD (about ``1e-4`` for SGD on typical nets; an SGD rate
+            such as 0.05 diverges).
 
     The vote needs every rank's bits, which the hook gathers whenever sparse gathering pays (below 64 ranks for fp32);
     above that it all-reduces each rank's decoded signs, which averages them instead. The factor is fixed (32 from
@@ -63,13 +65,14 @@ class SignSGD(Compressor):
     def compress(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload:
         wire: tuple[Tensor, ...] = (signs(tensor),)
         if self.scaled:
-            wire += (torch.linalg.vector_norm(tensor.reshape(-1), 1, dtype=torch.float32).div(tensor.numel()).view(1),)
+            rms = torch.linalg.vector_norm(tensor.reshape(-1), 2, dtype=torch.float32).div(tensor.numel() ** 0.5)
+            wire += (rms.view(1),)
         payload = Payload(wire, tensor.shape, tensor.dtype)
         note_clamped(self, cf, self.achieved_cf(payload))
         return payload
 
     def _magnitude(self, payload: Payload) -> float:
-        """The step of one decoded entry: this rank's mean magnitude when scaled, else 1."""
+        """The step of one decoded entry: this rank's root-mean-square entry when scaled, else 1."""
         return float(payload.wire[1]) if self.scaled else 1.0
 
     def decompress(self, payload: Payload) -> Tensor:
@@ -77,13 +80,13 @@ class SignSGD(Compressor):
         return signed.mul_(self._magnitude(payload)).to(payload.dtype).view(payload.shape)
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
-        # Every decoded entry is +-1, or +- the rank's mean magnitude when scaled.
+        # Every decoded entry is +-1, or +- the rank's root-mean-square entry when scaled.
         step = torch.tensor(self._magnitude(payload), dtype=torch.float32).to(payload.dtype).double()
         return (step.square() * payload.shape.numel()).to(payload.wire[0].device)
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         # Majority vote: the sign of the summed signs, weighted so that the hook's 1/N averaging leaves it at +-1, or,
-        # scaled, at +- the ranks' mean magnitude (their magnitudes summed in rank order, times the hook's 1/N).
+        # scaled, at +- the ranks' mean RMS entry (their values summed in rank order, times the hook's 1/N).
         rows = stacked.wire[0]
         ranks, numel = rows.shape[0], stacked.shape.numel()
         step = scale * ranks
