@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import yaml
 from omegaconf import OmegaConf
 
+from lightning_gravac.missing_data import MissingData
+
 if sys.version_info >= (3, 11):
     from importlib.resources.abc import Traversable
 else:  # its home before 3.11 (and gone from there in later versions)
@@ -105,8 +107,9 @@ def fit_to_machine(config: dict) -> None:
 
 
 def _say(message: str) -> None:
-    """Once, from the process the user started (Lightning starts the other ranks with ``LOCAL_RANK`` set)."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+    """Once, from the process the user started (Lightning starts the other ranks with ``LOCAL_RANK`` set, and the
+    first process of every other node with ``NODE_RANK``)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         print(f"lightning_gravac: {message}.", file=sys.stderr)
 
 
@@ -148,7 +151,16 @@ CLI_COMMANDS = ("fit", "validate", "test", "predict")
 
 def main(argv: Sequence[str]) -> None:
     """``python -m lightning_gravac``: the recipes, else the LightningCLI. A command that is neither (a typo) and a
-    recipe that does not exist answer with this tool's usage, before Lightning is loaded."""
+    recipe that does not exist answer with this tool's usage, before Lightning is loaded. A data set that cannot be
+    found or fetched ends the run with its one line on rank 0 and status 1 on every rank, no traceback."""
+    try:
+        _dispatch(argv)
+    except MissingData as missing:
+        _say(str(missing).rstrip("."))
+        raise SystemExit(1) from None
+
+
+def _dispatch(argv: Sequence[str]) -> None:
     command, rest = (argv[0], list(argv[1:])) if argv else ("", [])
     if command == "quickstart":
         run_recipe([QUICKSTART, *rest])

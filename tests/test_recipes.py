@@ -147,3 +147,27 @@ def test_the_run_summary_weighs_the_factors_by_bytes_and_says_when_more_was_sent
     assert "sent more on some steps" not in table
     summary.history = [step(100.0, 250.0)] + [step(100.0, 10.0)] * 3  # a warm-up step sent 25x what was asked
     assert "sent more on some steps" in summary.table(1.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("offline", ["download", "files"])
+def test_a_recipe_without_its_data_ends_with_one_line_on_rank_zero(offline, tmp_path):
+    # No network (a proxy at a closed port refuses every download at once), or no files and no download.
+    overrides = [
+        "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=1", "data.init_args.num_workers=0",
+        f"data.init_args.root={tmp_path / 'cifar10'}", f"trainer.logger.init_args.save_dir={tmp_path}",
+        f"data.init_args.download={'true' if offline == 'download' else 'false'}",
+    ]  # fmt: skip
+    proxy = {"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in proxy.items():
+            env.setenv(name, value)
+            env.setenv(name.lower(), value)
+        done = _run(["run", "resnet101_cifar10", *overrides], 300, module=True, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "synthetic" in line]
+    expected = "could not download" if offline == "download" else "cifar-10-batches-py/data_batch_1"
+    assert len(said) == 1 and said[0].startswith("lightning_gravac: cifar10: ") and expected in said[0], said
+    assert "data.init_args.synthetic=true" in said[0] or "synthetic: true" in said[0]
+    # The other rank exits quietly: no traceback and no broken connection from either process.
+    assert "Traceback" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]

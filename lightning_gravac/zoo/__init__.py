@@ -1,5 +1,6 @@
 """Models and data the recipes train."""
 
+from lightning_gravac.missing_data import MissingData
 from lightning_gravac.zoo.cifar import CIFARDataModule, SyntheticImages
 from lightning_gravac.zoo.gpt import ByteGPT, TextDataModule
 from lightning_gravac.zoo.language import LSTMLanguageModel, PTBDataModule
@@ -19,6 +20,7 @@ __all__ = [
     "CIFARDataModule",
     "ImageClassifier",
     "LSTMLanguageModel",
+    "MissingData",
     "PTBDataModule",
     "SyntheticImages",
     "TabularClassifier",

@@ -22,6 +22,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_gravac.missing_data import MissingData, raise_on_every_rank
 from lightning_gravac.zoo.transforms import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -72,7 +73,7 @@ def read_split(root: Path, variant: Variant, train: bool) -> tuple[Tensor, Tenso
     names = archive.train if train else (archive.test,)
     missing = [name for name in names if not (folder / name).is_file()]
     if missing:
-        raise FileNotFoundError(
+        raise MissingData(
             f"{variant}: expected {', '.join(str(folder / n) for n in missing)} (the extracted "
             f"{archive.url.rsplit('/', 1)[1]}). Set `download: true` where the network allows, place the archive's "
             f"contents there, or set `synthetic: true` for images of the same shapes."
@@ -102,7 +103,7 @@ def download(root: Path, variant: Variant) -> None:
                 shutil.copyfileobj(response, f)
         except OSError as error:  # no network, a refused or timed-out connection (URLError is an OSError)
             partial.unlink(missing_ok=True)
-            raise ConnectionError(
+            raise MissingData(
                 f"{variant}: could not download {archive.url} ({getattr(error, 'reason', error)}). Place the "
                 f"extracted archive in {root / archive.folder}, or train on images of the same shapes with "
                 "`synthetic: true` (on the command line: data.init_args.synthetic=true)."
@@ -197,6 +198,7 @@ class CIFARDataModule(pl.LightningDataModule):
         self.archive = ARCHIVES[variant]
         self.train_set: Dataset | None = None
         self.test_set: Dataset | None = None
+        self._missing: MissingData | None = None  # what rank 0's download could not fetch
 
     @property
     def num_classes(self) -> int:
@@ -204,9 +206,14 @@ class CIFARDataModule(pl.LightningDataModule):
         return self.archive.classes
 
     def prepare_data(self) -> None:
-        # Lightning calls this on one process per node before `setup`.
+        # Lightning calls this on one process per node before `setup`, while the others wait: a failure is kept for
+        # `setup`, where every rank learns of it.
+        self._missing = None
         if self.download and not self.synthetic:
-            download(self.root, self.variant)
+            try:
+                download(self.root, self.variant)
+            except MissingData as missing:
+                self._missing = missing
 
     def setup(self, stage: str) -> None:
         if self.synthetic:
@@ -214,8 +221,14 @@ class CIFARDataModule(pl.LightningDataModule):
             train: Dataset = SyntheticImages(train_size, self.num_classes, seed=0)
             test: Dataset = SyntheticImages(max(1, train_size * TEST_SIZE // TRAIN_SIZE), self.num_classes, seed=1)
         else:
-            train = _Tensors(*read_split(self.root, self.variant, train=True))
-            test = _Tensors(*read_split(self.root, self.variant, train=False))
+            missing = self._missing
+            if missing is None:
+                try:
+                    train = _Tensors(*read_split(self.root, self.variant, train=True))
+                    test = _Tensors(*read_split(self.root, self.variant, train=False))
+                except MissingData as error:
+                    missing = error
+            raise_on_every_rank(self.trainer, missing)
         self.train_set = _Augmented(train, self.archive.mean, self.archive.std, train=True)
         self.test_set = _Augmented(test, self.archive.mean, self.archive.std, train=False)
 

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics.text import Perplexity
 
+from lightning_gravac.missing_data import MissingData
 from lightning_gravac.zoo.optim import configure_sgd
 
 SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}
@@ -27,7 +28,7 @@ PTB_VOCAB = 10_000
 def read_tokens(path: Path) -> list[str]:
     """The words of a PTB file, ``<eos>`` after every line."""
     if not Path(path).is_file():
-        raise FileNotFoundError(
+        raise MissingData(
             f"PTB: expected {path} (the standard ptb.train.txt / ptb.valid.txt / ptb.test.txt). Place the files "
             "there, or train on a token stream of the same size with `synthetic: true` (on the command line: "
             "data.init_args.synthetic=true)."
