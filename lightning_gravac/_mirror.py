@@ -99,8 +99,8 @@ class Mirror:
         source = re.sub(r"\blightning_fabric\b", "lightning.fabric", source)
 
         def module(match: re.Match[str]) -> str:
-            # `lightning_gravac.callbacks.gravac.GraVAC`: the module `callbacks.gravac`, then an attribute. The
-            # package itself ("") is Lightning-facing, so are its attributes.
+            # `lightning_gravac.callbacks.gravac.GraVAC`: the module `callbacks.gravac`, then an attribute;
+            # `lightning_gravac.GraVAC`: the package itself (""), then an attribute.
             if self._module_of(match.group(1)) not in self.facing:
                 return match.group(0)  # a shared module: both flavours import the one module
             return ".".join([f"lightning_gravac.{MIRROR}", *_parts(match.group(1))])

@@ -11,8 +11,9 @@ registers ``"gravac"`` in ``lightning.pytorch``'s strategy registry. The modules
 build from the Lightning-facing modules of ``lightning_gravac`` (``lightning_gravac/_mirror.py`` says how and why):
 the strategy, the controllers, ``RunSummary``, ``MeProp``, the loggers and the models, under the same names
 (``lightning_gravac.lightning.zoo``, ...). The parts that do not touch Lightning (the compressors, the hook's state,
-error feedback, the divergence guard) are shared: ``lightning_gravac.lightning.compressors`` is
-``lightning_gravac.compressors``, and a compressor instance works with either flavour.
+error feedback, the divergence guard) are shared: import them from ``lightning_gravac`` (as attributes of this
+package, ``lightning_gravac.lightning.compressors`` is ``lightning_gravac.compressors``); a compressor instance works
+with either flavour.
 
 Needs ``pip install lightning``. The command line (``python -m lightning_gravac``) and its recipes stay on
 ``pytorch_lightning``, the package's dependency.
