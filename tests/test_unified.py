@@ -1,6 +1,8 @@
 """The unified ``lightning`` package: the same training through ``lightning.pytorch`` and ``pytorch_lightning``."""
 
 import importlib
+import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,8 +65,9 @@ def test_the_default_controller_and_the_registry_name_under_lightning():
 
 
 def test_a_lightning_facing_module_is_read_for_lightning_and_a_shared_one_is_not():
-    from lightning_gravac.lightning import rewrite
+    from lightning_gravac._mirror import Mirror
 
+    rewrite = Mirror().rewrite
     source = (
         "import pytorch_lightning as pl\nfrom lightning_fabric.utilities import rank_zero_only\n"
         "from lightning_gravac.callbacks.controller import Controller\n"
@@ -87,27 +90,107 @@ def test_a_lightning_facing_module_is_read_for_lightning_and_a_shared_one_is_not
 
     assert compressors is lightning_gravac.compressors
     assert rewrite("lightning_gravac.callbacks.gravac.GraVAC") == "lightning_gravac.lightning.callbacks.gravac.GraVAC"
+    # A name that only begins like the package is another name.
+    assert rewrite("lightning_gravac_cache = pytorch_lightning_x") == "lightning_gravac_cache = pytorch_lightning_x"
 
 
-def test_every_module_that_reaches_lightning_is_read_for_lightning(tmp_path, monkeypatch):
+def _package(root, modules):
+    """A ``lightning_gravac`` package under ``root`` holding ``modules`` (path relative to it: source)."""
+    package = root / "lightning_gravac"
+    for path, source in {"__init__.py": "", **modules}.items():
+        (package / path).parent.mkdir(parents=True, exist_ok=True)
+        (package / path).write_text(source)
+    return package
+
+
+def test_every_module_that_reaches_lightning_is_read_for_lightning(tmp_path):
     """The list is found from the sources: a module naming ``pytorch_lightning``, or importing one that does, is read
     for ``lightning``; a module that touches neither is shared."""
     import lightning.pytorch as lpl
 
-    import lightning_gravac.lightning as unified
+    from lightning_gravac._mirror import Mirror
     from lightning_gravac.lightning.zoo import TabularClassifier
 
     assert issubclass(TabularClassifier, lpl.LightningModule)  # a zoo model of its own module
-    assert {"callbacks.gravac", "strategies.gravac", "zoo.tabular", "callbacks"} <= unified.LIGHTNING_FACING
-    assert not {"compressors.topk", "state", "strategies.hook", "cli"} & unified.LIGHTNING_FACING
+    facing = Mirror().facing
+    assert {"callbacks.gravac", "strategies.gravac", "zoo.tabular", "callbacks"} <= facing
+    assert not {"compressors.topk", "state", "strategies.hook", "cli"} & facing
 
     # A new module: one that imports Lightning, one that imports it only through a facing module, one with neither.
-    package = tmp_path / "lightning_gravac"
-    (package / "extra").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "extra" / "__init__.py").write_text("from lightning_gravac.extra.direct import A\n")
-    (package / "extra" / "direct.py").write_text("import pytorch_lightning as pl\nA = pl.Callback\n")
-    (package / "extra" / "through.py").write_text("from lightning_gravac.extra import A\n")
-    (package / "extra" / "plain.py").write_text("import torch\n")
-    monkeypatch.setattr(unified, "_ROOT", package)
-    assert unified.lightning_facing() == {"extra", "extra.direct", "extra.through"}
+    package = _package(
+        tmp_path,
+        {
+            "extra/__init__.py": "from lightning_gravac.extra.direct import A\n",
+            "extra/direct.py": "import pytorch_lightning as pl\nA = pl.Callback\n",
+            "extra/through.py": "from lightning_gravac.extra import A\n",
+            "extra/plain.py": "import torch\n",
+        },
+    )
+    assert Mirror(package).facing == {"extra", "extra.direct", "extra.through"}
+
+
+def test_the_lightning_flavour_is_real_files_that_tracebacks_show():
+    """Its modules are files on disk, each saying at its top what it is generated from, so a traceback, a debugger
+    and coverage read the code that runs."""
+    import traceback
+
+    import lightning_gravac.lightning as unified
+    from lightning_gravac._mirror import GENERATED
+
+    source = Path(inspect.getsourcefile(unified.GraVACStrategy))
+    assert source.is_file() and source.parts[-3:] == ("lightning", "strategies", "gravac.py")
+    text = source.read_text()
+    assert text.startswith(f"{GENERATED}lightning_gravac/strategies/gravac.py")
+    assert "from lightning.pytorch" in text and "pytorch_lightning." not in text
+    assert inspect.getsource(unified.GraVACStrategy) in text
+
+    # An error raised inside the strategy: its traceback names that file, at lines that hold the code that ran.
+    with pytest.raises(ValueError, match="compressor") as raised:
+        unified.GraVACStrategy(compressor=42)
+    frames = traceback.extract_tb(raised.tb)
+    assert source in {Path(frame.filename) for frame in frames}
+    for frame in frames:
+        assert frame.line and frame.line in Path(frame.filename).read_text().splitlines()[frame.lineno - 1]
+
+
+def test_the_generated_modules_are_up_to_date_with_their_sources():
+    from lightning_gravac._mirror import Mirror
+
+    stale = Mirror().stale()
+    assert not stale, f"out of date with their sources: {stale}; run `python -m lightning_gravac._mirror`"
+
+
+def test_the_mirror_writes_removes_and_leaves_alone(tmp_path):
+    """Written from the sources; a generated module whose source is gone is removed, with its package if emptied;
+    a file written by hand stays."""
+    from lightning_gravac._mirror import MIRROR, Mirror
+
+    package = _package(
+        tmp_path,
+        {
+            "__init__.py": "from lightning_gravac.strategies.plugin import Plugin\n",
+            "strategies/__init__.py": "",
+            "strategies/plugin.py": "import pytorch_lightning as pl\nfrom lightning_gravac.math import f\n",
+            "gone/__init__.py": "import lightning_fabric\n",
+            "math.py": "def f(): ...\n",
+            f"{MIRROR}/__init__.py": "from lightning_gravac.lightning._package import *\n",
+        },
+    )
+    mirror = Mirror(package)
+    into = package / MIRROR
+    assert sorted(map(str, mirror.write())) == [
+        "_package.py", "gone/__init__.py", "strategies/__init__.py", "strategies/plugin.py",
+    ]  # fmt: skip
+    assert (into / "strategies" / "plugin.py").read_text().splitlines()[2:] == [
+        "import lightning.pytorch as pl",
+        "from lightning_gravac.math import f",
+    ]
+    assert mirror.stale() == [] and mirror.write() == []
+
+    (package / "gone" / "__init__.py").unlink()
+    (package / "gone").rmdir()
+    mirror = Mirror(package)
+    assert mirror.stale() == [Path("gone/__init__.py")]
+    mirror.write()
+    assert not (into / "gone").exists()
+    assert (into / "__init__.py").read_text() == "from lightning_gravac.lightning._package import *\n"

@@ -108,7 +108,7 @@ class GraVACStrategy(DDPStrategy):
         momentum_masking: with momentum correction, restart a parameter's moved momentum from 0 where its entry was
             just sent (Deep Gradient Compression's momentum factor masking; ``None``: on, as published). ``False``
             keeps the whole momentum (heavy-ball delayed by error feedback): faster at a learning rate well inside
-            dense's stable range, but it diverged near the largest rate dense survives, where masking trained
+            dense's stable range, but it can diverge near the largest rate dense survives, where masking trains
             (BENCHMARKS.md).
         embedding_rows: on a bucket sent dense with nothing probed, or whole in fp16 (the 16-bit rung), send an
             embedding table (``nn.Embedding``, ``nn.EmbeddingBag`` with a dense gradient, not tied to another layer)
