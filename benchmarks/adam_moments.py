@@ -53,7 +53,7 @@ def run(row: str, steps: int, warmup: int, seed: int) -> float:
     names = {id(p): str(i) for i, p in enumerate(params)}
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     moments = AdamMoments()
-    moments.take_from([optimizer], names)
+    moments.take_from_optimizers([optimizer], names)
     moments.frozen_from = warmup
     method = get_compressor(method_name) if method_name else None
     residuals = [[torch.zeros_like(p) for p in params] for _ in range(2)]

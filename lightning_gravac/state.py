@@ -207,6 +207,17 @@ class CompressionState:
         self.feedback.rescale_(factor)
         self.compressor.rescale_(factor)
 
+    def follow_scale(self, scale: float) -> None:
+        """Keep the residuals (and a method's own accumulations) in the units of the gradients the hook will see.
+
+        Under fp16 mixed precision the hook sees gradients multiplied by the scaler's ``scale``, which halves after a
+        skipped step and grows after a run of good ones. What error feedback carries over was stored in the old
+        units: rescaled here by new / old (powers of 2, exact), so the pending update is neither doubled nor halved.
+        """
+        if self.grad_scale is not None and scale != self.grad_scale:
+            self.rescale_(scale / self.grad_scale)
+        self.grad_scale = scale
+
     def cf_of(self, name: str) -> float:
         """The factor in force for parameter ``name``: its own if the controller set one, else the global one."""
         if self.compressor.passthrough:

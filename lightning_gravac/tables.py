@@ -13,6 +13,8 @@ from torch import nn
 ROWS_SHARE = 0.5
 #: Steps a table is sent whole, without asking which rows were touched, after a step that touched more than that.
 WHOLE_FOR = 100
+#: The share of the trainable parameters above which a model counts as mostly embedding tables.
+EMBEDDING_SHARE = 0.5
 
 
 def untied_tables(module: nn.Module, dense_only: bool = False) -> list[nn.Parameter]:
@@ -29,6 +31,14 @@ def untied_tables(module: nn.Module, dense_only: bool = False) -> list[nn.Parame
     }
     tied = {id(p) for m in module.modules() if not isinstance(m, embeddings) for p in m.parameters(False)}
     return [p for i, p in tables.items() if i not in tied]
+
+
+def embedding_share(module: nn.Module) -> float:
+    """The share of ``module``'s trainable parameters' entries held by embedding tables that no other layer shares (a
+    table tied to an output layer gets a dense gradient)."""
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    own = sum(p.numel() for p in untied_tables(module) if p.requires_grad)
+    return own / trainable if trainable else 0.0
 
 
 @dataclass
@@ -71,3 +81,10 @@ class RowTables:
             return True
         self.whole_until[name] = step + WHOLE_FOR
         return False
+
+
+def sparse_parameters(module: nn.Module) -> set[int]:
+    """The ids of ``module``'s parameters whose gradients are sparse, found as DDP finds them: of an embedding with
+    ``sparse=True``."""
+    embeddings = (nn.Embedding, nn.EmbeddingBag)
+    return {id(p) for m in module.modules() if isinstance(m, embeddings) and m.sparse for p in m.parameters()}

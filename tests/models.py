@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gravac import Controller, GraVAC, StepStats
+from lightning_gravac.feedback import MomentumCorrection
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
 
@@ -93,7 +94,7 @@ class Snapshot(Callback):
             "step": state.step,
             "residuals": state.feedback.residuals.state_dict(),
             "compressor": state.compressor.state_dict(),
-            "momentum": state.feedback.momentum.state_dict(),
+            "momentum": state.feedback.get(MomentumCorrection).state_dict(),
         }
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -42,7 +42,7 @@ def test_moved_moments_step_as_adam_with_its_second_moment_held(optimizer):
     param = torch.nn.Parameter(p0.clone())
     opt = optimizer([param], lr=lr, betas=betas, eps=eps, weight_decay=decay)
     moments = AdamMoments()
-    assert moments.take_from([opt], {id(param): "w"}) == ["w"]
+    assert moments.take_from_optimizers([opt], {id(param): "w"}) == ["w"]
     moments.frozen_from = warmup
     for step, g in enumerate(grads):
         grad = g.clone()
@@ -66,7 +66,7 @@ def test_the_learning_rate_is_read_from_a_restored_optimizers_groups():
     param = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.AdamW([param], lr=1.0, weight_decay=0.0)
     moments = AdamMoments()
-    moments.take_from([opt], {id(param): "w"})
+    moments.take_from_optimizers([opt], {id(param): "w"})
     param.grad = torch.ones(4)
     opt.step()  # the second moment exists: 1 everywhere
     opt.load_state_dict(opt.state_dict())  # as a checkpoint's restore does: new group dicts
@@ -84,9 +84,9 @@ def test_unsupported_optimizers_keep_their_moments():
     param = torch.nn.Parameter(torch.ones(3))
     names = {id(param): "w"}
     for opt in (torch.optim.AdamW([param], amsgrad=True), torch.optim.RMSprop([param]), torch.optim.SGD([param])):
-        assert AdamMoments().take_from([opt], names) == []
+        assert AdamMoments().take_from_optimizers([opt], names) == []
     other = torch.nn.Parameter(torch.ones(3))  # a parameter the hook does not send dense (sparse): none is taken
-    assert AdamMoments().take_from([torch.optim.AdamW([param, other])], names) == []
+    assert AdamMoments().take_from_optimizers([torch.optim.AdamW([param, other])], names) == []
 
 
 def test_the_warm_up_follows_the_runs_length():
@@ -117,7 +117,7 @@ def _fit(rank, world_size, ckpt_dir, max_steps, method):
         return {
             "cf": [r["gravac/cf"] for r in summary.history],
             "weights": weights(model),
-            "frozen_from": state.feedback.adam.frozen_from,
+            "frozen_from": state.feedback.get(AdamMoments).frozen_from,
             "method": state.compressor.name,
             "held": held,
         }
@@ -172,7 +172,7 @@ def _default(rank, world_size):
     model = _AdamW(width=64)
     trainer.fit(model, loader())
     state = trainer.strategy.compression_state
-    return state.compressor.name, state.feedback.adam.frozen_from, weights(model)
+    return state.compressor.name, state.feedback.get(AdamMoments).frozen_from, weights(model)
 
 
 @pytest.mark.distributed

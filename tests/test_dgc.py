@@ -13,7 +13,7 @@ from torch import nn
 from lightning_gravac import Controller, GraVACStrategy, RunSummary, Static, StepStats, get_compressor
 from lightning_gravac.compressors import DGC, sparse_k
 from lightning_gravac.launch import run_distributed
-from lightning_gravac.strategies.gravac import CHECKPOINT_KEY
+from lightning_gravac.strategies.checkpoint import CHECKPOINT_KEY
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
 from models import loader, trainer_kwargs, weights

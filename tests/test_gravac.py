@@ -19,6 +19,7 @@ from lightning_gravac.callbacks.gravac.prediction import (
     predicted_seconds,
     predicted_throughput,
 )
+from lightning_gravac.feedback import MomentumCorrection
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
@@ -525,10 +526,10 @@ def _with_moved_momentum(method, momentum: float, masking: bool = True, nesterov
     from lightning_gravac import CompressionState
 
     state = CompressionState(get_compressor(method) if isinstance(method, str) else method, error_feedback=True)
-    state.feedback.momentum.masking = masking
+    state.feedback.get(MomentumCorrection).masking = masking
     w = nn.Parameter(torch.zeros(4))
     optimizer = torch.optim.SGD([w], lr=0.1, momentum=momentum, nesterov=nesterov)
-    state.feedback.momentum.take_from(optimizer, {id(w): "w"})
+    state.feedback.get(MomentumCorrection).take_from_optimizer(optimizer, {id(w): "w"})
     return state
 
 
@@ -557,7 +558,7 @@ def test_default_weighs_the_momentum_that_masking_drops_at_each_factor():
         c = _default_on_a_link(2e-7, gain, state, **kwargs)
         assert masking_weight(c, 10) == 1.0 and c.sent[-1] == 10, (
             state.compressor,
-            state.feedback.momentum.masking,
+            state.feedback.get(MomentumCorrection).masking,
             kwargs,
         )
 

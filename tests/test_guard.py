@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_gravac import DivergenceGuard, Static, StepStats, get_compressor
+from lightning_gravac.feedback import MomentumCorrection
 from lightning_gravac.state import GATHER, BucketRecord, CompressionState
 
 
@@ -155,10 +156,11 @@ def test_a_trigger_drops_the_momentum_moved_into_the_hook_and_the_buffers_are_in
     _, state, step = _guarded_static("topk", cooldown=2)
     for norm in (1.0, 1.0, 1.0):
         step(norm)
-    state.feedback.momentum.load_state_dict({"u/w": torch.full((3,), 1e6), "local/w": torch.tensor(True)})
-    assert not state.feedback.momentum.in_sync(["w"])
+    moved = state.feedback.get(MomentumCorrection)
+    moved.load_state_dict({"u/w": torch.full((3,), 1e6), "local/w": torch.tensor(True)})
+    assert not moved.in_sync(["w"])
     step(50.0)
-    assert state.cf == 1.0 and state.feedback.momentum.state_dict() == {} and state.feedback.momentum.in_sync(["w"])
+    assert state.cf == 1.0 and moved.state_dict() == {} and moved.in_sync(["w"])
 
 
 def _blow_up(rank, world_size):

@@ -34,7 +34,7 @@ def _cf1_vs_stock(rank, world_size, sgd, granularity):
     stock, _ = _fit(DDPStrategy(), [], 12, **sgd)
     ours, trainer = _fit(GraVACStrategy("topk", granularity=granularity), [Static(cf=1)], 12, **sgd)
     group = trainer.optimizers[0].param_groups[0]
-    settings = trainer.strategy.compression_state.feedback.momentum.settings
+    settings = trainer.strategy.compression_state.feedback.get(MomentumCorrection).settings
     moved = (group["momentum"], group["weight_decay"], len(settings))
     return weights(stock), weights(ours), moved
 
@@ -110,15 +110,15 @@ def test_buffers_are_pending_until_the_step_is_known_finite_and_round_trip():
     correction = MomentumCorrection()
     p = nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.5)
-    assert correction.take_from(optimizer, {id(p): "w"}) == ["w"]
+    assert correction.take_from_optimizer(optimizer, {id(p): "w"}) == ["w"]
     assert optimizer.param_groups[0]["momentum"] == 0 and optimizer.param_groups[0]["weight_decay"] == 0
     grad = torch.tensor([1.0, 2.0, 3.0])
     correction.local_(["w"], [grad], [p])
     assert torch.equal(grad, torch.tensor([1.5, 2.5, 3.5]))  # first step: the buffer is g + wd p
-    correction.discard(["w"])  # a non-finite step: nothing kept
+    correction.buffers.discard(["w"])  # a non-finite step: nothing kept
     assert correction.state_dict() == {}
     correction.local_(["w"], [grad.clone()], [p])
-    correction.commit(["w"])
+    correction.buffers.commit(["w"])
     grad2 = torch.zeros(3)
     correction.local_(["w"], [grad2], [p])  # u = 0.9 u + (0 + 0.5 p)
     assert torch.allclose(grad2, 0.9 * torch.tensor([2.0, 3.0, 4.0]) + 0.5)
@@ -135,7 +135,7 @@ def test_momentum_set_again_in_the_optimizer_is_taken_back_and_checkpoints_show_
     stock_state = optimizer.state_dict()  # as a stock DDP checkpoint holds it, after one step with a buffer:
     stock_state["state"] = {0: {"momentum_buffer": torch.full((3,), 2.0)}}
     correction = MomentumCorrection()
-    assert correction.take_from(optimizer, {id(p): "w"}) == ["w"]
+    assert correction.take_from_optimizer(optimizer, {id(p): "w"}) == ["w"]
     assert correction.refresh() == []  # nothing set again
     # Lightning restores the optimizer's state after the strategy's setup: its groups come back with momentum 0.9.
     optimizer.load_state_dict(stock_state)
@@ -175,10 +175,10 @@ def _corrected_run(rank, world, masking):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 4))
     state = CompressionState(get_compressor("topk"), error_feedback=True, granularity="layer", cf=8)
-    state.feedback.momentum.masking = masking
+    state.feedback.get(MomentumCorrection).masking = masking
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     names = {id(p): n for n, p in model.named_parameters()}
-    state.feedback.momentum.take_from(optimizer, names)
+    state.feedback.get(MomentumCorrection).take_from_optimizer(optimizer, names)
     ddp = DistributedDataParallel(model)
     state.bind(model)
     ddp.register_comm_hook(state, gravac_hook)
@@ -230,8 +230,9 @@ def test_corrected_topk_is_delayed_heavy_ball_and_masking_restarts_sent_entries(
 
 
 def test_masking_is_on_as_published_unless_turned_off():
-    assert GraVACStrategy("topk").compression_state.feedback.momentum.masking is True
-    assert GraVACStrategy("topk", momentum_masking=False).compression_state.feedback.momentum.masking is False
+    assert GraVACStrategy("topk").compression_state.feedback.get(MomentumCorrection).masking is True
+    unmasked = GraVACStrategy("topk", momentum_masking=False).compression_state.feedback
+    assert unmasked.get(MomentumCorrection).masking is False
 
 
 def _masked_mass(momentum: float, nesterov: bool, sent_at, steps: int, n: int, burn_in: int = 0) -> torch.Tensor:
@@ -240,7 +241,7 @@ def _masked_mass(momentum: float, nesterov: bool, sent_at, steps: int, n: int, b
     direction is sent in the end (error feedback), so this is what the entry's momentum delivers."""
     w = nn.Parameter(torch.zeros(n))
     moved = MomentumCorrection(masking=True)
-    moved.take_from(torch.optim.SGD([w], lr=0.1, momentum=momentum, nesterov=nesterov), {id(w): "w"})
+    moved.take_from_optimizer(torch.optim.SGD([w], lr=0.1, momentum=momentum, nesterov=nesterov), {id(w): "w"})
     residual, mass = torch.zeros(n), torch.zeros(n)
     for step in range(steps):
         direction = torch.ones(n)
@@ -250,7 +251,7 @@ def _masked_mass(momentum: float, nesterov: bool, sent_at, steps: int, n: int, b
         fed, now = residual + direction, sent_at(step)
         residual = torch.where(now, 0.0, fed)
         moved.mask_({"w": residual})
-        moved.commit(["w"])
+        moved.buffers.commit(["w"])
     return mass
 
 

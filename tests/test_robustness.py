@@ -15,8 +15,9 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
 from lightning_gravac import GraVACStrategy, RunSummary, Static
+from lightning_gravac.feedback import MomentumCorrection
 from lightning_gravac.launch import run_distributed
-from lightning_gravac.strategies.gravac import gather_rows
+from lightning_gravac.strategies.checkpoint import gather_rows
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
 from models import (
@@ -240,7 +241,7 @@ def _sparse_gradients(rank, world_size):
         trainer.fit(model, bag_loader())
         out[name] = {**weights(model), "moved": not torch.equal(model.bag.weight, before)}
         if name == "cf 4":  # the head's momentum went into the hook, the embedding's stayed in the optimizer
-            out["moved momentum"] = sorted(trainer.strategy.compression_state.feedback.momentum.settings)
+            out["moved momentum"] = sorted(trainer.strategy.compression_state.feedback.get(MomentumCorrection).settings)
         if name == "cf 1":  # the sparse bucket is sent as it is: its bytes count as dense's
             metrics = callbacks[0].last_metrics
             out["cf 1 traffic"] = (metrics["gravac/bytes_sent"], metrics["gravac/bytes_dense"])
@@ -251,7 +252,7 @@ def _sparse_gradients(rank, world_size):
                              **trainer_kwargs(world_size))  # fmt: skip
         trainer.fit(SparseBag(one_group=True), bag_loader())
     out["warned"] = [str(w.message) for w in caught if "sparse embedding" in str(w.message)]
-    out["one group moved"] = sorted(trainer.strategy.compression_state.feedback.momentum.settings)
+    out["one group moved"] = sorted(trainer.strategy.compression_state.feedback.get(MomentumCorrection).settings)
     return out
 
 
@@ -378,7 +379,9 @@ def _zeroed_nan_step(rank, world_size, strategy):
             callbacks.append(Static(cf=1))
     trainer = pl.Trainer(strategy=chosen, callbacks=callbacks, max_steps=20, **trainer_kwargs(world_size))
     trainer.fit(model, loader())
-    buffers = trainer.strategy.compression_state.feedback.momentum.state_dict() if strategy != "stock" else {}
+    buffers = {}
+    if strategy != "stock":
+        buffers = trainer.strategy.compression_state.feedback.get(MomentumCorrection).state_dict()
     return {"weights": moved, "zeroed": guard.zeroed, "buffers": buffers}
 
 

@@ -6,23 +6,13 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning import Callback
 from typing_extensions import override
 
 from lightning_gravac.callbacks.guard import DivergenceGuard
-from lightning_gravac.feedback.adam import warmup_steps
+from lightning_gravac.feedback import scales_per_coordinate
 from lightning_gravac.state import CompressionState, StepStats
-
-
-def _scales_per_coordinate(trainer: "pl.Trainer") -> bool:
-    """Whether an optimizer of ``trainer`` divides each coordinate's step by a running second moment (Adam, AdamW,
-    Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta), whose normalisation a sparse or quantized gradient upsets."""
-    adaptive = (torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta)
-    for optimizer in getattr(trainer, "optimizers", []):
-        if isinstance(optimizer, adaptive) or any("betas" in group for group in optimizer.param_groups):
-            return True
-    return False
 
 
 def largest_trainable(module: torch.nn.Module) -> int:
@@ -74,7 +64,7 @@ class Controller(Callback):
 
     def __init__(self, cf: float = 1.0) -> None:
         self.cf = cf
-        #: Whether the optimizer scales each coordinate by a running second moment (Adam-like): known at fit start.
+        #: Whether the optimizer scales each coordinate by a running second moment: known at fit start.
         self.adaptive_optimizer = False
         #: Sends dense for a while when a compressed step's gradient norm explodes; ``None`` turns it off.
         self.guard: DivergenceGuard | None = DivergenceGuard()
@@ -120,45 +110,32 @@ class Controller(Callback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._fit_and_check(pl_module)
-        self.adaptive_optimizer = _scales_per_coordinate(trainer) and not self.state.compressor.near_lossless
+        optimizers = getattr(trainer, "optimizers", [])
+        self.adaptive_optimizer = scales_per_coordinate(optimizers) and not self.state.compressor.near_lossless
         if self.adaptive_optimizer:
-            self._freeze_adam(trainer)
+            # When the optimizer's moments move into the hook (after a warm-up) is their part's decision.
+            self.state.feedback.on_fit_start(trainer, self.moves_adam, type(self).__name__, self.state.compressor.name)
             self._on_adaptive_optimizer()
         self._hand_over(self.state)
 
     @property
     def moves_adam(self) -> bool:
-        """Whether, under Adam or AdamW, this controller has the strategy move Adam's first moment into the comm hook
-        after a warm-up and freeze its second (:mod:`lightning_gravac.feedback.adam`): a controller that compresses
-        does; one held at factor 1 leaves the optimizer as it is."""
+        """Whether, under an optimizer whose moments can move into the comm hook after a warm-up (an adaptation of
+        :mod:`lightning_gravac.feedback`), this controller has them move: a controller that compresses does; one held
+        at factor 1 leaves the optimizer as it is."""
         return self.max_cf[1] > 1
 
-    def _freeze_adam(self, trainer: "pl.Trainer") -> None:
-        """Set, once a run (a resumed run keeps its checkpoint's), the step from which Adam's moments move: after
-        :func:`~lightning_gravac.feedback.adam.warmup_steps` of the run's length. Until then every step is sent dense
-        (or in fp16, by GraVAC's choice), so that Adam's second moment settles on exact gradients. Said on rank 0."""
-        adam = self.state.feedback.adam
-        if not (adam and self.moves_adam) or adam.frozen_from is not None:
-            return
-        adam.frozen_from = warmup_steps(float(trainer.estimated_stepping_batches))
-        rank_zero_info(
-            f"{type(self).__name__}: the optimizer is Adam-like: its first {adam.frozen_from} steps are sent whole "
-            "while its second moment settles; then the second moment is frozen and each rank's first moment is "
-            f"compressed with {self.state.compressor.name!r} and error feedback (1-bit Adam's scheme). "
-            "`GraVACStrategy(momentum_correction=False)` leaves Adam as it is."
-        )
-
     def moments_moved(self) -> bool:
-        """Whether the next step sends Adam's first moment (the warm-up is over)."""
-        return self._state is not None and self._state.feedback.adam.active(self._state.step)
+        """Whether the next step sends the optimizer's moved moment (the warm-up is over)."""
+        return self._state is not None and self._state.feedback.sends_moved(self._state.step)
 
     def _on_adaptive_optimizer(self) -> None:
-        """The optimizer divides each coordinate by a running second moment (Adam, AdamW, RMSprop, Adagrad): say what
+        """The optimizer divides each coordinate by a running second moment (RMSprop, Adagrad and the like): say what
         compression measured there. A controller that holds dense instead overrides this."""
-        if self.state.feedback.adam.frozen_from is not None:
-            return  # its moments move after the warm-up: said by `_freeze_adam`
+        if self.state.feedback.sends_from is not None:
+            return  # its moments move after the warm-up: said when that was decided
         rank_zero_warn(
-            f"{type(self).__name__}: the optimizer scales each coordinate by a running second moment (Adam-like), "
+            f"{type(self).__name__}: the optimizer scales each coordinate by a running second moment, "
             f"and {self.state.compressor.name!r} sends lossy gradients, which upset that scaling: the loss can end "
             "many times dense's. Prefer `GraVACStrategy('fp16')` with Adam, or watch the loss."
         )
@@ -198,8 +175,8 @@ class Controller(Callback):
             return
         self.last_metrics = self.metrics(stats)  # of the step that produced `stats`, before the next decision
         self.metrics_step = self.state.step
-        if self.guard is not None and self.state.feedback.adam.frozen_from == self.state.step - 1:
-            self.guard.restart()  # the first step that sent Adam's direction: a new quantity's norms from here on
+        if self.guard is not None and self.state.feedback.sends_from == self.state.step - 1:
+            self.guard.restart()  # the first step that sent a moved moment: a new quantity's norms from here on
         guarded = self._guarded(stats, trainer, outputs)
         if guarded == "free":  # a step the guard sent dense is not the controller's to observe
             self.observe(stats, trainer)
@@ -227,9 +204,8 @@ class Controller(Callback):
         self.apply(state)
         if self.guard is not None and self.guard.holding > 0:
             state.cf, state.param_cf, state.probe_cfs, state.half = 1.0, {}, (), False
-        adam = state.feedback.adam
-        if adam.frozen_from is not None and not adam.active(state.step) and not state.half:
-            # Adam's warm-up: its second moment settles on whole gradients (fp16 when GraVAC chose it), whatever factor.
+        if state.feedback.warming_up(state.step) and not state.half:
+            # A moved moment's warm-up: sent whole (fp16 when GraVAC chose it), whatever the factor.
             state.cf, state.param_cf, state.probe_cfs = 1.0, {}, ()
 
     def _guarded(self, stats: StepStats, trainer: "pl.Trainer", outputs: Any = None) -> str:

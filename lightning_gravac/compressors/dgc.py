@@ -10,6 +10,7 @@ from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import Payload, register_compressor, sparse_k, sq_norm
 from lightning_gravac.compressors.select import Blocks, exact_topk, fill_to_k, margin_rank, sample, seeded_generator
 from lightning_gravac.compressors.sparse import Sparsifier
+from lightning_gravac.staged import Staged
 
 #: Warm-up densities: each epoch keeps a quarter as much (75%, 93.75%, 98.4%, 99.6%, 99.9% sparsity).
 _WARMUP_BASE = 0.25
@@ -76,13 +77,9 @@ class DGC(Sparsifier):
         )
         self.epoch = 0
         self.world_size = 1
-        self._u: dict[str, Tensor] = {}
-        self._v: dict[str, Tensor] = {}
-        # u and v after the step, until committed (v None: a dense step sent it all).
-        self._pending: dict[str, tuple[Tensor | None, Tensor | None]] = {}
-        # Buffers of the state a commit replaced, reused for the next step's (no gradient-sized allocation a step).
-        self._spare_u: dict[str, Tensor] = {}
-        self._spare_v: dict[str, Tensor] = {}
+        # Momentum and velocity by key (fp32, flat), each step's new ones pending until committed (v None: a dense
+        # step sent it all); the buffers a commit frees are reused (no gradient-sized allocation a step).
+        self._u, self._v = Staged(), Staged()
 
     def setup(self, world_size: int, rank: int = 0) -> None:
         self.world_size = world_size
@@ -101,13 +98,6 @@ class DGC(Sparsifier):
                     "without momentum (SGD(momentum=0)) or DGC(momentum_correction=False)."
                 )
 
-    def _take(self, spares: dict[str, Tensor], key: str, like: Tensor) -> Tensor:
-        """A flat fp32 buffer for ``key``'s new state: a recycled one when there is one."""
-        buffer = spares.pop(key, None)
-        if buffer is None or buffer.numel() != like.numel() or buffer.device != like.device:
-            buffer = torch.empty(like.numel(), dtype=torch.float32, device=like.device)
-        return buffer
-
     def _accumulate(
         self, tensor: Tensor, key: str, recycle: bool = True
     ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor | None]:
@@ -119,17 +109,16 @@ class DGC(Sparsifier):
         allocates its own.
         """
         g = tensor.reshape(-1)
-        spare_u, spare_v = (self._spare_u, self._spare_v) if recycle else ({}, {})
         scale = None
         if self.clip_norm is not None:
             norm = torch.linalg.vector_norm(g, dtype=torch.float32)
             scale = torch.clamp(self.clip_norm / math.sqrt(self.world_size) / (norm + 1e-12), max=1.0)
         # a = scale g, u = m u + a, v = v + u, evaluated in that order (the paper's arithmetic); m u + a is one
         # fused multiply-add, as torch's add with alpha computes it and as the compiled kernel does.
-        v_old = self._v.get(key)
-        u_old = self._u.get(key) if self.momentum_correction else None
-        u = self._take(spare_u, key, g) if self.momentum_correction else None
-        v = self._take(spare_v, key, g)
+        v_old = self._v.kept.get(key)
+        u_old = self._u.kept.get(key) if self.momentum_correction else None
+        u = self._u.take(key, g, torch.float32, recycle) if self.momentum_correction else None
+        v = self._v.take(key, g, torch.float32, recycle)
         if kernels.usable(g) and all(
             kernels.usable(t) and t.numel() == g.numel() for t in (u_old, v_old) if t is not None
         ):
@@ -190,7 +179,7 @@ class DGC(Sparsifier):
         v.index_fill_(0, indices, 0)  # what was sent leaves the accumulation
         if u is not None and self.momentum_masking:
             u.index_fill_(0, indices, 0)
-        self._pending[key] = (u, v)
+        self._stage(key, u, v)
         return payload, probes
 
     def _probe_v(self, v: Tensor, cfs: Sequence[float], dtype: torch.dtype, key: str, step: int) -> Tensor:
@@ -217,52 +206,42 @@ class DGC(Sparsifier):
             u, v, _, _ = self._accumulate(tensor, key)
             delivered[key] = self._probe_v(v, probe_cfs, tensor.dtype, key, step)
             tensor.copy_(v.view(tensor.shape))
-            self._spare_v[key] = v  # everything accumulated is sent: the buffer holds nothing to keep
-            self._pending[key] = (u, None)
+            self._v.release(key, v)  # everything accumulated is sent: the buffer holds nothing to keep
+            self._stage(key, u, None)
         return delivered
 
+    def _stage(self, key: str, u: Tensor | None, v: Tensor | None) -> None:
+        """The step's new momentum (``None``: none kept, without momentum correction) and velocity (``None``: all of
+        it sent) of ``key``, until committed."""
+        if u is not None:
+            self._u.stage(key, u)
+        self._v.stage(key, v)
+
     def commit(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            if key in self._pending:
-                u, v = self._pending.pop(key)
-                self._swap(self._v, self._spare_v, key, v)
-                if u is not None:
-                    self._swap(self._u, self._spare_u, key, u)
+        self._v.commit(keys)
+        self._u.commit(keys)
 
     def discard(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            pending = self._pending.pop(key, None)
-            if pending is not None:  # the new state's buffers are free again
-                for new, spares in zip(pending, (self._spare_u, self._spare_v), strict=True):
-                    if new is not None:
-                        spares[key] = new
-
-    @staticmethod
-    def _swap(current: dict[str, Tensor], spares: dict[str, Tensor], key: str, new: Tensor | None) -> None:
-        """``new`` becomes the state of ``key`` (``None``: none, all of it sent); the buffer it replaces a spare."""
-        old = current.pop(key, None) if new is None else current.get(key)
-        if new is not None:
-            current[key] = new
-        if old is not None:
-            spares[key] = old
+        self._v.discard(keys)
+        self._u.discard(keys)
 
     def reset(self) -> None:
-        self._u, self._v = {}, {}
+        self._u.clear()
+        self._v.clear()
 
     def rescale_(self, factor: float) -> None:
         # u (momentum) and v (the accumulation) are sums of gradients, in the units the gradients carried.
-        for t in (*self._u.values(), *self._v.values()):
-            t.mul_(factor)
+        self._u.scale_(factor)
+        self._v.scale_(factor)
 
     def state_dict(self) -> dict[str, object]:
-        return {**{f"u/{k}": t.detach().clone() for k, t in self._u.items()},
-                **{f"v/{k}": t.detach().clone() for k, t in self._v.items()}}  # fmt: skip
+        return {**{f"u/{k}": t.detach().clone() for k, t in self._u.kept.items()},
+                **{f"v/{k}": t.detach().clone() for k, t in self._v.kept.items()}}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         tensors = {k: t for k, t in state.items() if isinstance(t, Tensor)}
-        self._u = {k[2:]: t.clone() for k, t in tensors.items() if k.startswith("u/")}
-        self._v = {k[2:]: t.clone() for k, t in tensors.items() if k.startswith("v/")}
-        self._spare_u, self._spare_v = {}, {}
+        self._u.load({k[2:]: t for k, t in tensors.items() if k.startswith("u/")})
+        self._v.load({k[2:]: t for k, t in tensors.items() if k.startswith("v/")})
 
     def __repr__(self) -> str:
         return (

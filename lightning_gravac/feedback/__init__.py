@@ -1,23 +1,32 @@
-"""What the comm hook carries from one step to the next: error feedback's residuals and the optimizer's moved moments.
+"""What the comm hook carries from one step to the next: error feedback's residuals and the optimizer adaptations.
 
 :class:`Feedback` stores and drops them (the residuals and moved buffers are written by this package's code alone);
 :func:`encode` is the one sequence of error feedback, compression and residual that the communicators and the
-benchmarks share.
+benchmarks share. An optimizer adaptation is one module registering an :class:`Adaptation`, imported below.
 """
 
-from lightning_gravac.feedback.adam import AdamMoments
+from lightning_gravac.feedback.adaptation import Adaptation, Setup, register_adaptation
+from lightning_gravac.feedback.momentum import MomentumCorrection, SGDMomentum, masking_retention  # isort: split
+
+from lightning_gravac.feedback.adam import AdamMoments, scales_per_coordinate  # isort: split
+
 from lightning_gravac.feedback.feedback import Feedback
-from lightning_gravac.feedback.momentum import MomentumCorrection, SGDMomentum, masking_retention
 from lightning_gravac.feedback.residuals import Encoded, ErrorFeedback, FeedMode, encode
+from lightning_gravac.staged import Staged
 
 __all__ = [
     "AdamMoments",
+    "Adaptation",
     "Encoded",
     "ErrorFeedback",
     "FeedMode",
     "Feedback",
     "MomentumCorrection",
     "SGDMomentum",
+    "Setup",
+    "Staged",
     "encode",
     "masking_retention",
+    "register_adaptation",
+    "scales_per_coordinate",
 ]

@@ -22,9 +22,16 @@ as it would under stock DDP.
 """
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch import Tensor
+from lightning_utilities.core.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_gravac.feedback.adaptation import Adaptation, Setup, register_adaptation
+from lightning_gravac.tables import EMBEDDING_SHARE, embedding_share
 
 #: Flags of a parameter group under which the optimizer's update is not the one reproduced here.
 _UNSUPPORTED = ("amsgrad", "maximize", "differentiable", "capturable", "fused")
@@ -50,6 +57,29 @@ def adam_groups_supported(optimizer: torch.optim.Optimizer) -> bool:
     return not any(group.get(flag) for group in optimizer.param_groups for flag in _UNSUPPORTED)
 
 
+def scales_per_coordinate(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """Whether one of ``optimizers`` divides each coordinate's step by a running second moment (Adam, AdamW, Adamax,
+    NAdam, RAdam, RMSprop, Adagrad, Adadelta), whose normalisation a sparse or quantized gradient upsets."""
+    adaptive = (torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta)
+    for optimizer in optimizers:
+        if isinstance(optimizer, adaptive) or any("betas" in group for group in optimizer.param_groups):
+            return True
+    return False
+
+
+def why_moments_stay(module: nn.Module | None, trainer: Any = None) -> str | None:
+    """Why Adam's moments cannot move into the hook for ``module``, or ``None``. Lightning clips what the parameters'
+    ``.grad`` hold after backward, which are the averaged moments once they move; a model that is mostly embedding
+    tables has rows that no warm-up sees, whose frozen second moment is none, and its inactive rows would take a sign's
+    noise every step (the embedding bag ended at NaN under AdamW; docs/optimizers.md)."""
+    if trainer is not None and trainer.gradient_clip_val:
+        return "the trainer clips gradients (`gradient_clip_val`), which would clip Adam's moved moments instead"
+    share = embedding_share(module) if module is not None else 0.0
+    if share >= EMBEDDING_SHARE:
+        return f"{share:.0%} of the trainable parameters are embedding tables, whose rows no warm-up sees all of"
+    return None
+
+
 def _scale(state: dict, group: dict) -> Tensor:
     """Adam's per-coordinate divisor, ``sqrt(v / (1 - b2^t)) + eps``: held constant once the second moment is frozen
     (the stored ``v`` is rescaled with ``t``), computed alike in the hook and at the step.
@@ -67,15 +97,21 @@ def _scale(state: dict, group: dict) -> Tensor:
     return v.div(bias2).sqrt_().add_(group["eps"])
 
 
-class AdamMoments:
+@register_adaptation
+class AdamMoments(Adaptation):
     """Adam's first moment moved into the comm hook, its second moment frozen, from step :attr:`frozen_from` on.
 
-    Which parameters are moved is fixed at setup (:meth:`take_from`); when is set by the controller at fit start and
-    checkpointed with the strategy. The hook calls :meth:`local_` on every step from ``frozen_from`` on, the strategy
+    Which parameters are moved is fixed at setup (:meth:`take_from`); when is decided at fit start
+    (:meth:`on_fit_start`) and checkpointed with the strategy, the same on every rank. Until then every step is sent
+    whole (:attr:`sends_from`). The hook calls :meth:`local_` on every step from ``frozen_from`` on, the strategy
     :meth:`step_` inside the optimizer's step.
     """
 
+    name = "adam"
+    per_rank = False
+
     def __init__(self) -> None:
+        super().__init__()
         #: The first step (counted as ``CompressionState.step``) whose gradients are sent as moments; ``None``: never.
         self.frozen_from: int | None = None
         # name: (optimizer, index of its group, param). The group by index: a restored optimizer state replaces the
@@ -85,11 +121,41 @@ class AdamMoments:
         # This step's divisor of each moved parameter (`_scale`), computed in the hook from the optimizer's state and
         # used again at the step: one computation a step, from state a checkpoint restores bit for bit.
         self._scales: dict[str, Tensor] = {}
+        self._hidden: list[tuple[Tensor, Tensor]] = []  # the gradients `step_` hid from the optimizer's own step
 
+    @override
     def __bool__(self) -> bool:
         return bool(self._groups)
 
-    def take_from(self, optimizers: list[torch.optim.Optimizer], names: dict[int, str]) -> list[str]:
+    @property
+    @override
+    def sends_from(self) -> int | None:
+        return self.frozen_from
+
+    @override
+    def take_from(self, setup: Setup) -> list[str]:
+        """All of ``setup``'s parameters (:meth:`take_from_optimizers`), where the moments can move at all
+        (:func:`why_moments_stay`); their second moment is frozen from a step decided at fit start."""
+        if why_moments_stay(setup.module, setup.trainer) is not None:
+            return []
+        return self.take_from_optimizers(list(setup.optimizers), setup.names)
+
+    @override
+    def on_fit_start(self, trainer: Any, compresses: bool, controller: str, method: str) -> None:
+        """Set, once a run (a resumed run keeps its checkpoint's), the step from which the moments move: after
+        :func:`warmup_steps` of the run's length, when the controller compresses at all. Until then every step is sent
+        whole (or in fp16, by GraVAC's choice), so that the second moment settles on exact gradients. Said on rank 0."""
+        if not (self and compresses) or self.frozen_from is not None:
+            return
+        self.frozen_from = warmup_steps(float(trainer.estimated_stepping_batches))
+        rank_zero_info(
+            f"{controller}: the optimizer is Adam-like: its first {self.frozen_from} steps are sent whole "
+            "while its second moment settles; then the second moment is frozen and each rank's first moment is "
+            f"compressed with {method!r} and error feedback (1-bit Adam's scheme). "
+            "`GraVACStrategy(momentum_correction=False)` leaves Adam as it is."
+        )
+
+    def take_from_optimizers(self, optimizers: list[torch.optim.Optimizer], names: dict[int, str]) -> list[str]:
         """Take every parameter of ``optimizers`` if all are supported Adam(W) (:func:`adam_groups_supported`) and
         every parameter is one the hook sends dense (named in ``names``): all or nothing, so that no parameter is left
         to an Adam whose gradients are compressed. Returns the names taken."""
@@ -103,9 +169,17 @@ class AdamMoments:
         self._scales = {}
         return list(self._groups)
 
+    @override
     def active(self, step: int) -> bool:
         """Whether the hook sends moments on step ``step`` (``CompressionState.step`` while it runs)."""
         return bool(self._groups) and self.frozen_from is not None and step >= self.frozen_from
+
+    @override
+    def direction_(self, names: list[str], grads: list[Tensor], step: int) -> None:
+        """Adam's step direction in place of each moved gradient once the second moment is frozen (what is sent, on
+        any path)."""
+        if self.active(step):
+            self.local_(names, grads)
 
     def local_(self, names: list[str], grads: list[Tensor]) -> None:
         """In the hook, before compression: each moved parameter's gradient becomes this rank's first moment, in
@@ -161,15 +235,27 @@ class AdamMoments:
         for param, grad in hidden:
             param.grad = grad
 
-    def drop_moved(self) -> None:
+    @override
+    def after_closure(self) -> None:
+        self._hidden.extend(self.step_())
+
+    @override
+    def after_step(self) -> None:
+        hidden, self._hidden = self._hidden, []
+        self.restore(hidden)
+
+    @override
+    def begin_batch(self) -> None:
         """A new step began without the optimizer stepping (a skipped step): nothing moved is applied."""
         self._moved.clear()
         self._scales.clear()
 
-    def state_dict(self) -> dict[str, int]:
+    @override
+    def state_dict(self) -> dict[str, Any]:
         return {} if self.frozen_from is None else {"frozen_from": self.frozen_from}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.frozen_from = state.get("frozen_from")
         self._moved.clear()
         self._scales.clear()

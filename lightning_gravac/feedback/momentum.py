@@ -21,13 +21,17 @@ or cleans non-finite gradients) decides what the momentum takes, as it decides w
 takes under stock DDP.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_gravac.compressors.base import all_finite
+from lightning_gravac.feedback.adaptation import Adaptation, Setup, register_adaptation
+from lightning_gravac.staged import Staged
 
 
 def masking_retention(wait: float, momentum: float, nesterov: bool = False, random: bool = False) -> float:
@@ -64,7 +68,23 @@ class SGDMomentum:
     weight_decay: float = 0.0
 
 
-class MomentumCorrection:
+def _warn_sparse_groups(optimizers: Sequence[torch.optim.Optimizer], sparse: frozenset[int]) -> None:
+    """Say so where a sparse gradient keeps a whole group's momentum in the optimizer: its dense, compressed
+    parameters then have error feedback under the optimizer's momentum, which momentum correction is for."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            params = group["params"]
+            if group.get("momentum", 0) and any(id(p) in sparse for p in params) and len(params) > 1:
+                rank_zero_warn(
+                    "GraVACStrategy: an optimizer group holds a sparse embedding (`sparse=True`) and other "
+                    "parameters: the whole group keeps its momentum in the optimizer, so its compressed "
+                    "gradients get no momentum correction. Give the embedding a parameter group of its own."
+                )
+                return
+
+
+@register_adaptation
+class MomentumCorrection(Adaptation):
     """Per-parameter momentum buffers kept by the comm hook instead of the optimizer.
 
     Args:
@@ -72,21 +92,43 @@ class MomentumCorrection:
             :meth:`mask_` for what it trades).
     """
 
+    name = "momentum"
+
     def __init__(self, masking: bool = True) -> None:
+        super().__init__()
         self.masking = masking
         self.settings: dict[str, SGDMomentum] = {}
-        self._buffers: dict[str, Tensor] = {}
+        self.buffers: Staged
+        self.add_state("buffers", "u", gradient_units=True)  # each rank's own once a step compressed: `_local`
         self._local: set[str] = set()  # parameters whose buffers differ between ranks
-        self._pending: dict[str, Tensor] = {}
-        self._spares: dict[str, Tensor] = {}  # buffers replaced by a commit, reused for the next pending ones
         self._optimizers: list[tuple[torch.optim.Optimizer, dict[int, str]]] = []  # those momentum was taken from
         # In-sync buffers whose update waits for the gradient the optimizer will see (a non-finite dense step).
         self._deferred: list[tuple[str, Tensor]] = []
 
+    @override
     def __bool__(self) -> bool:
         return bool(self.settings)
 
-    def take_from(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
+    @property
+    @override
+    def follows_average(self) -> bool:
+        return bool(self)
+
+    @override
+    def take_from(self, setup: Setup) -> list[str]:
+        """The momentum of every ``torch.optim.SGD`` group whose parameters the hook sends dense
+        (:meth:`take_from_optimizer`). Said on rank 0, and where a sparse gradient keeps a whole group's momentum."""
+        moved = [name for optimizer in setup.optimizers for name in self.take_from_optimizer(optimizer, setup.names)]
+        _warn_sparse_groups(setup.optimizers, setup.sparse)
+        if moved:
+            rank_zero_info(
+                f"GraVACStrategy: momentum correction: the optimizer's momentum (and weight decay) for "
+                f"{len(moved)} parameters is applied in the comm hook before compression and set to 0 in the "
+                "optimizer. `GraVACStrategy(momentum_correction=False)` leaves the optimizer alone."
+            )
+        return moved
+
+    def take_from_optimizer(self, optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
         """Move the momentum (and weight decay, which SGD applies before it) of every ``torch.optim.SGD`` group with
         ``momentum > 0`` into the hook, for the parameters in ``names``; set the group's to 0. Returns their names.
 
@@ -119,8 +161,8 @@ class MomentumCorrection:
                 moved.append(name)
                 # A buffer the optimizer holds (a stock DDP checkpoint resumed here) is the global one: kept, in sync.
                 held = optimizer.state.get(p, {}).pop("momentum_buffer", None)
-                if held is not None and name not in self._buffers:
-                    self._buffers[name] = held.detach().clone()
+                if held is not None and name not in self.buffers.kept:
+                    self.buffers.kept[name] = held.detach().clone()
             group.update(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
         return moved
 
@@ -130,6 +172,7 @@ class MomentumCorrection:
         hook's and the group's go back to 0, so momentum never applies twice. Returns the parameters it took."""
         return [name for optimizer, names in self._optimizers for name in self._move(optimizer, names)]
 
+    @override
     def saved_groups(self, optimizer: torch.optim.Optimizer, state: dict) -> dict:
         """``state`` (``optimizer.state_dict()``) with the moved settings written back into its param groups, so that a
         checkpoint shows the optimizer the user configured (resumed without the correction, momentum applies again)."""
@@ -159,7 +202,7 @@ class MomentumCorrection:
         if not self.masking:
             return
         for name, residual in residuals.items():
-            pending = self._pending.get(name)
+            pending = self.buffers.pending.get(name)
             if residual is not None and pending is not None:
                 pending.masked_fill_(residual.view_as(pending) == 0, 0.0)
 
@@ -173,9 +216,18 @@ class MomentumCorrection:
         """Whether the buffers of ``names`` are identical on every rank (the exact dense path applies)."""
         return not any(name in self._local for name in names)
 
+    @override
+    def exact(self, names: Sequence[str]) -> bool:
+        return bool(self) and self.in_sync(names)
+
     def _decayed_(self, name: str, d: Tensor, param: Tensor) -> Tensor:
         decay = self.settings[name].weight_decay
         return d.add_(param.detach().view_as(d), alpha=decay) if decay else d
+
+    @override
+    def before_compression_(self, names: list[str], grads: list[Tensor], params: list[Tensor]) -> None:
+        if self:
+            self.local_(names, grads, params)
 
     def local_(self, names: list[str], grads: list[Tensor], params: list[Tensor]) -> None:
         """Before compression: each gradient becomes this rank's update direction, in place; buffers go local.
@@ -186,9 +238,7 @@ class MomentumCorrection:
             if s is None:
                 continue
             d = self._decayed_(name, grad, param)  # the gradient is overwritten below anyway
-            old, spare = self._buffers.get(name), self._spares.pop(name, None)
-            if spare is None or spare.shape != d.shape:
-                spare = torch.empty_like(d)
+            old, spare = self.buffers.kept.get(name), self.buffers.take(name, d)
             if old is None:
                 new = spare.copy_(d)
             else:
@@ -197,7 +247,7 @@ class MomentumCorrection:
                 grad.add_(new, alpha=s.momentum)
             else:
                 grad.copy_(new)
-            self._pending[name] = new
+            self.buffers.stage(name, new)
             self._local.add(name)
 
     def after_dense_(self, names: list[str], averaged: list[Tensor], params: list[Tensor]) -> None:
@@ -210,9 +260,9 @@ class MomentumCorrection:
             if s is None:
                 continue
             d = self._decayed_(name, avg, param)
-            buffer = self._buffers.get(name)
+            buffer = self.buffers.kept.get(name)
             if buffer is None:
-                buffer = self._buffers[name] = torch.clone(d).detach()
+                buffer = self.buffers.kept[name] = torch.clone(d).detach()
             else:
                 buffer.mul_(s.momentum).add_(d, alpha=1 - s.dampening)
             if s.nesterov:
@@ -225,6 +275,45 @@ class MomentumCorrection:
         :meth:`apply_deferred` sees the gradients the optimizer is about to apply."""
         self._deferred.extend((name, param) for name, param in zip(names, params, strict=True) if name in self.settings)
 
+    @override
+    def settle(
+        self,
+        names: list[str],
+        pending: dict[str, Tensor | None],
+        finite: bool,
+        averaged: list[Tensor] | None,
+        params: list[Tensor],
+        exact: bool,
+    ) -> None:
+        """On the ``exact`` path the averaged gradients become SGD's update direction in place (a non-finite step
+        defers that to the gradients the optimizer sees: :meth:`after_closure`); else a finite step keeps the new
+        buffers, masked where an entry was sent exactly, and in sync again where a dense step carried no residual."""
+        if not finite:
+            if exact:
+                self.defer(names, params)
+            elif self:
+                self.buffers.discard(names)
+            return
+        if exact:
+            assert averaged is not None
+            self.after_dense_(names, averaged, params)
+        elif self:  # nothing moved: no buffer to mask, resync or commit (every bucket of every step)
+            self.mask_(pending)
+            if averaged is not None and not pending:
+                self.resync(names, averaged)
+            self.buffers.commit(names)
+
+    @override
+    def begin_batch(self) -> None:
+        """Momentum set in the optimizer again (a restored checkpoint's param groups, a momentum schedule) is taken
+        into the hook, so it never applies twice; what a skipped step deferred is dropped."""
+        self.refresh()
+        self._deferred.clear()
+
+    @override
+    def after_closure(self) -> None:
+        self.apply_deferred()
+
     def apply_deferred(self) -> None:
         """Just before the optimizer's step, after the user's code has seen the gradients: each deferred parameter
         whose gradient is now finite (zeroed or cleaned by the user) takes it into its buffer as ``torch.optim.SGD``
@@ -236,51 +325,32 @@ class MomentumCorrection:
             if grad is not None and not grad.is_sparse and all_finite(grad):
                 self.after_dense_([name], [grad], [param])
 
-    def drop_deferred(self) -> None:
-        """A new step began without the optimizer stepping (a skipped step): nothing deferred is applied."""
-        self._deferred.clear()
-
     def resync(self, names: list[str], averaged: list[Tensor]) -> None:
         """After a dense all-reduce of local directions with no residual in them: the average is the global buffer."""
         for name, avg in zip(names, averaged, strict=True):
-            pending = self._pending.get(name)
+            pending = self.buffers.pending.get(name)
             if pending is not None and not self.settings[name].nesterov:
                 pending.copy_(avg)
                 self._local.discard(name)
 
-    def commit(self, names: Iterable[str]) -> None:
-        """The step was finite on every rank: its buffers become the kept ones."""
-        for name in names:
-            if name in self._pending:
-                old = self._buffers.get(name)
-                self._buffers[name] = self._pending.pop(name)
-                if old is not None:
-                    self._spares[name] = old
-
-    def discard(self, names: Iterable[str]) -> None:
-        """The step was not finite: its buffers are dropped, the kept ones stay."""
-        for name in names:
-            spare = self._pending.pop(name, None)
-            if spare is not None:
-                self._spares[name] = spare
-
+    @override
     def reset(self) -> None:
         """Drop every buffer (the divergence guard: they hold the accumulation that exploded). With none on any rank
         the buffers are in sync again: the next dense step starts them afresh, as ``torch.optim.SGD`` starts its own."""
-        for name, buffer in self._buffers.items():
-            self._spares.setdefault(name, buffer)
-        self._buffers, self._local = {}, set()
-        self._pending.clear()
+        super().reset()
+        self._local = set()
         self._deferred.clear()
 
+    @override
     def state_dict(self) -> dict[str, Tensor]:
         """This rank's buffers (``u/<name>``) and whether each is local to it (``local/<name>``)."""
-        out = {f"u/{name}": t.detach().clone() for name, t in self._buffers.items()}
-        out.update({f"local/{n}": torch.tensor(n in self._local, device=t.device) for n, t in self._buffers.items()})
+        out = super().state_dict()
+        kept = self.buffers.kept
+        out.update({f"local/{n}": torch.tensor(n in self._local, device=t.device) for n, t in kept.items()})
         return out
 
+    @override
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        self._buffers = {k[2:]: t.clone() for k, t in state.items() if k.startswith("u/")}
+        super().load_state_dict(state)
         self._local = {k[6:] for k, t in state.items() if k.startswith("local/") and bool(t)}
-        self._pending.clear()
         self._deferred.clear()

@@ -64,14 +64,14 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     # A half step sends every parameter in fp16, a factor of 2 (the controller's 16-bit rung).
     cfs = [HALF if state.half else state.cf_of(name) for name in names]
     dense = all(cf == 1.0 for cf in cfs)
-    params = bucket.parameters() if feedback.momentum else []
-    feedback.direction_(names, grads, state.step)  # Adam's step direction, once its second moment is frozen
+    params = bucket.parameters() if feedback.follows_average else []
+    feedback.direction_(names, grads, state.step)  # what an adaptation sends instead (Adam's direction once frozen)
     if not state.probe_cfs:
         if dense:
             return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step))
         # A half step of a bucket with embedding tables, by their rows where few were touched (`RowsReduced`: the
         # fp16 rung's sum, its rounding not kept), where no SGD momentum moved into the hook has to follow the cast.
-        if state.half and not feedback.momentum and state.rows.holds_table(names):
+        if state.half and not feedback.follows_average and state.rows.holds_table(names):
             return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step), half=True)
 
     start = time.perf_counter()
@@ -113,7 +113,7 @@ def _plain(
     are carried in, sent in full. A method with momentum of its own delivers it (DGC)."""
     feedback = state.feedback
     carried = state.error_feedback and feedback.owes(names)
-    exact = bool(feedback.momentum) and feedback.momentum.in_sync(names) and not carried
+    exact = feedback.exact(names) and not carried
     work = Work(state, buffer, [], names, grads, plain=True, params=params, exact=exact, rows=rows, half=half)
     if not half:  # a half step sends the cast, as the rung's own path does, not what a method delivers dense
         work.delivered = state.compressor.deliver_(_units(state, names, grads, buffer), step=state.step)

@@ -255,7 +255,7 @@ class GraVAC(Controller):
         if self.holds_for_adam:
             self.cf = self.choose()
             self._hand_over(self.state)
-            if self.state.feedback.adam.frozen_from is None:
+            if self.state.feedback.sends_from is None:
                 rank_zero_warn(hold_warning(self))
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:

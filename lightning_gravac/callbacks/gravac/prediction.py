@@ -13,7 +13,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 
 from lightning_gravac.callbacks.gravac.cost import DENSE, Link, Measured, fit_step, moved_bytes, probed_link, regime
 from lightning_gravac.callbacks.gravac.ladder import within_budget
-from lightning_gravac.feedback.momentum import SGDMomentum, masking_retention
+from lightning_gravac.feedback.momentum import MomentumCorrection, SGDMomentum, masking_retention
 from lightning_gravac.state import ring_share
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def masking_weight(c: "GraVAC", cf: float) -> float:
     if wait is None:
         return 1.0
     own = method.masked_momentum()  # DGC's, which it keeps itself
-    settings = {SGDMomentum(own)} if own > 0 else state.feedback.momentum.masked_settings()
+    settings = {SGDMomentum(own)} if own > 0 else state.feedback.get(MomentumCorrection).masked_settings()
     retained = [masking_retention(wait, s.momentum, s.nesterov, method.random_sends) for s in settings]
     return min(retained, default=1.0)
 

@@ -105,7 +105,7 @@ def probing(c: "GraVAC", state: CompressionState) -> bool:
     probes = s.windows == 0 or (s.steps % s.probe_interval == 0 and c.gains_can_matter())
     if c.moments_moved():
         fixed = state.compressor.fixed_cf is not None
-        probes = not fixed and (probes or state.step == state.feedback.adam.frozen_from)
+        probes = not fixed and (probes or state.step == state.feedback.sends_from)
     return probes
 
 
