@@ -1,6 +1,7 @@
 """The GraVAC controller: scripted decisions, multi-level Top-K, and real 2-rank training."""
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -726,3 +727,51 @@ def test_an_unbiased_method_keeps_one_over_its_gain_and_its_factors_follow_its_r
     resumed.compression_state = _with_moved_momentum("qsgd", 0.0)
     resumed.fit_to_model(64)
     assert resumed.cf == 1.0 and resumed.cf_min == pytest.approx(lo)
+
+
+#: A checkpoint of the first format, for each search (``RESUMED_RUNS``): its ``state_dict`` mid-window (tallies, gains,
+#: the fitted link), and what that controller did next, uninterrupted, once its link and gains changed (``next``: the
+#: factors sent; ``after``: its ``state_dict`` then). Written by that version: ``_resumable(search)``, ``run`` the first
+#: steps, ``state_dict()``, change the link and gains, ``run`` the next steps.
+CHECKPOINT_V1 = Path(__file__).parent / "data" / "gravac_state_v1.pt"
+
+#: Each search's settings, its steps before the checkpoint and after it, its link's seconds a byte and its gains by
+#: factor before and after.
+RESUMED_RUNS = {
+    "model": {
+        "kwargs": {"search": "model", "window": 8, "probe_every": 2, "probe_backoff": 4, "fp16_rung": True},
+        "steps": (8, 30),
+        "per_byte": (1e-5, 1e-5),
+        "gain": ({10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.025}.get, {10: 0.6, 20: 0.5, 40: 0.4, 160: 0.01}.get),
+    },
+    "sequential": {
+        "kwargs": {"cf_min": 10, "cf_max": 1000, "window": 5, "epsilon": 0.7, "omega": 0.05, "alpha": 0.5},
+        "steps": (12, 15),
+        "per_byte": (1e-6, 1e-6),
+        "gain": (lambda cf: 0.9 if cf <= 100 else 0.3, lambda cf: 0.95 if cf <= 20 else 0.6),
+    },
+}
+
+
+def _resumable(search: str) -> tuple[Scripted, dict]:
+    """A controller of ``RESUMED_RUNS[search]`` on its first link and gains (the returned dict: set to change them)."""
+    run = RESUMED_RUNS[search]
+    link = {"per_byte": run["per_byte"][0], "gain": run["gain"][0]}
+    c = Scripted(lambda cf: link["gain"](cf) or 0.0, lambda cf: 0.1 + 1_000_000 / cf * link["per_byte"],
+                 **run["kwargs"])  # fmt: skip
+    c.world_size = 2
+    if search == "model":
+        c.probed, c.half_per_byte = (0.0, link["per_byte"]), link["per_byte"]
+    return c, link
+
+
+@pytest.mark.parametrize("search", ["model", "sequential"])
+def test_a_checkpoint_of_the_first_format_resumes_as_the_run_went_on(search):
+    saved = torch.load(CHECKPOINT_V1, weights_only=True)[search]
+    run = RESUMED_RUNS[search]
+    resumed, link = _resumable(search)
+    resumed.load_state_dict(saved["state_dict"])
+    assert resumed.state_dict() == saved["state_dict"] and list(resumed.state_dict()) == list(saved["state_dict"])
+    link.update(per_byte=run["per_byte"][1], gain=run["gain"][1])
+    assert resumed.run(run["steps"][1]).sent == saved["next"]
+    assert resumed.state_dict() == saved["after"]
