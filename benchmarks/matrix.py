@@ -461,7 +461,9 @@ def _train(
     return {
         "steps": recorder.steps,
         # What an adaptive row last measured: the smoothed gain at each factor it probes.
-        "gains": {f"{cf:g}": g for cf, g in sorted(controller.gains.items())} if isinstance(controller, GraVAC) else {},
+        "gains": {f"{cf:g}": g for cf, g in sorted(controller.probes.gains.items())}
+        if isinstance(controller, GraVAC)
+        else {},
         "finished": finished,
         "held_out": _evaluate(spec["model"], spec["held"], task) if finished else None,
         "evals": recorder.evals,

@@ -8,7 +8,6 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_gravac import GraVAC, GraVACStrategy, RunSummary, Static, get_compressor
-from lightning_gravac.callbacks.gravac.hold import check_rung
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.state import CompressionState
 from lightning_gravac.zoo import TeacherRegression
@@ -105,17 +104,18 @@ def test_the_fp16_rung_of_an_adam_fit_does_not_outlive_it():
     controller.compression_state = CompressionState(get_compressor("topk"), error_feedback=True)
     module = torch.nn.Linear(4, 2)
     controller.adaptive_optimizer = True
-    check_rung(controller, module)
+    controller.check_rung(module)
     assert controller.fp16_rung  # the Adam hold's only factor besides dense
     controller.adaptive_optimizer = False  # the next fit, under SGD
-    check_rung(controller, module)
+    controller.check_rung(module)
     assert not controller.fp16_rung
     asked = GraVAC(fp16_rung=True)  # asked for: kept under SGD too
     asked.compression_state = controller.compression_state
-    check_rung(asked, module)
+    asked.check_rung(module)
     assert asked.fp16_rung
     held = GraVAC(adam="dense", fp16_rung=True)  # asked to hold dense under Adam: the rung is not used for the hold
-    held.compression_state, held.adaptive_optimizer, held.probed = controller.compression_state, True, (0.0, 1e-6)
-    check_rung(held, module)
-    held.half_per_byte = 1e-7  # fp16 modelled far cheaper than fp32: the hold still sends dense
+    held.compression_state, held.adaptive_optimizer = controller.compression_state, True
+    held.cost.probed = (0.0, 1e-6)
+    held.check_rung(module)
+    held.cost.half_per_byte = 1e-7  # fp16 modelled far cheaper than fp32: the hold still sends dense
     assert held.rungs and held.choose() == 1.0

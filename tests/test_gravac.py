@@ -1,6 +1,7 @@
 """The GraVAC controller: scripted decisions, multi-level Top-K, and real 2-rank training."""
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,14 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gravac import GraVAC, GraVACStrategy, RunSummary, Static, StepStats, get_compressor
-from lightning_gravac.callbacks.gravac.ladder import fit_to_budget, ladder, within_budget
-from lightning_gravac.callbacks.gravac.prediction import (
-    best_predicted,
-    kept,
-    masking_weight,
-    predicted_seconds,
-    predicted_throughput,
-)
+from lightning_gravac.callbacks.gravac.ladder import ladder_factors
+from lightning_gravac.callbacks.gravac.prediction import best_predicted
 from lightning_gravac.feedback import MomentumCorrection
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
@@ -64,17 +59,17 @@ def test_candidate_advances_each_window_exponentially_and_never_past_cf_max():
     c = Scripted(lambda cf: 0.9 / cf**0.5, cf_min=10, cf_max=1000, window=5, epsilon=0.1)
     candidates = []
     for _ in range(6):
-        candidates.append(c.candidate)
+        candidates.append(c.ladder.candidate)
         c.run(5)
     assert candidates == [20, 40, 160, 1000, 1000, 1000]
-    assert c.cf_min == 10 and max(c.sent) <= 1000
+    assert c.ladder.cf_min == 10 and max(c.sent) <= 1000
 
 
 def test_geometric_policy_doubles_the_scale():
     c = Scripted(lambda cf: 0.9 / cf**0.5, cf_min=10, cf_max=1000, window=5, epsilon=0.1, policy="geometric")
     candidates = []
     for _ in range(5):
-        candidates.append(c.candidate)
+        candidates.append(c.ladder.candidate)
         c.run(5)
     assert candidates == [20, 40, 80, 160, 320]
 
@@ -83,11 +78,11 @@ def test_promotion_when_the_candidate_keeps_as_much():
     # Gain flat up to 100x: the candidate keeps what cf_min keeps, so it becomes cf_min.
     c = Scripted(lambda cf: 0.9 if cf <= 100 else 0.3, cf_min=10, cf_max=1000, window=5, epsilon=0.7)
     c.run(5)
-    assert c.cf_min == 20 and c.candidate == 80  # promoted to 20, then s = 4
+    assert c.ladder.cf_min == 20 and c.ladder.candidate == 80  # promoted to 20, then s = 4
     c.run(5)
-    assert c.cf_min == 80 and c.candidate == min(80 * 16, 1000)
+    assert c.ladder.cf_min == 80 and c.ladder.candidate == min(80 * 16, 1000)
     c.run(5)
-    assert c.cf_min == 80  # 1000x keeps too little to be promoted
+    assert c.ladder.cf_min == 80  # 1000x keeps too little to be promoted
     assert c.sent[-1] == 80  # and too little to be sent (0.3 < epsilon)
 
 
@@ -107,13 +102,13 @@ def test_plateau_settles_on_the_less_aggressive_of_the_two_best_and_can_move_aga
     gain = {10: 0.8, 20: 0.7999}
     c = Scripted(lambda cf: gain.get(cf, 0.1), lambda cf: 1.0, cf_min=10, window=4, epsilon=0.5, omega=0.01, alpha=1.0)
     c.run(4)
-    assert set(c.throughput) == {10, 20}
-    assert c.settled == 10, "settles on the less aggressive of the two"
+    assert set(c.window.throughput) == {10, 20}
+    assert c.window.settled == 10, "settles on the less aggressive of the two"
     c.run(4)
     assert c.sent[-4:] == [10, 10, 10, 10]
     gain[10] = 0.6  # 10x now keeps much less than 20x did: no plateau any more, the search resumes
     c.run(4)
-    assert c.settled is None
+    assert c.window.settled is None
     c.run(1)
     assert c.sent[-1] != 10
 
@@ -126,9 +121,9 @@ def test_model_search_picks_the_best_predicted_factor_after_one_window():
         return 1_000_000 / cf / 100_000  # the bytes a step moves at 100 kB/s
 
     c = Scripted(lambda cf: gain[cf], lambda cf: 1.0 + comm(cf), comm, cf_min=10, window=3, epsilon=0.7, search="model")
-    c.world_size = 2
+    c.cost.world_size = 2
     c.run(3)
-    assert c.link is not None and c.link.seconds_per_byte == pytest.approx(1e-5)
+    assert c.cost.link is not None and c.cost.link.seconds_per_byte == pytest.approx(1e-5)
     c.run(1)
     # Predicted Tc: gain / (1 + bytes/1e5): 160x -> 0.8/1.0625 beats 40x -> 0.85/1.25 and 1000x (0.5 < epsilon).
     assert c.sent[-1] == 160
@@ -213,10 +208,11 @@ def _gravac_vs_dense(rank, world_size, search):
         with torch.no_grad():
             loss = nn.functional.mse_loss(model(data.tensors[0]), data.tensors[1]).item()
         controller = next(c for c in trainer.callbacks if isinstance(c, (GraVAC, Static)))
+        gravac = controller if isinstance(controller, GraVAC) else None
         out[name] = {"loss": loss, "cf": [r["gravac/cf"] for r in summary.history],
-                     "probed": getattr(controller, "probed", None), "gains": getattr(controller, "gains", None),
-                     "link": repr(getattr(controller, "link", None)),
-                     "throughput": getattr(controller, "throughput", None)}  # fmt: skip
+                     "probed": gravac.cost.probed if gravac else None, "gains": gravac.probes.gains if gravac else None,
+                     "link": repr(gravac.cost.link if gravac else None),
+                     "throughput": gravac.window.throughput if gravac else None}  # fmt: skip
     return out
 
 
@@ -336,7 +332,7 @@ def test_after_the_first_window_probes_run_one_step_in_probe_every():
         c.run(1)
     # Steps 1-4 (the first window): every one. Then steps 5-13: those after a multiple of 3 steps (7, 10, 13).
     assert probed == [True] * 4 + [False, False, True, False, False, True, False, False, True]
-    assert GraVAC(probe_every=1).probe_every == 1
+    assert GraVAC(probe_every=1).probes.probe_every == 1
     with pytest.raises(ValueError, match=r"`probe_every` must be a whole number >= 1, got 0"):
         GraVAC(probe_every=0)
 
@@ -350,7 +346,7 @@ def _model_search(gain, compress_s=0.0, **kwargs):
 
     c = Scripted(lambda cf: gain[cf], lambda cf: 1.0 + comm(cf) + (compress_s if cf != 1 else 0.0), comm,
                  cf_min=10, cf_max=1000, search="model", **kwargs)  # fmt: skip
-    c.world_size = 2
+    c.cost.world_size = 2
     c.compress_seconds = lambda stats: compress_s if c.cf != 1 else 0.0
     return c
 
@@ -361,7 +357,7 @@ def _probed_steps(c, steps, state):
     for _ in range(steps):
         c.apply(state)
         if state.probe_cfs:
-            probed.append(c.search_state.steps + 1)
+            probed.append(c.window.steps + 1)
         c.run(1, state)
     return probed
 
@@ -380,7 +376,7 @@ def test_probes_back_off_while_they_change_nothing_and_come_back_when_the_choice
     probed = _probed_steps(c, 12, state)
     assert probed[0] == 33 and c.cf != chosen
     assert probed[1:] == [35, 37], "a change of choice brings the spacing back to probe_every"
-    assert GraVAC(search="sequential").probe_backoff == 1 and GraVAC().probe_backoff == 8
+    assert GraVAC(search="sequential").probes.probe_backoff == 1 and GraVAC().probes.probe_backoff == 8
     with pytest.raises(ValueError, match=r"`probe_backoff` must be a whole number >= 1, got 0"):
         GraVAC(probe_backoff=0)
 
@@ -408,20 +404,20 @@ def test_the_model_search_sends_fp16_where_no_factor_keeps_enough_and_bytes_cost
     state = CompressionState(get_compressor("topk"), error_feedback=True)
     # Every factor keeps 0.1% of the gradient (below the 0.02 floor): dense, or the whole gradient in fp16.
     poor = _model_search({**dict.fromkeys((10, 20, 40, 160, 1000), 0.001), 2.0: 1.0}, window=3, fp16_rung=True)
-    poor.cast_cost, poor.half_per_byte = 0.5, 1e-5  # as the fit-start probe would have measured them
+    poor.cost.cast_cost, poor.cost.half_per_byte = 0.5, 1e-5  # as the fit-start probe would have measured them
     poor.run(6, state)
     # Dense: 1 s + 10 s of bytes. fp16: 1 s + 5 s + 0.5 s of casts.
     assert poor.cf == 2.0 and state.half and state.cf == 2.0
     poor.run(3, state)  # a window at fp16, whose steps take 1 s + 5 s (the casts' time as measured: none)
-    assert predicted_seconds(poor, poor.link, 2.0, 1_000_000) == pytest.approx(6.0, rel=1e-6)
+    assert poor.cost.seconds(poor.cost.link, 2.0, 1_000_000, poor.rungs) == pytest.approx(6.0, rel=1e-6)
     # Casting dearer than the bytes it saves: dense.
-    poor.cast_cost = 6.0
+    poor.cost.cast_cost = 6.0
     poor.run(1, state)
     poor.apply(state)
     assert poor.cf == 1.0 and not state.half
     # Factors that keep enough beat both: the rung is one choice among the others.
     rich = _model_search({10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}, window=3, fp16_rung=True)
-    rich.half_per_byte = 1e-5
+    rich.cost.half_per_byte = 1e-5
     rich.run(6, state)
     rich.apply(state)
     assert rich.cf > 2 and not state.half
@@ -442,19 +438,19 @@ def test_spaced_probes_weigh_as_the_steps_they_stand_for():
     )  # fmt: skip
     state = CompressionState(get_compressor("topk"), error_feedback=True)
     c.run(3, state)  # the first window (steps 1-2) probes every step; then step 3 probes nothing
-    assert c.gains[10] == pytest.approx(0.8)
+    assert c.probes.gains[10] == pytest.approx(0.8)
     level["gain"] = 0.4
     c.run(2, state)  # steps 4-5: step 5 (4 steps done) probes, 3 steps after step 2: weight 1 - 0.5^3
-    assert c.gains[10] == pytest.approx(0.8 * 0.5**3 + 0.4 * (1 - 0.5**3))
-    before = c.gains[10]
+    assert c.probes.gains[10] == pytest.approx(0.8 * 0.5**3 + 0.4 * (1 - 0.5**3))
+    before = c.probes.gains[10]
     c.run(4, state)  # steps 6-9: step 9 probes, 4 steps after step 5
-    assert c.gains[10] == pytest.approx(before * 0.5**4 + 0.4 * (1 - 0.5**4))
+    assert c.probes.gains[10] == pytest.approx(before * 0.5**4 + 0.4 * (1 - 0.5**4))
 
 
 def test_model_search_decides_after_a_short_first_window():
-    assert GraVAC(search="model", window=500).first_window == 3
-    assert GraVAC(search="sequential", window=500).first_window == 500
-    assert GraVAC(search="model", window=2).first_window == 2
+    assert GraVAC(search="model", window=500).window.first == 3
+    assert GraVAC(search="sequential", window=500).window.first == 500
+    assert GraVAC(search="model", window=2).window.first == 2
     with pytest.raises(ValueError, match=r"`first_window` must be a whole number >= 1, got 0"):
         GraVAC(first_window=0)
     gain = {10: 0.95, 20: 0.9, 40: 0.85, 160: 0.8, 1000: 0.5}
@@ -465,12 +461,12 @@ def test_model_search_decides_after_a_short_first_window():
     c = Scripted(
         lambda cf: gain[cf], lambda cf: 1.0 + comm(cf), comm, cf_min=10, window=100, first_window=10, search="model"
     )
-    c.world_size = 2
+    c.cost.world_size = 2
     c.run(10)
     # Steps at 10x and 20x moved different byte counts: the fit separates the per-step cost from the per-byte one.
-    assert c.windows == 1 and c.link is not None
-    assert c.link.seconds_per_byte == pytest.approx(1e-5) and c.link.per_step == pytest.approx(0.05)
-    assert c.link.other_seconds == pytest.approx(1.0)
+    assert c.window.windows == 1 and c.cost.link is not None
+    assert c.cost.link.seconds_per_byte == pytest.approx(1e-5) and c.cost.link.per_step == pytest.approx(0.05)
+    assert c.cost.link.other_seconds == pytest.approx(1.0)
     c.run(1)
     assert c.sent[:2] == [10, 20] and c.sent[-1] == 160
 
@@ -493,11 +489,11 @@ def _default_on_a_link(per_byte: float, gain: dict[float, float], state=None, **
 
     budget_steps = kwargs.pop("budget_steps", math.inf)
     c = Scripted(lambda cf: gain[cf], seconds, search="model", **kwargs)
-    c.world_size = 2
+    c.cost.world_size = 2
     c.compression_state = state
-    c.budget_steps = budget_steps  # what fit start reads from the trainer
-    c.probed = (0.0, per_byte)  # what the fit-start probe would have measured
-    c.cast_cost, c.half_per_byte = 0.01, per_byte  # and the fp16 rung: casts 10 ms a step, its bytes as fp32's
+    c.budget.steps = budget_steps  # what fit start reads from the trainer
+    c.cost.probed = (0.0, per_byte)  # what the fit-start probe would have measured
+    c.cost.cast_cost, c.cost.half_per_byte = 0.01, per_byte  # the fp16 rung: casts 10 ms a step, bytes as fp32's
     return c.run(4)  # the first window (3 steps), then one step at the factor it chose
 
 
@@ -510,8 +506,8 @@ def test_default_sends_the_factor_of_highest_predicted_throughput_on_each_link()
     # - 10 us a byte: dense 0.099, cf 40 0.63/0.35 = 1.8, cf 160 0.464/0.1625 = 2.86, cf 1000 0.292/0.11 = 2.66.
     for per_byte, expected in [(1e-9, 1.0), (1e-7, 10.0), (1e-5, 160.0)]:
         c = _default_on_a_link(per_byte, gain)
-        assert c.link is not None and c.link.other_seconds == pytest.approx(0.1)
-        scores = {cf: predicted_throughput(c, cf, 1_000_000) for cf in (1.0, *c.ladder)}
+        assert c.cost.link is not None and c.cost.link.other_seconds == pytest.approx(0.1)
+        scores = {cf: c.predicted_throughput(cf, 1_000_000) for cf in (1.0, *c.ladder.factors)}
         assert max(scores, key=scores.__getitem__) == expected
         assert c.sent[-1] == expected, (per_byte, c.sent)
         # The first window: the mildest factor until the first step has measured the computation, then that factor
@@ -542,7 +538,7 @@ def test_default_weighs_the_momentum_that_masking_drops_at_each_factor():
     # masked keeps r(20), r(40), r(80), r(320), r(2000) = 0.605, 0.778, 0.888, 0.972, 0.996: 4.00, 4.99, 5.33, 4.46,
     # 2.91: cf 40.
     masked = _default_on_a_link(2e-7, gain, _with_moved_momentum("topk", 0.9))
-    assert masking_weight(masked, 10) == pytest.approx(0.604709, abs=1e-6) and masked.sent[-1] == 40
+    assert masked.masking_weight(10) == pytest.approx(0.604709, abs=1e-6) and masked.sent[-1] == 40
     # At 50 ns a byte cf 10 beats dense unweighed (7.56 against 6.67), but weighed every factor loses to dense (cf 40:
     # 6.22 x 0.888 = 5.52): masking would cost momentum more than the bytes save.
     assert _default_on_a_link(5e-8, gain).sent[-1] == 10
@@ -556,7 +552,7 @@ def test_default_weighs_the_momentum_that_masking_drops_at_each_factor():
         (_with_moved_momentum("topk", 0.9), {"weigh_masking": False}),
     ]:
         c = _default_on_a_link(2e-7, gain, state, **kwargs)
-        assert masking_weight(c, 10) == 1.0 and c.sent[-1] == 10, (
+        assert c.masking_weight(10) == 1.0 and c.sent[-1] == 10, (
             state.compressor,
             state.feedback.get(MomentumCorrection).masking,
             kwargs,
@@ -568,24 +564,24 @@ def test_the_masking_weight_follows_each_method_wait_and_the_momentum_it_restart
         return _default_on_a_link(2e-7, {cf: 0.5 for cf in (10, 20, 40, 160, 1000)}, state, **kwargs)
 
     topk = on_link(_with_moved_momentum("topk", 0.9))
-    assert masking_weight(topk, 1.0) == 1.0  # dense never masks
+    assert topk.masking_weight(1.0) == 1.0  # dense never masks
     # Nesterov sends g + m u: 1 - m (1 - r(20)) = 0.644.
     nesterov = on_link(_with_moved_momentum("topk", 0.9, nesterov=True))
-    assert masking_weight(nesterov, 10) == pytest.approx(0.644239, abs=1e-6)
+    assert nesterov.masking_weight(10) == pytest.approx(0.644239, abs=1e-6)
     # Random-K sends no index (an entry waits cf steps) and picks at random (geometric waits): 0.1 / (0.1 + 0.09).
-    assert masking_weight(on_link(_with_moved_momentum("randomk", 0.9)), 10) == pytest.approx(0.526316, abs=1e-6)
+    assert on_link(_with_moved_momentum("randomk", 0.9)).masking_weight(10) == pytest.approx(0.526316, abs=1e-6)
     # bf16 gradients: a 2-byte value and a 4-byte index, an entry waits 3 cf steps: r(30) = 0.7127.
     topk.grad_dtype = torch.bfloat16
-    assert masking_weight(topk, 10) == pytest.approx(0.712717, abs=1e-6)
+    assert topk.masking_weight(10) == pytest.approx(0.712717, abs=1e-6)
     # DGC keeps its own momentum (the optimizer's stays at 0): its masking weighs the same way, unless it is off.
     from lightning_gravac.compressors import DGC
 
     for masking, expected in [(True, 0.604709), (False, 1.0)]:
         dgc = _with_moved_momentum(DGC(momentum=0.9, momentum_masking=masking), 0.0)
-        assert masking_weight(on_link(dgc), 10) == pytest.approx(expected, abs=1e-6)
+        assert on_link(dgc).masking_weight(10) == pytest.approx(expected, abs=1e-6)
     # The fp16 rung sends every entry rounded, never exactly: not weighed.
     rung = on_link(_with_moved_momentum("topk", 0.9), fp16_rung=True)
-    assert rung.rungs and masking_weight(rung, rung.rungs[0]) == 1.0
+    assert rung.rungs and rung.masking_weight(rung.rungs[0]) == 1.0
 
 
 def test_default_keeps_epsilon_as_a_floor_and_the_paper_weighs_progress_by_the_gain():
@@ -613,23 +609,30 @@ def test_default_smooths_gains_with_bias_correction_and_leaves_the_warm_up_step_
     c = Scripted(lambda cf: level["gain"], search="model", alpha=0.1)
     c.warm_up = True  # as at fit start
     c.run(1)
-    assert c.search_state.tally == {} and c.search_state.progress == 1, "the first step's time was tallied"
-    assert c.gains[10] == pytest.approx(0.8)
+    assert c.window.tally == {} and c.window.progress == 1, "the first step's time was tallied"
+    assert c.probes.gains[10] == pytest.approx(0.8)
     level["gain"] = 0.4
     c.run(1)
     # Weights 0.9 x 0.1 and 0.1, normalised: the first probe weighs about what the second does, not 0.9 of the mean.
-    assert c.gains[10] == pytest.approx((0.09 * 0.8 + 0.1 * 0.4) / 0.19)
+    assert c.probes.gains[10] == pytest.approx((0.09 * 0.8 + 0.1 * 0.4) / 0.19)
     paper = Scripted(lambda cf: level["gain"], alpha=0.1)
     level["gain"] = 0.8
     paper.run(1)
     level["gain"] = 0.4
     paper.run(1)
-    assert paper.gains[10] == pytest.approx(0.9 * 0.8 + 0.1 * 0.4)  # the paper's EWMA starts at the first value
+    assert paper.probes.gains[10] == pytest.approx(0.9 * 0.8 + 0.1 * 0.4)  # the paper's EWMA starts at the first value
 
 
 def test_the_paper_is_one_argument_away_and_dgc_keeps_the_error_fed_gain_by_default():
     paper, default = GraVAC(search="sequential"), GraVAC()
-    assert (paper.epsilon, paper.window, paper.probe_every, paper.gain_of, paper.gain_power, paper.link_probe) == (
+    assert (
+        paper.epsilon,
+        paper.window.length,
+        paper.probes.probe_every,
+        paper.probes.gain_of,
+        paper.gain_power,
+        paper.link_probe,
+    ) == (
         0.7,
         500,
         1,
@@ -637,17 +640,23 @@ def test_the_paper_is_one_argument_away_and_dgc_keeps_the_error_fed_gain_by_defa
         1.0,
         False,
     )
-    assert (default.search, default.epsilon, default.window, default.probe_every, default.first_window) == (
+    assert (
+        default.search,
+        default.epsilon,
+        default.window.length,
+        default.probes.probe_every,
+        default.window.first,
+    ) == (
         "model",
         0.02,
         50,
         25,
         3,
     )
-    assert (default.gain_of, default.gain_power, default.link_probe) == ("gradient", pytest.approx(1 / 3), True)
+    assert (default.probes.gain_of, default.gain_power, default.link_probe) == ("gradient", pytest.approx(1 / 3), True)
     trainer = SimpleNamespace(strategy=GraVACStrategy("dgc"), world_size=1)
     default.setup(trainer, TeacherRegression(width=256), "fit")  # no error: DGC has no gain of the gradient alone
-    assert default.gain_of == "error_fed"
+    assert default.probes.gain_of == "error_fed"
 
 
 def test_the_default_says_what_it_sends_and_why_at_each_change_of_regime(caplog):
@@ -669,32 +678,36 @@ def test_the_budget_leaves_out_factors_whose_entries_would_wait_past_the_run():
     for budget in (100, 100_000):
         # Top-K's entry waits 2 cf steps: a 100-step run admits cf 10, 20 and 40; a long one every factor.
         c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=budget)
-        assert [cf for cf in c.ladder if within_budget(c, cf)] == ([10, 20, 40] if budget == 100 else list(c.ladder))
+        assert [cf for cf in c.ladder.factors if c.within_budget(cf)] == (
+            [10, 20, 40] if budget == 100 else list(c.ladder.factors)
+        )
         sent[budget] = c.sent
     # The first window sends the mildest admitted factor, then the best predicted among the admitted ones.
     assert sent[100][:3] == [10, 10, 10] and sent[100][-1] == 40
     assert sent[100_000][:3] == [10, 10, 10] and sent[100_000][-1] == 160
     # Off (asked, and always for the paper's search): every factor.
     c = _default_on_a_link(1e-5, gain, _with_moved_momentum("topk", 0.0), budget_steps=100, budget=False)
-    assert c.sent[-1] == 160 and GraVAC(search="sequential", budget=True).budget is False
+    assert c.sent[-1] == 160 and GraVAC(search="sequential", budget=True).budget.on is False
 
 
 def test_the_budget_edge_becomes_a_rung_of_the_ladder():
     c = GraVAC()
     c.compression_state = _with_moved_momentum("topk", 0.0)
-    c.budget_steps = 200.0  # Top-K's wait is 2 cf: cf 100 is the most aggressive factor a 200-step run admits
-    fit_to_budget(c)
-    assert c.ladder == (10, 20, 40, 100)
-    c.budget_steps = 120.0
-    c.ladder = ladder(c.cf_min, c.cf_max, c.policy)
-    fit_to_budget(c)
-    assert c.ladder == (10, 20, 40, 60)
-    c.budget_steps, c.ladder = 15.0, ladder(c.cf_min, c.cf_max, c.policy)  # too short for any factor: dense alone
-    fit_to_budget(c)
-    assert c.ladder == () and best_predicted(c) == 1.0
-    c.budget_steps, c.ladder = 1e6, ladder(c.cf_min, c.cf_max, c.policy)  # a long run: the ladder as it was
-    fit_to_budget(c)
-    assert c.ladder == (10, 20, 40, 160, 1000)
+    c.budget.steps = 200.0  # Top-K's wait is 2 cf: cf 100 is the most aggressive factor a 200-step run admits
+    c.budget.fit(c.ladder, c.compression_state.compressor, c.grad_dtype, c.rungs)
+    assert c.ladder.factors == (10, 20, 40, 100)
+    c.budget.steps = 120.0
+    c.ladder.factors = ladder_factors(c.ladder.cf_min, c.ladder.cf_max, c.ladder.policy)
+    c.budget.fit(c.ladder, c.compression_state.compressor, c.grad_dtype, c.rungs)
+    assert c.ladder.factors == (10, 20, 40, 60)
+    # Too short for any factor: dense alone.
+    c.budget.steps, c.ladder.factors = 15.0, ladder_factors(c.ladder.cf_min, c.ladder.cf_max, c.ladder.policy)
+    c.budget.fit(c.ladder, c.compression_state.compressor, c.grad_dtype, c.rungs)
+    assert c.ladder.factors == () and best_predicted(c.decision()) == 1.0
+    # A long run: the ladder as it was.
+    c.budget.steps, c.ladder.factors = 1e6, ladder_factors(c.ladder.cf_min, c.ladder.cf_max, c.ladder.policy)
+    c.budget.fit(c.ladder, c.compression_state.compressor, c.grad_dtype, c.rungs)
+    assert c.ladder.factors == (10, 20, 40, 160, 1000)
 
 
 def test_an_unbiased_method_keeps_one_over_its_gain_and_its_factors_follow_its_reach():
@@ -703,27 +716,75 @@ def test_an_unbiased_method_keeps_one_over_its_gain_and_its_factors_follow_its_r
     default bounds follow QSGD's 2- to 8-bit codes, capped by the model's largest gradient."""
     c = GraVAC()
     c.compression_state = _with_moved_momentum("qsgd", 0.0)
-    c.gains = {4.0: 1.01, 8.0: 2.5, 15.5: 16.0}
-    assert kept(c, 4.0) == pytest.approx(1 / 1.01) and kept(c, 8.0) == pytest.approx(0.4) and kept(c, 15.5) == 1 / 16
+    c.probes.gains = {4.0: 1.01, 8.0: 2.5, 15.5: 16.0}
+    assert c.kept(4.0) == pytest.approx(1 / 1.01) and c.kept(8.0) == pytest.approx(0.4) and c.kept(15.5) == 1 / 16
     c.fit_to_model(10_000)
     lo, hi = 32 / (8 + 1 / 16), 32 / (2 + 1 / 16)
-    assert c.ladder == pytest.approx((lo, 2 * lo, hi)) and (c.cf_min, c.cf_max) == (lo, hi)
+    assert c.ladder.factors == pytest.approx((lo, 2 * lo, hi)) and (c.ladder.cf_min, c.ladder.cf_max) == (lo, hi)
     c.fit_to_model(10)  # a model whose largest gradient has 10 entries
-    assert c.ladder == pytest.approx((lo, 2 * lo, 10.0))
+    assert c.ladder.factors == pytest.approx((lo, 2 * lo, 10.0))
     topk = GraVAC()
     topk.compression_state = _with_moved_momentum("topk", 0.0)
-    topk.gains = {10.0: 0.4, 20.0: 1.2}  # a biased method's gain above 1 is rounding: it keeps everything
-    assert kept(topk, 10.0) == 0.4 and kept(topk, 20.0) == 1.0
+    topk.probes.gains = {10.0: 0.4, 20.0: 1.2}  # a biased method's gain above 1 is rounding: it keeps everything
+    assert topk.kept(10.0) == 0.4 and topk.kept(20.0) == 1.0
     topk.fit_to_model(10_000)
-    assert topk.ladder == (10, 20, 40, 160, 1000)
+    assert topk.ladder.factors == (10, 20, 40, 160, 1000)
     explicit = GraVAC(cf_min=5, cf_max=12)
     explicit.compression_state = _with_moved_momentum("qsgd", 0.0)
     explicit.fit_to_model(10_000)
-    assert explicit.ladder == (5, 10, 12)  # what the user passed stays
+    assert explicit.ladder.factors == (5, 10, 12)  # what the user passed stays
     # A resumed run's dense factor (restored before fit start fits the bounds to the method) stays dense.
     resumed = GraVAC()
     resumed.fit_to_model(64)  # at setup, before the strategy's method is known
     resumed.load_state_dict({**resumed.state_dict(), "cf": 1.0})
     resumed.compression_state = _with_moved_momentum("qsgd", 0.0)
     resumed.fit_to_model(64)
-    assert resumed.cf == 1.0 and resumed.cf_min == pytest.approx(lo)
+    assert resumed.cf == 1.0 and resumed.ladder.cf_min == pytest.approx(lo)
+
+
+#: A checkpoint of the first format, for each search (``RESUMED_RUNS``): its ``state_dict`` mid-window (tallies, gains,
+#: the fitted link), and what that controller did next, uninterrupted, once its link and gains changed (``next``: the
+#: factors sent; ``after``: its ``state_dict`` then). Written by that version: ``_resumable(search)``, ``run`` the first
+#: steps, ``state_dict()``, change the link and gains, ``run`` the next steps.
+CHECKPOINT_V1 = Path(__file__).parent / "data" / "gravac_state_v1.pt"
+
+#: Each search's settings, its steps before the checkpoint and after it, its link's seconds a byte and its gains by
+#: factor before and after.
+RESUMED_RUNS = {
+    "model": {
+        "kwargs": {"search": "model", "window": 8, "probe_every": 2, "probe_backoff": 4, "fp16_rung": True},
+        "steps": (8, 30),
+        "per_byte": (1e-5, 1e-5),
+        "gain": ({10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.025}.get, {10: 0.6, 20: 0.5, 40: 0.4, 160: 0.01}.get),
+    },
+    "sequential": {
+        "kwargs": {"cf_min": 10, "cf_max": 1000, "window": 5, "epsilon": 0.7, "omega": 0.05, "alpha": 0.5},
+        "steps": (12, 15),
+        "per_byte": (1e-6, 1e-6),
+        "gain": (lambda cf: 0.9 if cf <= 100 else 0.3, lambda cf: 0.95 if cf <= 20 else 0.6),
+    },
+}
+
+
+def _resumable(search: str) -> tuple[Scripted, dict]:
+    """A controller of ``RESUMED_RUNS[search]`` on its first link and gains (the returned dict: set to change them)."""
+    run = RESUMED_RUNS[search]
+    link = {"per_byte": run["per_byte"][0], "gain": run["gain"][0]}
+    c = Scripted(lambda cf: link["gain"](cf) or 0.0, lambda cf: 0.1 + 1_000_000 / cf * link["per_byte"],
+                 **run["kwargs"])  # fmt: skip
+    c.cost.world_size = 2
+    if search == "model":
+        c.cost.probed, c.cost.half_per_byte = (0.0, link["per_byte"]), link["per_byte"]
+    return c, link
+
+
+@pytest.mark.parametrize("search", ["model", "sequential"])
+def test_a_checkpoint_of_the_first_format_resumes_as_the_run_went_on(search):
+    saved = torch.load(CHECKPOINT_V1, weights_only=True)[search]
+    run = RESUMED_RUNS[search]
+    resumed, link = _resumable(search)
+    resumed.load_state_dict(saved["state_dict"])
+    assert resumed.state_dict() == saved["state_dict"] and list(resumed.state_dict()) == list(saved["state_dict"])
+    link.update(per_byte=run["per_byte"][1], gain=run["gain"][1])
+    assert resumed.run(run["steps"][1]).sent == saved["next"]
+    assert resumed.state_dict() == saved["after"]

@@ -239,13 +239,14 @@ def test_a_fixed_size_method_trains_a_small_head_over_a_frozen_backbone(method):
 def test_a_default_cf_min_fits_too_but_an_explicit_one_is_kept():
     tiny = GraVAC()
     tiny.fit_to_model(6)
-    assert (tiny.cf_min, tiny.cf_max, tiny.ladder) == (6, 6, (6,))
+    assert (tiny.ladder.cf_min, tiny.ladder.cf_max, tiny.ladder.factors) == (6, 6, (6,))
     kept = GraVAC(cf_min=10)
     kept.fit_to_model(6)
-    assert (kept.cf_min, kept.cf_max) == (10, 6)  # then refused at setup, naming cf_min's clash with the model
+    # Then refused at setup, naming cf_min's clash with the model.
+    assert (kept.ladder.cf_min, kept.ladder.cf_max) == (10, 6)
     untouched = GraVAC()
     untouched.fit_to_model(10**6)
-    assert (untouched.cf_min, untouched.cf_max) == (10, 1000)
+    assert (untouched.ladder.cf_min, untouched.ladder.cf_max) == (10, 1000)
 
 
 @pytest.mark.parametrize("name", ["gravac", "gravac_spawn"])

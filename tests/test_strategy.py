@@ -377,7 +377,7 @@ def _method_by_optimizer(rank, world_size, momentum, strategy_args, controller, 
         "error_feedback": strategy.compression_state.error_feedback,
         "optimizer_momentum": group["momentum"],
         "moved": bool(strategy.compression_state.feedback.get(MomentumCorrection)),
-        "ladder": getattr(chosen, "ladder", None),
+        "ladder": chosen.ladder.factors if isinstance(chosen, GraVAC) else None,
     }
 
 

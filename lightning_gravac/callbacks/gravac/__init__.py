@@ -1,14 +1,18 @@
-"""GraVAC: the controller (``controller.py``) and its parts: what it carries in checkpoints (``state.py``), its factors
-(``ladder.py``), its decision rules (``search.py``), its steps and windows (``window.py``), what its model search
-predicts (``prediction.py``), what it sends for Adam (``hold.py``), the cost model of a step (``cost.py``) and the
-link probe (``probe.py``)."""
+"""GraVAC: the controller (``controller.py``) composes its parts, each an object with its own state, and hands them
+the values they need: the factors and the sequential search's walk along them (:class:`Ladder`, with the run's
+:class:`Budget`, ``ladder.py``), the gains the hook probes (:class:`Probes`, ``probes.py``), the steps and windows
+(:class:`Window`, ``window.py``) and the cost model of a step (:class:`CostModel`, ``cost.py``). Each declares the
+fields a checkpoint carries (``state.py``). The decision rules (``search.py``), the model search's predictions
+(``prediction.py``) and what it sends for Adam (``hold.py``) hold no state; the link probe (``link_probe.py``) times
+all-reduces at fit start. No part knows the controller."""
 
 from lightning_gravac.callbacks.gravac.controller import GraVAC
-from lightning_gravac.callbacks.gravac.cost import DENSE, Link, Tally, fit_link, moved_bytes
-from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_MIN
-from lightning_gravac.callbacks.gravac.probe import PROBE_BYTES, PROBE_SECONDS, LinkProbe
+from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Link, Tally, fit_link, moved_bytes
+from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_MIN, Budget, Ladder
+from lightning_gravac.callbacks.gravac.link_probe import PROBE_BYTES, PROBE_SECONDS, LinkProbe
+from lightning_gravac.callbacks.gravac.probes import Probes
 from lightning_gravac.callbacks.gravac.search import SEARCH_DEFAULTS, SEARCHES, SearchRule
-from lightning_gravac.callbacks.gravac.state import GraVACState
+from lightning_gravac.callbacks.gravac.window import Window
 
 __all__ = [
     "DEFAULT_CF_MAX",
@@ -18,12 +22,16 @@ __all__ = [
     "PROBE_SECONDS",
     "SEARCHES",
     "SEARCH_DEFAULTS",
+    "Budget",
+    "CostModel",
     "GraVAC",
-    "GraVACState",
+    "Ladder",
     "Link",
     "LinkProbe",
+    "Probes",
     "SearchRule",
     "Tally",
+    "Window",
     "fit_link",
     "moved_bytes",
 ]

@@ -1,5 +1,5 @@
-"""GraVAC: gradient-variance-aware adaptive compression (Tyagi & Swany, IEEE CLOUD 2023), the controller (its parts
-are beside it: the package's docstring lists them)."""
+"""GraVAC: gradient-variance-aware adaptive compression (Tyagi & Swany, IEEE CLOUD 2023), the controller: it composes
+its parts (the package's docstring lists them) and hands each the values it needs."""
 
 import math
 import time
@@ -8,28 +8,24 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.utilities.data import extract_batch_size
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
-from lightning_gravac.callbacks.gravac.hold import AdamPolicy, check_rung, held_factor, hold_warning
-from lightning_gravac.callbacks.gravac.ladder import (
-    DEFAULT_CF_MAX,
-    DEFAULT_CF_MIN,
-    Policy,
-    fit_bounds,
-    fit_to_budget,
-    ladder,
-)
-from lightning_gravac.callbacks.gravac.prediction import say_choice
-from lightning_gravac.callbacks.gravac.probe import PROBE_BYTES, LinkProbe, probe_at_fit_start
-from lightning_gravac.callbacks.gravac.search import SEARCH_DEFAULTS, SEARCHES, Interval, Search
-from lightning_gravac.callbacks.gravac.state import GraVACState, carried_attributes
-from lightning_gravac.callbacks.gravac.window import Reduce, after_step, end_window, probing, record_step
+from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Tally, moved_in_step
+from lightning_gravac.callbacks.gravac.hold import AdamPolicy, held_factor, hold_warning, rung_allowed
+from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_MIN, Budget, Ladder, Policy
+from lightning_gravac.callbacks.gravac.link_probe import PROBE_BYTES, LinkProbe
+from lightning_gravac.callbacks.gravac.prediction import Decision, kept, masking_weight, progress_per_second, say_choice
+from lightning_gravac.callbacks.gravac.probes import Probes
+from lightning_gravac.callbacks.gravac.search import SEARCH_DEFAULTS, SEARCHES, Search
+from lightning_gravac.callbacks.gravac.state import CHECKPOINT_ORDER, Carried
+from lightning_gravac.callbacks.gravac.window import Interval, Reduce, Window
 from lightning_gravac.compressors.base import validate_cf
+from lightning_gravac.feedback.momentum import MomentumCorrection
 from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats
 
 
@@ -40,7 +36,6 @@ def _gain_power(value: float) -> float:
     return power
 
 
-@carried_attributes
 class GraVAC(Controller):
     """Adapt the compression factor to what compression loses (gain) and what the link costs (step time).
 
@@ -111,8 +106,7 @@ class GraVAC(Controller):
         weigh_masking: bool = True,
         budget: bool = True,
     ) -> None:
-        #: Which bounds are defaults, fitted to the model at setup (:meth:`fit_to_model`), and which the user chose.
-        self.default_bounds = {"cf_min": cf_min is None, "cf_max": cf_max is None}
+        default_bounds = {"cf_min": cf_min is None, "cf_max": cf_max is None}
         cf_min = DEFAULT_CF_MIN if cf_min is None else validate_cf(cf_min, "cf_min")
         cf_max = DEFAULT_CF_MAX if cf_max is None else validate_cf(cf_max, "cf_max")
         if cf_min > cf_max:
@@ -121,13 +115,13 @@ class GraVAC(Controller):
         self.search = choice(search, "search", tuple(SEARCHES))
         #: The decision rule of ``search`` (:class:`SearchRule`).
         self.rule, defaults = SEARCHES[self.search], SEARCH_DEFAULTS[self.search]
-        self.window = whole(defaults["window"] if window is None else window, "window")
+        length = whole(defaults["window"] if window is None else window, "window")
         self.epsilon = fraction(defaults["epsilon"] if epsilon is None else epsilon, "epsilon")
         self.omega = fraction(omega, "omega")
         self.alpha = None if alpha is None else fraction(alpha, "alpha")
-        self.policy = choice(policy, "policy", ("exponential", "geometric"))
-        self.interval = choice(interval, "interval", ("step", "epoch"))
-        self.probe_every = whole(defaults["probe_every"] if probe_every is None else probe_every, "probe_every")
+        policy = choice(policy, "policy", ("exponential", "geometric"))
+        interval = choice(interval, "interval", ("step", "epoch"))
+        probe_every = whole(defaults["probe_every"] if probe_every is None else probe_every, "probe_every")
         # Left to the default, it is settled at setup: DGC has no gain of the gradient alone.
         self._gain_of_default = gain_of is None
         gain_basis: GainOf = choice(defaults["gain_of"] if gain_of is None else gain_of, "gain_of",
@@ -135,79 +129,87 @@ class GraVAC(Controller):
         self.gain_power = _gain_power(defaults["gain_power"] if gain_power is None else gain_power)
         self.link_probe = bool(defaults["link_probe"] if link_probe is None else link_probe)
         self.adam = choice(adam, "adam", ("moment", "fp16", "dense", "compress"))
-        self.probe_backoff = whole(defaults["probe_backoff"] if probe_backoff is None else probe_backoff,
-                                   "probe_backoff")  # fmt: skip
+        probe_backoff = whole(defaults["probe_backoff"] if probe_backoff is None else probe_backoff,
+                              "probe_backoff")  # fmt: skip
         #: Whether the model search may send a step whole in fp16 (decided at setup: fp32 gradients, a method whose
         #: residual the hook keeps, ``cf_min`` above 2).
         self.fp16_rung = bool(defaults["fp16_rung"] if fp16_rung is None else fp16_rung)
         #: The gradients' dtype: the largest trainable parameter's, set at setup (what an entry's wait is counted in).
         self.weigh_masking, self.grad_dtype = bool(weigh_masking), torch.float32
-        # `budget_steps`: the fit's steps (`trainer.estimated_stepping_batches`, set at fit start; inf when unknown).
-        self.budget, self.budget_steps = bool(budget) and self.rule.models_cost, math.inf
+        #: The run's length, which bounds the factors (model search).
+        self.budget = Budget(on=bool(budget) and self.rule.models_cost)
         if self.fp16_rung and not self.rule.models_cost:
             raise ValueError("`fp16_rung=True` needs `search='model'`: the sequential search has no cost model for it.")
         # The user's choice, which `fp16_rung` is derived from at each setup and fit; a ladder from 2 or less has the
         # factor already.
         self.fp16_rung_asked, self.fp16_rung = self.fp16_rung, self.fp16_rung and cf_min > HALF
-        default_first = self.rule.first_window(self.window)
-        self.first_window = default_first if first_window is None else whole(first_window, "first_window")
-        self.cf_max, self.ladder = cf_max, ladder(cf_min, cf_max, self.policy)
-        #: What the run carries in its checkpoint: the search, identical on every rank, and the current window.
-        self.search_state = GraVACState(cf_min=cf_min, candidate=min(cf_min * 2.0, cf_max),
-                                        probe_interval=self.probe_every, gain_of=gain_basis)  # fmt: skip
+        first = self.rule.first_window(length) if first_window is None else whole(first_window, "first_window")
 
-        # What a fit measures, not carried in checkpoints.
-        #: The setup probe's ``(seconds a message, seconds a moved byte)``, identical on every rank; None: not run.
-        self.probed: tuple[float, float] | None = None
-        #: Seconds a moved byte of an fp16 all-reduce (probed at fit start with the link); None: the rung is unknown.
-        self.half_per_byte: float | None = None
-        # The largest all-reduce the link probe timed; the trainable parameters' bytes (a dense step's before one is
-        # measured), set at fit start.
-        self._probe_bytes, self.model_bytes = PROBE_BYTES[1], 0
+        # The parts, each holding its share of what a checkpoint carries; every rank holds the same values but for the
+        # current window's times and samples.
+        #: The factors, and the sequential search's walk along them.
+        self.ladder = Ladder.between(cf_min, cf_max, policy, default_bounds)
+        #: The gains the hook probes, smoothed, and the probes' spacing.
+        self.probes = Probes(probe_interval=probe_every, gain_of=gain_basis, probe_every=probe_every,
+                             probe_backoff=probe_backoff, bias_corrected=self.rule.corrects_bias)  # fmt: skip
+        #: The steps and windows so far, and the current window's tallies.
+        self.window = Window(length=length, first=first, interval=interval)
+        #: What a step costs: the link probed at fit start, the model fitted to the windows' steps.
+        self.cost = CostModel()
+
+        # What a fit measures, not carried in checkpoints: the largest all-reduce the link probe timed, this rank's
+        # seconds of a fit's first step (the cost model's `first_step` is the slowest rank's), its samples in the step
+        # under way and the step's start.
+        self._probe_bytes, self.first_step_local, self.batch_size, self._step_start = PROBE_BYTES[1], 0.0, 1, 0.0
         #: Whether the next observed step is a fit's first, whose time is not tallied (set at fit start).
         self.warm_up = False
-        #: The slowest rank's seconds of a fit's first step and the factor it sent, which the first window decides
-        #: from (model search on a probed link; ``None`` before it), and this rank's seconds of it.
-        self.first_step: tuple[float, float] | None = None
-        self.first_step_local = 0.0
-        #: The ranks (set at setup), this rank's samples in the step under way, and the last step's dense bytes.
-        self.world_size, self.batch_size, self._step_start, self.bytes_dense = 1, 1, 0.0, 0
 
     @override
     def fit_to_model(self, largest: int) -> None:
-        """Fit the default bounds to the method and the model's largest gradient (:func:`~.ladder.fit_bounds`)."""
-        fit_bounds(self, largest)
+        """Fit the default bounds to the method and the model's largest gradient (:meth:`Ladder.fit_bounds`)."""
+        method = self.compression_state.compressor if self.compression_state is not None else None
+        reach = method.factor_range(self.grad_dtype) if method is not None else None
+        if self.ladder.fit_bounds(reach, largest, method.name if method else "") and self.cf not in (DENSE, HALF):
+            self.cf = self.ladder.clamp(self.cf)  # dense or fp16 (a resumed run's factor) stay what they are
 
     @property
     def probe_cfs(self) -> tuple[float, ...]:
         """The factors whose gain the hook measures each step."""
-        return self.rule.probe_cfs(self)
+        return self.rule.probe_cfs(self.ladder, self.window.settled)
 
     @property
     @override
     def max_cf(self) -> tuple[str, float]:
-        return "cf_max", self.cf_max
+        return "cf_max", self.ladder.cf_max
 
     @property
     def ewma_alpha(self) -> float:
         """The gains' smoothing factor in force."""
-        return self.alpha if self.alpha is not None else max(0.02, min(0.5, self.world_size / 100))
+        return self.alpha if self.alpha is not None else max(0.02, min(0.5, self.cost.world_size / 100))
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self.world_size = trainer.world_size
+        self.cost.world_size = trainer.world_size
         super().setup(trainer, pl_module, stage)
         method = self.state.compressor
         if self._gain_of_default and method.owns_feedback:  # it selects from its own accumulation, not the gradient
-            self.search_state.gain_of = "error_fed"
-        if self.search_state.gain_of == "gradient" and method.owns_feedback:
+            self.probes.gain_of = "error_fed"
+        if self.probes.gain_of == "gradient" and method.owns_feedback:
             raise ValueError(
                 f"`gain_of='gradient'` measures what a factor keeps of the step's own gradient, but {method.name!r} "
                 "selects from an accumulation of its own, not from the gradient. Use `gain_of='error_fed'`."
             )
         trainable = [p for p in pl_module.parameters() if p.requires_grad]
         self.grad_dtype = max(trainable, key=lambda p: p.numel()).dtype if trainable else torch.float32
-        check_rung(self, pl_module)
+        self.check_rung(pl_module)
+
+    def check_rung(self, pl_module: "pl.LightningModule") -> None:
+        """Turn the fp16 rung off where it cannot be sent, on for the hold of an Adam-like optimizer
+        (:func:`~.hold.rung_allowed`), from the user's choice rather than from what the last fit derived: an Adam fit's
+        rung does not outlive that fit. At setup, and again at fit start for layers built in configure_model."""
+        fp32 = all(p.dtype == torch.float32 for p in pl_module.parameters() if p.requires_grad)
+        held = self.adaptive_optimizer and self.adam in ("fp16", "moment") and self.rule.models_cost
+        self.fp16_rung = rung_allowed(self.fp16_rung_asked, held, self.state.compressor, fp32, self.ladder.cf_min)
 
     @property
     def holds_for_adam(self) -> bool:
@@ -223,7 +225,7 @@ class GraVAC(Controller):
     @property
     def rungs(self) -> tuple[float, ...]:
         """The factors the model search weighs besides dense and the ladder: ``HALF`` (fp16) when on."""
-        return (HALF,) if self.fp16_rung and self.half_per_byte is not None else ()
+        return (HALF,) if self.fp16_rung and self.cost.half_per_byte is not None else ()
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -231,20 +233,20 @@ class GraVAC(Controller):
         if not self.rule.models_cost:
             self._hold_for_adam()
             return
-        check_rung(self, pl_module)
-        self.model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
-        fresh = self.search_state.steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
-        if self.budget:  # the same on every rank: the trainer's settings and the data's length
-            self.budget_steps = float(trainer.estimated_stepping_batches)
-            fit_to_budget(self)
+        self.check_rung(pl_module)
+        self.cost.model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+        fresh = self.window.steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
+        if self.budget.on:  # the same on every rank: the trainer's settings and the data's length
+            self.budget.steps = float(trainer.estimated_stepping_batches)
+            self.budget.fit(self.ladder, self.state.compressor, self.grad_dtype, self.rungs)
         self.warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
-        self.first_step = None
+        self.cost.first_step = None
         if self.link_probe and trainer.world_size > 1:
-            probe_at_fit_start(self, trainer, fresh)
+            self._probe_link(trainer, fresh)
             if fresh:
                 self.cf = self.choose()
                 self._hand_over(self.state)
-                say_choice(self, None)
+                say_choice(self.cost, self.cf, None, self.rungs, self.window.steps)
         self._hold_for_adam()
         # The fp16 rung of an Adam fit is known from here on: a resumed run's next step may be a half one.
         self._hand_over(self.state)
@@ -256,7 +258,20 @@ class GraVAC(Controller):
             self.cf = self.choose()
             self._hand_over(self.state)
             if self.state.feedback.sends_from is None:
-                rank_zero_warn(hold_warning(self))
+                method, rows = self.state.compressor.name, bool(self.state.rows.rows)
+                rank_zero_warn(hold_warning(self.adam, self.rungs, method, rows, self.rule.models_cost, self.fp16_rung))
+
+    def _probe_link(self, trainer: "pl.Trainer", fresh: bool) -> None:
+        """Measure the link (:meth:`measure_link`) into the cost model, said on rank 0, and with the fp16 rung on what
+        an fp16 step costs (:meth:`measure_half`); ``fresh``: not a resumed run."""
+        cost = self.cost
+        cost.probed = self.measure_link(trainer)
+        rank_zero_info(
+            f"GraVAC: link measured at fit start: {cost.probed[0] * 1e6:.0f} us a message, "
+            f"{8 / cost.probed[1] / 1e6 if cost.probed[1] > 0 else math.inf:.0f} Mbit/s."
+        )
+        if self.fp16_rung:
+            cost.take_half(*self.measure_half(trainer), fresh)
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the compression group's all-reduce, the same on every rank
@@ -269,7 +284,7 @@ class GraVAC(Controller):
     def measure_half(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``, the same on every
         rank (:meth:`LinkProbe.half`). A subclass may return a model (tests)."""
-        latency = self.probed[0] if self.probed is not None else 0.0
+        latency = self.cost.probed[0] if self.cost.probed is not None else 0.0
         return self._link_probe(trainer).half(self.state.cast, latency, self._probe_bytes)
 
     def _link_probe(self, trainer: "pl.Trainer") -> LinkProbe:
@@ -291,9 +306,20 @@ class GraVAC(Controller):
             state.cf, state.probe_cfs = self.cf, ()
             state.half = self.cf == HALF and self.fp16_rung
             return
-        state.probe_cfs = self.probe_cfs if probing(self, state) else ()
-        state.gain_of = self.search_state.gain_of
+        state.probe_cfs = self.probe_cfs if self._probing(state) else ()
+        state.gain_of = self.probes.gain_of
         state.half = self.cf == HALF and self.fp16_rung
+
+    def _probing(self, state: CompressionState) -> bool:
+        """Whether the next step measures the gains: every step of the first window; then one step in the probes'
+        spacing (the gains are smoothed anyway), so that a settled or dense choice stops paying for the measurement on
+        the other steps; fewer while probes change nothing, none while no factor could pay whatever it kept. Once
+        Adam's moments move, the first step that sends them; none under a method of one factor."""
+        probes = self.window.windows == 0 or (self.probes.due(self.window.steps) and self.gains_can_matter())
+        if self.moments_moved():
+            fixed = state.compressor.fixed_cf is not None
+            probes = not fixed and (probes or state.step == state.feedback.sends_from)
+        return probes
 
     @override
     def on_train_batch_start(
@@ -307,7 +333,7 @@ class GraVAC(Controller):
             # No tensor to count (or too deep a structure): the batch counts as one sample. Throughputs are then per
             # batch; the model search ranks progress per second without it, the sequential search compares factors
             # measured with the same count.
-            if self.batch_size != 1 or self.search_state.steps == 0:
+            if self.batch_size != 1 or self.window.steps == 0:
                 rank_zero_warn("GraVAC: no batch size found in the batch; throughputs are reported per batch.")
             self.batch_size = 1
 
@@ -324,72 +350,151 @@ class GraVAC(Controller):
 
     @override
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
-        probed = record_step(self, stats)
-        after_step(self, self._reduce(trainer), probed)
+        probed = self._record(stats)
+        self._after_step(self._reduce(trainer), probed)
+
+    def _record(self, stats: StepStats) -> bool:
+        """Take the step of ``stats`` in: the gains it probed, what it cost, and (unless it is a fit's first) its cost
+        and gain in the tally of the factor sent. Returns whether it probed."""
+        window, cost = self.window, self.cost
+        window.steps += 1
+        gains = stats.probe_gains()
+        if gains:
+            self.probes.take(gains, window.steps, self.ewma_alpha)
+        compressed = self.cf not in (DENSE, *self.rungs)
+        cost.take_step(stats, self.cf, compressed)
+        seconds = self.step_seconds(stats)
+        if cost.first_step is None:
+            self.first_step_local = seconds
+        if self.warm_up:  # a fit's first step allocates, builds DDP's buckets, warms caches: not a step's cost
+            self.warm_up = False
+            return bool(gains)
+        # The sent factor's gain, measured on what the gains are of: the error-fed gradient (what was sent of it), or
+        # the step's own gradient (the probes' smoothed value).
+        smoothed = self.probes.gains
+        gain = smoothed.get(self.cf, stats.gain) if self.probes.gain_of == "gradient" and compressed else stats.gain
+        window.tally.setdefault(self.cf, Tally()).add(
+            seconds=seconds, comm_seconds=stats.comm_s, compress_seconds=self.compress_seconds(stats),
+            samples=self.batch_size, gain=gain, moved=moved_in_step(stats, cost.world_size), probed=bool(gains),
+        )  # fmt: skip
+        return bool(gains)
+
+    def _after_step(self, reduce: Reduce | None, probed: bool) -> None:
+        """After a step (``probed``: it measured the gains): end the window when it is full, choose the next factor,
+        space the probes, and say a change of regime. ``reduce`` is ``None`` without a trainer (one process)."""
+        window, cost = self.window, self.cost
+        probed = probed and window.windows > 0  # the first window probes every step: no back-off from those
+        if cost.first_step is None and cost.link is None and cost.probed is not None:
+            # The first window's choice needs a step's computation: the slowest rank's first step, alike on every rank.
+            local = torch.tensor([self.first_step_local], dtype=torch.float64)
+            cost.first_step = (float((local if reduce is None else reduce(local, dist.ReduceOp.MAX))[0]), self.cf)
+        if window.interval == "step" and window.advance():
+            self._end_window(reduce)
+        sent, self.cf = self.cf, self.choose()
+        self.probes.space(self.cf != sent, probed)
+        say_choice(cost, self.cf, sent, self.rungs, window.steps)
 
     def _reduce(self, trainer: "pl.Trainer | None") -> Reduce | None:
         """A reduction over the compression's ranks, which every rank must call alike; ``None`` without a trainer."""
         return None if trainer is None else lambda values, op: self._all_reduce(trainer, values, op)
 
+    def _end_window(self, reduce: Reduce | None) -> None:
+        """End the window: the throughputs and costs of the factors it sent, then what the search rule changes at a
+        window's end, and whether it settles."""
+        closed = self.window.close(reduce, self.cost.world_size)
+        if closed is None:
+            return
+        self.cost.take_window(closed.compression, self.fp16_rung)
+        self.rule.end_window(closed, self.ladder, self.probes.gains, self.cost, self.window.settled, self.omega)
+        self.window.settle(self.omega)
+
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.interval == "epoch":
-            self.search_state.progress += 1
-            if self.search_state.progress >= self.window_length:
-                end_window(self, self._reduce(trainer))
-                self.cf = self.choose()
-                self._hand_over(self.state)
-
-    @property
-    def window_length(self) -> int:
-        """Steps (or epochs) of the current window: ``first_window`` for the first, ``window`` after."""
-        return self.first_window if self.search_state.windows == 0 else self.window
+        if self.window.interval == "epoch" and self.window.advance():
+            self._end_window(self._reduce(trainer))
+            self.cf = self.choose()
+            self._hand_over(self.state)
 
     def choose(self) -> float:
         """The factor to send next step: decided from values every rank holds identically."""
-        held = held_factor(self)
-        return held if held is not None else self.rule.choose(self)
+        state = self.compression_state
+        fixed_cf = state.compressor.fixed_cf if state is not None else None
+        held = held_factor(self.holds_for_adam, self.moments_moved(), self.adam, fixed_cf, self.rungs, self.cost)
+        return held if held is not None else self.rule.choose(self.decision())
+
+    def decision(self) -> Decision:
+        """What the search rule decides from: the parts' values, the rungs, the budget and the weighed gains."""
+        return Decision(ladder=self.ladder, settled=self.window.settled, gains=self.probes.gains, cost=self.cost,
+                        epsilon=self.epsilon, rungs=self.rungs, admits=self.within_budget,
+                        progress=self.weighed_progress)  # fmt: skip
 
     def gains_can_matter(self) -> bool:
         """Whether some factor could beat dense if it kept all of the gradient (gain 1): if none can (compressing
         costs more time than its bytes save, as on a fast link), no gain changes the choice and the model search
         stops measuring them. True for the sequential search and before the step's cost is known."""
-        return self.rule.gains_can_matter(self)
+        return self.rule.gains_can_matter(self.cost, self.ladder, self.rungs)
+
+    def within_budget(self, cf: float) -> bool:
+        """Whether an entry sent at ``cf`` waits within the run's budget (:meth:`Budget.admits`)."""
+        state = self.compression_state
+        return self.budget.admits(state.compressor if state is not None else None, cf, self.grad_dtype, self.rungs)
+
+    def kept(self, cf: float) -> float:
+        """What a step at ``cf`` keeps of a dense step, from its smoothed gain (:func:`~.prediction.kept`)."""
+        state = self.compression_state
+        return kept(self.probes.gains.get(cf, 0.0), state is None or state.compressor.biased)
+
+    def masking_weight(self, cf: float) -> float:
+        """The share of dense momentum's step that momentum factor masking leaves a step sent at ``cf``
+        (:func:`~.prediction.masking_weight`); 1 where nothing is masked or with ``weigh_masking`` off."""
+        state = self.compression_state
+        if state is None or not self.weigh_masking or cf in (DENSE, *self.rungs):
+            return 1.0
+        return masking_weight(state.compressor, state.feedback.get(MomentumCorrection), cf, self.grad_dtype)
+
+    def weighed_progress(self, cf: float) -> float:
+        """The share of a dense step's progress a step at ``cf`` makes: ``kept(cf) ** gain_power x masking weight``."""
+        return self.kept(cf) ** self.gain_power * self.masking_weight(cf)
+
+    def predicted_throughput(self, cf: float, dense_bytes: float) -> float:
+        """``Tc`` the link model predicts for ``cf``: samples a second x weighed gain (``nan`` before a window ends)."""
+        return self.cost.world_size * self.batch_size * progress_per_second(self.decision(), cf, dense_bytes)
 
     @override
     def metrics(self, stats: StepStats) -> dict[str, float]:
-        s = self.search_state
         metrics = super().metrics(stats)
-        metrics["gravac/cf_min"] = s.cf_min
-        metrics["gravac/probe_cf"] = s.candidate
-        metrics["gravac/settled"] = s.settled if s.settled is not None else 0.0
-        metrics["gravac/compression_throughput"] = s.throughput.get(self.state.cf, 0.0)
+        metrics["gravac/cf_min"] = self.ladder.cf_min
+        metrics["gravac/probe_cf"] = self.ladder.candidate
+        metrics["gravac/settled"] = self.window.settled if self.window.settled is not None else 0.0
+        metrics["gravac/compression_throughput"] = self.window.throughput.get(self.state.cf, 0.0)
         return metrics
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The factor and the guard (the base class's), then :attr:`search_state`, each field under its name.
+        """The factor and the guard (the base class's), then each part's carried fields under their names.
 
         Lightning writes rank 0's callback state, so on resume every rank gets rank 0's partial-window step times
         and sample counts: the only rank-local values here, which at the window's end feed a MAX (the times) and a
         sum (the samples) over ranks, so every rank still decides alike (the resumed window counts rank 0's samples
         for every rank).
         """
-        return {**super().state_dict(), **self.search_state.checkpoint()}
+        parts: tuple[Carried, ...] = (self.ladder, self.probes, self.window, self.cost)
+        carried = {key: value for part in parts for key, value in part.state_dict().items()}
+        return {**super().state_dict(), **{key: carried[key] for key in CHECKPOINT_ORDER}}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        s = self.search_state
-        fresh = GraVACState(cf_min=s.cf_min, candidate=s.candidate, probe_interval=self.probe_every, gain_of=s.gain_of)
-        self.search_state = GraVACState.from_checkpoint(state_dict, fresh)
+        for part in (self.ladder, self.probes, self.window, self.cost):
+            part.load_state_dict(state_dict)
         super().load_state_dict(state_dict)
 
     def __repr__(self) -> str:
+        ladder, probes, window = self.ladder, self.probes, self.window
         return (
-            f"GraVAC(cf_min={self.search_state.cf_min:g}, cf_max={self.cf_max:g}, epsilon={self.epsilon}, "
-            f"omega={self.omega}, window={self.window}, policy={self.policy!r}, search={self.search!r}, "
-            f"probe_every={self.probe_every}, first_window={self.first_window}, gain_of={self.search_state.gain_of!r}, "
+            f"GraVAC(cf_min={ladder.cf_min:g}, cf_max={ladder.cf_max:g}, epsilon={self.epsilon}, "
+            f"omega={self.omega}, window={window.length}, policy={ladder.policy!r}, search={self.search!r}, "
+            f"probe_every={probes.probe_every}, first_window={window.first}, gain_of={probes.gain_of!r}, "
             f"gain_power={self.gain_power:.3g}, link_probe={self.link_probe}, adam={self.adam!r}, "
-            f"probe_backoff={self.probe_backoff}, fp16_rung={self.fp16_rung}, weigh_masking={self.weigh_masking}, "
-            f"budget={self.budget})"
+            f"probe_backoff={probes.probe_backoff}, fp16_rung={self.fp16_rung}, weigh_masking={self.weigh_masking}, "
+            f"budget={self.budget.on})"
         )

@@ -1,8 +1,11 @@
-"""GraVAC's model of a step's cost: what a window measured, the link fitted to it, the bytes a collective moves."""
+"""GraVAC's model of a step's cost (:class:`CostModel`): what a window measured, the link fitted to it, the bytes a
+collective moves."""
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from lightning_gravac.state import DENSE, StepStats, gathers, ring_share
+from lightning_gravac.callbacks.gravac.state import Carried, carried
+from lightning_gravac.state import DENSE, HALF, StepStats, gathers, ring_share
 
 
 @dataclass
@@ -126,3 +129,108 @@ def moved_in_step(stats: StepStats, world_size: int) -> float:
     ``2 (N-1)/N`` of what was sent for the others (dense buckets, and summable payloads: Random-K's, a half step's)."""
     share = stats.gathered / stats.buckets if stats.buckets else 0.0
     return stats.bytes_sent * (share * (world_size - 1) + (1 - share) * ring_share(world_size))
+
+
+def _link(saved: dict[str, float] | None) -> Link | None:
+    return Link(**saved) if saved is not None else None
+
+
+@dataclass(kw_only=True)
+class CostModel(Carried):
+    """What a step costs, as far as GraVAC has measured it: the link probed at fit start, the model of a step fitted at
+    each window's end, what compressing and the fp16 rung's casts cost, and the bytes a step moves. Every value is the
+    same on every rank, so every rank predicts alike.
+
+    Attributes:
+        link: the step's cost model fitted at the last window's end; ``None`` before the first (carried).
+        compress_cost: the seconds a step the method's selection and encoding cost when compressing (carried).
+        cast_cost: the seconds of the fp16 rung's casts a step (carried).
+        payload_fixed: the bytes a compressed step sends beyond ``dense / cf`` (headers, minimum entries) (carried).
+        buckets: the buckets a step all-reduces: a message each (carried).
+        probed: the fit-start probe's ``(seconds a message, seconds a moved byte)``; ``None``: not run.
+        half_per_byte: seconds a moved byte of an fp16 all-reduce (probed at fit start); ``None``: the rung is unknown.
+        world_size: the ranks that share the link (set at setup).
+        bytes_dense: the last step's dense bytes; ``model_bytes``: the trainable parameters' (set at fit start).
+        first_step: the slowest rank's seconds of a fit's first step and the factor it sent, which the first window
+            decides from (model search on a probed link; ``None`` before it).
+    """
+
+    link: Link | None = field(default=None, metadata=carried(restore=_link))
+    compress_cost: float = field(default=0.0, metadata=carried(added=True))
+    cast_cost: float = field(default=0.0, metadata=carried(added=True))
+    payload_fixed: float = field(default=0.0, metadata=carried(added=True))
+    buckets: int = field(default=1, metadata=carried(added=True))
+    probed: tuple[float, float] | None = None
+    half_per_byte: float | None = None
+    world_size: int = 1
+    bytes_dense: int = 0
+    model_bytes: int = 0
+    first_step: tuple[float, float] | None = None
+
+    @property
+    def dense_bytes(self) -> int:
+        """A dense step's bytes: the last step's, else the trainable parameters'."""
+        return self.bytes_dense or self.model_bytes
+
+    def seconds(self, link: Link, cf: float, dense_bytes: float, rungs: tuple[float, ...]) -> float:
+        """A step's seconds at ``cf`` by ``link``: the rest, compressing, a message a bucket, the bytes (``rungs``: the
+        factors sent whole in fp16, all-reduced: their cost a byte, and the casts)."""
+        per_byte = link.seconds_per_byte
+        if cf == DENSE:
+            moved, extra = moved_bytes(dense_bytes, dense_bytes, self.world_size), 0.0
+        elif cf in rungs:
+            moved, extra = ring_share(self.world_size) * dense_bytes / cf, self.cast_cost
+            per_byte = self.half_per_byte if self.half_per_byte is not None else per_byte
+        else:
+            moved = moved_bytes(dense_bytes / cf + self.payload_fixed, dense_bytes, self.world_size)
+            extra = self.compress_cost
+        return link.other_seconds + link.per_step + moved * per_byte + extra
+
+    def probed_link(self) -> Link | None:
+        """The cost model of the fit-start probe (:func:`probed_link`), ``None`` when it did not run."""
+        return probed_link(self.probed, self.buckets)
+
+    def known_link(self) -> Link | None:
+        """The step's cost model fitted at the last window's end, else the fit-start probe's; ``None`` before both."""
+        return self.link if self.link is not None else self.probed_link()
+
+    def seconds_by_factor(self, rungs: tuple[float, ...]) -> Callable[[float], float] | None:
+        """A step's predicted seconds by factor on the link known so far, of :attr:`dense_bytes`; ``None`` while the
+        link is unknown."""
+        link, dense_bytes = self.known_link(), self.dense_bytes
+        return None if link is None else lambda cf: self.seconds(link, cf, dense_bytes, rungs)
+
+    def take_half(self, half_per_byte: float, cast_cost: float, fresh: bool) -> None:
+        """What the fit-start probe measured of an fp16 step: its seconds a moved byte, and those of its casts, which a
+        resumed run (not ``fresh``) keeps, measured since on the steps it sent in fp16, unless it has none (a
+        checkpoint of a run whose rung was off, or of a version that did not measure it)."""
+        self.half_per_byte = half_per_byte
+        if fresh or self.cast_cost <= 0:
+            self.cast_cost = cast_cost
+
+    def take_step(self, stats: StepStats, cf: float, compressed: bool) -> None:
+        """What the step of ``stats``, sent at ``cf``, tells of the cost: its buckets and dense bytes, and
+        (``compressed``) what it sent beyond ``dense / cf``: headers, at least one entry a tensor, whole entries."""
+        self.bytes_dense, self.buckets = stats.bytes_dense, max(1, stats.buckets)
+        if compressed and stats.bytes_sent and stats.bytes_dense:
+            self.payload_fixed = max(0.0, stats.bytes_sent - stats.bytes_dense / cf)
+
+    def refit(self, measured: Measured, compress_seconds: float) -> None:
+        """Fit the step's cost model to a window's steps (``measured``, and their ``compress_seconds``, the slowest
+        rank's): the link of the fit-start probe when it ran, else fitted to the measured communication; the rest of
+        the step as measured minus communication and compression. A window without a fit keeps the last."""
+        self.link = fit_step(measured, compress_seconds, self.probed_link()) or self.link
+
+    def take_window(self, rows: list[tuple[float, int, int, float, float]], half: bool) -> None:
+        """What compressing costs a step, from a window's rows ``(cf, steps, steps without probes, seconds compressing,
+        those steps' seconds compressing)`` of each factor sent, the slowest rank's: from the steps without probes when
+        there were any. ``half``: the fp16 rung is on, its casts costed apart from the method's."""
+        compress, plain = [0.0, 0], [0.0, 0]
+        for cf, steps, plain_steps, compress_s, plain_s in rows:
+            if cf == HALF and half:
+                self.cast_cost = (plain_s / plain_steps) if plain_steps else compress_s / steps
+            elif cf != DENSE:
+                compress = [compress[0] + compress_s, compress[1] + steps]
+                plain = [plain[0] + plain_s, plain[1] + plain_steps]
+        if plain[1] or compress[1]:
+            self.compress_cost = plain[0] / plain[1] if plain[1] else compress[0] / compress[1]

@@ -1,16 +1,17 @@
-"""GraVAC's factors: the ladder from ``cf_min`` to ``cf_max`` by the policy, fitted to the method's reach and the
-model at setup, and to the run's budget at fit start."""
+"""GraVAC's factors (:class:`Ladder`): from ``cf_min`` to ``cf_max`` by the policy, fitted to the method's reach and
+the model at setup and to the run's :class:`Budget` at fit start; the sequential search's candidate walks them."""
 
 import math
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_info
 
 from lightning_gravac.callbacks.gravac.cost import DENSE
-from lightning_gravac.state import HALF
-
-if TYPE_CHECKING:
-    from lightning_gravac.callbacks.gravac.controller import GraVAC
+from lightning_gravac.callbacks.gravac.state import Carried, carried
+from lightning_gravac.compressors.base import Compressor
 
 Policy = Literal["exponential", "geometric"]
 
@@ -23,7 +24,7 @@ def next_scale(scale: float, policy: Policy) -> float:
     return scale * scale if policy == "exponential" else 2 * scale
 
 
-def ladder(cf_min: float, cf_max: float, policy: Policy) -> tuple[float, ...]:
+def ladder_factors(cf_min: float, cf_max: float, policy: Policy) -> tuple[float, ...]:
     """``cf_min``, then ``cf_min`` times each scale of ``policy`` from 2, up to ``cf_max``, which ends it."""
     factors, scale = [cf_min], 2.0
     while factors[-1] < cf_max:
@@ -32,53 +33,108 @@ def ladder(cf_min: float, cf_max: float, policy: Policy) -> tuple[float, ...]:
     return tuple(factors)
 
 
-def fit_bounds(c: "GraVAC", largest: int) -> None:
-    """Fit ``c``'s default bounds (those not passed) to the method's reach (:meth:`Compressor.factor_range`, once the
-    strategy's method is known: QSGD's 2- to 8-bit codes), else 10 and 1000, capped at ``largest``, the size of the
-    model's largest gradient. Said when they change."""
-    s, state = c.search_state, c.compression_state
-    reach = state.compressor.factor_range(c.grad_dtype) if state is not None else None
-    cf_min, cf_max = reach if reach is not None else (DEFAULT_CF_MIN, DEFAULT_CF_MAX)
-    cf_max = min(cf_max, float(largest)) if c.default_bounds["cf_max"] else c.cf_max
-    cf_min = min(cf_min, cf_max) if c.default_bounds["cf_min"] else s.cf_min
-    if (cf_min, cf_max) == (s.cf_min, c.cf_max):
-        return
-    s.cf_min, c.cf_max, c.ladder = cf_min, cf_max, ladder(cf_min, cf_max, c.policy)
-    s.candidate = min(max(s.candidate, cf_min), cf_max)
-    if c.cf not in (DENSE, HALF):  # dense or fp16 (a resumed run's factor) stay what they are
-        c.cf = min(max(c.cf, cf_min), cf_max)
-    why = f"{c.state.compressor.name!r} sends from {reach[0]:.3g} to {reach[1]:.3g}" if reach else ""
-    if largest in (cf_max, cf_min):
-        why += ("; " if why else "") + f"the model's largest gradient has {largest} entries"
-    rank_zero_info(f"GraVAC: factors {', '.join(f'{f:.3g}' for f in c.ladder)} ({why or 'the defaults'}).")
+@dataclass(kw_only=True)
+class Ladder(Carried):
+    """The factors GraVAC searches, from ``cf_min`` to ``cf_max``, and the sequential search's walk along them.
 
+    Attributes:
+        cf_min: the least aggressive factor (the sequential search promotes its candidate to it).
+        candidate: the sequential search's next factor, ``cf_min x scale`` capped at ``cf_max``.
+        scale: the candidate's multiple of ``cf_min``, advanced by the policy at each window's end.
+        cf_max: the most aggressive factor.
+        policy: how the factors (and the candidate) advance, ``"exponential"`` or ``"geometric"``.
+        default_bounds: which of ``cf_min`` and ``cf_max`` are defaults, fitted to the method and the model
+            (:meth:`fit_bounds`), and which the user chose.
+        factors: ``cf_min``, then ``cf_min`` times each scale of the policy, up to ``cf_max`` (:func:`ladder_factors`),
+            less those the run's budget leaves out (:meth:`fit_to_budget`).
+    """
 
-def within_budget(c: "GraVAC", cf: float) -> bool:
-    """Whether an entry sent at ``cf`` waits no longer than the run's steps (``c.budget_steps``) on average; true for
-    methods that send every entry each step (quantizers, casts, low rank). The same on every rank."""
-    state = c.compression_state
-    if not c.budget or state is None or cf in (DENSE, *c.rungs):
+    cf_min: float = field(metadata=carried())
+    candidate: float = field(metadata=carried())
+    scale: float = field(default=2.0, metadata=carried())
+    cf_max: float
+    policy: Policy
+    default_bounds: dict[str, bool]
+    factors: tuple[float, ...]
+
+    @classmethod
+    def between(cls, cf_min: float, cf_max: float, policy: Policy, default_bounds: dict[str, bool]) -> "Ladder":
+        """The factors from ``cf_min`` to ``cf_max`` by ``policy``, the candidate at ``2 cf_min``."""
+        return cls(cf_min=cf_min, candidate=min(cf_min * 2.0, cf_max), cf_max=cf_max, policy=policy,
+                   default_bounds=default_bounds, factors=ladder_factors(cf_min, cf_max, policy))  # fmt: skip
+
+    def clamp(self, cf: float) -> float:
+        """``cf`` within ``[cf_min, cf_max]``."""
+        return min(max(cf, self.cf_min), self.cf_max)
+
+    def fit_bounds(self, reach: tuple[float, float] | None, largest: int, method: str) -> bool:
+        """Fit the default bounds (those not passed) to the method's reach (``reach``: that of ``method``, once the
+        strategy's method is known: QSGD's 2- to 8-bit codes), else 10 and 1000, capped at ``largest``, the size of
+        the model's largest gradient. Said when they change; returns whether they did."""
+        cf_min, cf_max = reach if reach is not None else (DEFAULT_CF_MIN, DEFAULT_CF_MAX)
+        cf_max = min(cf_max, float(largest)) if self.default_bounds["cf_max"] else self.cf_max
+        cf_min = min(cf_min, cf_max) if self.default_bounds["cf_min"] else self.cf_min
+        if (cf_min, cf_max) == (self.cf_min, self.cf_max):
+            return False
+        self.cf_min, self.cf_max, self.factors = cf_min, cf_max, ladder_factors(cf_min, cf_max, self.policy)
+        self.candidate = self.clamp(self.candidate)
+        why = f"{method!r} sends from {reach[0]:.3g} to {reach[1]:.3g}" if reach else ""
+        if largest in (cf_max, cf_min):
+            why += ("; " if why else "") + f"the model's largest gradient has {largest} entries"
+        rank_zero_info(f"GraVAC: factors {', '.join(f'{f:.3g}' for f in self.factors)} ({why or 'the defaults'}).")
         return True
-    wait = state.compressor.masked_wait(cf, c.grad_dtype)
-    return wait is None or wait <= c.budget_steps
+
+    def fit_to_budget(self, admits: Callable[[float], bool], per_cf: float, budget_steps: float) -> None:
+        """Replace the factors that a run of ``budget_steps`` leaves out (``admits``: whether an entry sent at a factor
+        waits within it) by the most aggressive one it admits (whole, at least ``cf_min``), so that the search can send
+        the edge: a method's wait is proportional to its factor, ``per_cf`` steps a unit of it. Said when it does."""
+        kept = [cf for cf in self.factors if admits(cf)]
+        edge = float(math.floor(budget_steps / per_cf))
+        if len(kept) == len(self.factors):
+            return
+        left_out = [f"{cf:g}" for cf in self.factors if cf not in kept]
+        if edge >= self.cf_min and (not kept or edge > kept[-1]):
+            kept.append(edge)
+        self.factors = tuple(kept)
+        rank_zero_info(
+            f"GraVAC: a run of {budget_steps:.0f} steps: cf {', '.join(left_out)} left out (an entry would wait longer "
+            f"than the run to be sent); factors {', '.join(f'{f:g}' for f in self.factors) or 'none'}."
+        )
+
+    def advance(self, promote: bool) -> None:
+        """The sequential search's step at a window's end: the candidate becomes ``cf_min`` if ``promote``; the scale
+        advances by the policy, and the candidate with it."""
+        if promote:
+            self.cf_min = self.candidate
+        self.scale = next_scale(self.scale, self.policy)
+        self.candidate = min(self.cf_min * self.scale, self.cf_max)
 
 
-def fit_to_budget(c: "GraVAC") -> None:
-    """Replace the rungs of ``c``'s ladder that the budget leaves out by the most aggressive factor it admits (whole,
-    at least ``cf_min``), so that the search can send the edge: a method's wait is proportional to its factor."""
-    state = c.compression_state
-    per_cf = state.compressor.masked_wait(1.0, c.grad_dtype) if state is not None else None
-    if per_cf is None or not math.isfinite(c.budget_steps):
-        return
-    kept = [cf for cf in c.ladder if within_budget(c, cf)]
-    edge = float(math.floor(c.budget_steps / per_cf))
-    if len(kept) == len(c.ladder):
-        return
-    left_out = [f"{cf:g}" for cf in c.ladder if cf not in kept]
-    if edge >= c.search_state.cf_min and (not kept or edge > kept[-1]):
-        kept.append(edge)
-    c.ladder = tuple(kept)
-    rank_zero_info(
-        f"GraVAC: a run of {c.budget_steps:.0f} steps: cf {', '.join(left_out)} left out (an entry would wait longer "
-        f"than the run to be sent); factors {', '.join(f'{f:g}' for f in c.ladder) or 'none'}."
-    )
+@dataclass
+class Budget:
+    """The run's length, which bounds the factors (model search): an entry sent at a factor must not wait longer than
+    the run's steps to be sent.
+
+    Attributes:
+        on: whether the budget leaves factors out.
+        steps: the fit's steps (``trainer.estimated_stepping_batches``, set at fit start); ``inf`` when unknown.
+    """
+
+    on: bool
+    steps: float = math.inf
+
+    def admits(self, method: Compressor | None, cf: float, dtype: torch.dtype, rungs: tuple[float, ...]) -> bool:
+        """Whether an entry that ``method`` sends at ``cf`` (gradients of ``dtype``) waits no longer than the run's
+        steps on average; true for dense, the rungs (``rungs``) and methods that send every entry each step
+        (quantizers, casts, low rank). The same on every rank."""
+        if not self.on or method is None or cf in (DENSE, *rungs):
+            return True
+        wait = method.masked_wait(cf, dtype)
+        return wait is None or wait <= self.steps
+
+    def fit(self, ladder: Ladder, method: Compressor | None, dtype: torch.dtype, rungs: tuple[float, ...]) -> None:
+        """Fit ``ladder`` to the run's steps (:meth:`Ladder.fit_to_budget`), where ``method``'s wait is known."""
+        per_cf = method.masked_wait(1.0, dtype) if method is not None else None
+        if per_cf is None or not math.isfinite(self.steps):
+            return
+        ladder.fit_to_budget(lambda cf: self.admits(method, cf, dtype, rungs), per_cf, self.steps)

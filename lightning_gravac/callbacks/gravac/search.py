@@ -1,25 +1,17 @@
 """GraVAC's decision rules: the paper's sequential search and the default's cost model, behind one interface.
 
-A rule holds no state of its own: it reads and writes the controller's carried state (:class:`GraVACState`:
-``cf_min``, ``candidate``, ``gains``, ``gain_sums``, ``link``, ...), so both rules checkpoint alike.
+A rule holds no state of its own: it reads the parts that hold it (the :class:`Ladder`, the probes' gains, the
+:class:`CostModel`) and the window's end changes them, so both rules checkpoint alike.
 """
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from lightning_gravac.callbacks.gravac.cost import DENSE, Measured
-from lightning_gravac.callbacks.gravac.ladder import next_scale, within_budget
-from lightning_gravac.callbacks.gravac.prediction import (
-    best_predicted,
-    first_window_choice,
-    fit_step_model,
-    predicted_seconds,
-)
-
-if TYPE_CHECKING:
-    from lightning_gravac.callbacks.gravac.controller import GraVAC
+from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel
+from lightning_gravac.callbacks.gravac.ladder import Ladder
+from lightning_gravac.callbacks.gravac.prediction import Decision, best_predicted, first_window_choice
+from lightning_gravac.callbacks.gravac.window import Closed
 
 Search = Literal["sequential", "model"]
-Interval = Literal["step", "epoch"]
 
 #: What the arguments left at ``None`` mean, per search. ``"sequential"`` is the paper's GraVAC; ``"model"`` is the
 #: default (``docs/algorithms.md`` has each departure and the measurement behind it).
@@ -33,33 +25,35 @@ SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 
 class SearchRule:
     """One of GraVAC's decision rules: which factors the hook probes, how their gains are smoothed, what to send next
-    and what a window's end changes. A rule holds no state of its own: it reads and writes the controller's, so both
-    rules checkpoint alike and a subclass of :class:`GraVAC` reaches every value it decides from."""
+    and what a window's end changes. A rule holds no state of its own: the parts it is handed do, so both rules
+    checkpoint alike."""
 
     #: Whether the rule predicts a step's cost from a measured link (and so measures it at fit start).
     models_cost = False
+    #: Whether the gains are smoothed by a bias-corrected EWMA (else by the paper's, started at the first value).
+    corrects_bias = False
 
     def first_window(self, window: int) -> int:
         """The first window's length when the user leaves it unset."""
         return window
 
-    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
+    def probe_cfs(self, ladder: Ladder, settled: float | None) -> tuple[float, ...]:
+        """The factors whose gain the hook measures on a probed step."""
         raise NotImplementedError
 
-    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
-        """Take a probe of the gain at ``cf`` that weighs ``weight`` into ``c.search_state.gains``."""
-        raise NotImplementedError
-
-    def choose(self, c: "GraVAC") -> float:
+    def choose(self, d: Decision) -> float:
         """The factor to send next step, from values every rank holds identically."""
         raise NotImplementedError
 
-    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
-        """What a window's end changes, given its steps by factor (``(steps, seconds, comm seconds, moved bytes)``,
-        the slowest rank's) once ``c.search_state.windows`` counts it."""
+    def end_window(
+        self, closed: Closed, ladder: Ladder, gains: dict[float, float], cost: CostModel, settled: float | None,
+        omega: float,
+    ) -> None:  # fmt: skip
+        """What a window's end changes (``closed``: its steps by factor, the slowest rank's), once the window counts
+        it, before it settles again (``settled``: the factor it settled on at the last window's end)."""
         raise NotImplementedError
 
-    def gains_can_matter(self, c: "GraVAC") -> bool:
+    def gains_can_matter(self, cost: CostModel, ladder: Ladder, rungs: tuple[float, ...]) -> bool:
         """Whether measuring gains could change the choice."""
         return True
 
@@ -68,40 +62,33 @@ class Sequential(SearchRule):
     """The paper's search: the gains at ``cf_min`` and a candidate each step; the candidate if its gain reaches
     ``epsilon``, else ``cf_min`` if that does, else dense; each window promotes and advances the candidate."""
 
-    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
-        s = c.search_state
-        factors = {s.cf_min, s.candidate}
-        if s.settled is not None and s.settled != DENSE:
-            factors.add(s.settled)
+    def probe_cfs(self, ladder: Ladder, settled: float | None) -> tuple[float, ...]:
+        factors = {ladder.cf_min, ladder.candidate}
+        if settled is not None and settled != DENSE:
+            factors.add(settled)
         return tuple(sorted(factors))
 
-    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
-        # The paper's EWMA, started at the first value.
-        gains = c.search_state.gains
-        gains[cf] = gain if cf not in gains else (1 - weight) * gains[cf] + weight * gain
-
-    def choose(self, c: "GraVAC") -> float:
-        s = c.search_state
-        order = [s.settled] if s.settled is not None else [s.candidate, s.cf_min]
+    def choose(self, d: Decision) -> float:
+        order = [d.settled] if d.settled is not None else [d.ladder.candidate, d.ladder.cf_min]
         for cf in order:
-            if cf == DENSE or s.gains.get(cf, 0.0) >= c.epsilon:
+            if cf == DENSE or d.gains.get(cf, 0.0) >= d.epsilon:
                 return cf
         return DENSE
 
-    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
-        s = c.search_state
-        if s.settled is not None:
+    def end_window(
+        self, closed: Closed, ladder: Ladder, gains: dict[float, float], cost: CostModel, settled: float | None,
+        omega: float,
+    ) -> None:  # fmt: skip
+        if settled is not None:
             return
-        gain_min, gain_candidate = s.gains.get(s.cf_min), s.gains.get(s.candidate)
-        if (
-            s.candidate > s.cf_min
+        gain_min, gain_candidate = gains.get(ladder.cf_min), gains.get(ladder.candidate)
+        promote = (
+            ladder.candidate > ladder.cf_min
             and gain_min
             and gain_candidate is not None
-            and abs(gain_min - gain_candidate) / gain_min <= c.omega
-        ):
-            s.cf_min = s.candidate
-        s.scale = next_scale(s.scale, c.policy)
-        s.candidate = min(s.cf_min * s.scale, c.cf_max)
+            and abs(gain_min - gain_candidate) / gain_min <= omega
+        )
+        ladder.advance(bool(promote))
 
 
 class Model(SearchRule):
@@ -109,42 +96,36 @@ class Model(SearchRule):
     link measured at fit start and to the steps sent; the gains of every factor of the ladder, bias-corrected."""
 
     models_cost = True
+    corrects_bias = True
 
     def first_window(self, window: int) -> int:
         return min(window, 3)
 
-    def probe_cfs(self, c: "GraVAC") -> tuple[float, ...]:
-        return c.ladder
+    def probe_cfs(self, ladder: Ladder, settled: float | None) -> tuple[float, ...]:
+        return ladder.factors
 
-    def smooth(self, c: "GraVAC", cf: float, gain: float, weight: float) -> None:
-        # Bias-corrected: the weights of the probes so far, normalised.
-        s = c.search_state
-        total, mass = s.gain_sums.get(cf, (0.0, 0.0))
-        total, mass = (1 - weight) * total + weight * gain, (1 - weight) * mass + weight
-        s.gain_sums[cf] = (total, mass)
-        s.gains[cf] = total / mass
-
-    def choose(self, c: "GraVAC") -> float:
-        gains = c.search_state.gains
-        if c.search_state.link is not None:
-            return best_predicted(c)
-        if c.probed is not None:
+    def choose(self, d: Decision) -> float:
+        if d.cost.link is not None:
+            return best_predicted(d)
+        if d.cost.probed is not None:
             # The first window, on a measured link, while the gains are being measured: the first steps of training
             # are its most sensitive, so dense or the mildest eligible factor, whichever the link justifies.
-            eligible = [cf for cf in c.ladder if gains.get(cf, 1.0) >= c.epsilon and within_budget(c, cf)]
-            return first_window_choice(c, min(eligible, default=DENSE))
-        return SEARCHES["sequential"].choose(c)  # no link measured: the paper's rule until the first fit
+            eligible = [cf for cf in d.ladder.factors if d.gains.get(cf, 1.0) >= d.epsilon and d.admits(cf)]
+            return first_window_choice(d.cost, min(eligible, default=DENSE), d.rungs)
+        return SEARCHES["sequential"].choose(d)  # no link measured: the paper's rule until the first fit
 
-    def end_window(self, c: "GraVAC", measured: Measured, slowest: list[list[float]], factors: list[float]) -> None:
-        s = c.search_state
-        s.link = fit_step_model(c, measured, slowest) or s.link
+    def end_window(
+        self, closed: Closed, ladder: Ladder, gains: dict[float, float], cost: CostModel, settled: float | None,
+        omega: float,
+    ) -> None:  # fmt: skip
+        cost.refit(closed.measured, closed.compress_seconds)
 
-    def gains_can_matter(self, c: "GraVAC") -> bool:
-        link = c.search_state.link
+    def gains_can_matter(self, cost: CostModel, ladder: Ladder, rungs: tuple[float, ...]) -> bool:
+        link = cost.link
         if link is None:
             return True
-        dense = predicted_seconds(c, link, DENSE, c.bytes_dense)
-        return any(predicted_seconds(c, link, cf, c.bytes_dense) < dense for cf in c.ladder)
+        dense = cost.seconds(link, DENSE, cost.bytes_dense, rungs)
+        return any(cost.seconds(link, cf, cost.bytes_dense, rungs) < dense for cf in ladder.factors)
 
 
 #: GraVAC's decision rules by the name ``search`` takes.

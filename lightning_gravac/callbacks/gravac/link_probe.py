@@ -3,18 +3,13 @@
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_info
 
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import HALF, ring_share
-
-if TYPE_CHECKING:
-    from lightning_gravac.callbacks.gravac.controller import GraVAC
 
 #: The all-reduce that measures a message's cost, and the first that measures a byte's (it grows 4x until one takes
 #: ``PROBE_SECONDS`` or reaches the model's gradient bytes).
@@ -112,19 +107,3 @@ class LinkProbe:
     def slowest(self, seconds: float) -> float:
         """The largest of every rank's ``seconds``."""
         return float(self.reduce_max(torch.tensor([seconds], dtype=torch.float64)).item())
-
-
-def probe_at_fit_start(c: "GraVAC", trainer: "pl.Trainer", fresh: bool) -> None:
-    """Measure the link (:meth:`GraVAC.measure_link`) into ``c.probed``, said on rank 0, and with the fp16 rung on what
-    an fp16 step costs (:meth:`GraVAC.measure_half`); ``fresh``: not a resumed run."""
-    c.probed = c.measure_link(trainer)
-    rank_zero_info(
-        f"GraVAC: link measured at fit start: {c.probed[0] * 1e6:.0f} us a message, "
-        f"{8 / c.probed[1] / 1e6 if c.probed[1] > 0 else math.inf:.0f} Mbit/s."
-    )
-    if c.fp16_rung:
-        c.half_per_byte, cast_cost = c.measure_half(trainer)
-        # A resumed run keeps its cost, measured since on the steps it sent in fp16, unless it has none (a checkpoint
-        # of a run whose rung was off, or of a version that did not measure it).
-        if fresh or c.search_state.cast_cost <= 0:
-            c.search_state.cast_cost = cast_cost

@@ -1,0 +1,79 @@
+"""The gains GraVAC's hook probes (:class:`Probes`): each factor's, smoothed, and how far apart the probes are."""
+
+from dataclasses import Field, dataclass, field
+from typing import Any
+
+from lightning_gravac.callbacks.gravac.state import Carried, carried
+from lightning_gravac.state import GainOf
+
+
+def _sums(saved: dict[float, list[float]]) -> dict[float, tuple[float, float]]:
+    return {cf: (sums[0], sums[1]) for cf, sums in saved.items()}
+
+
+@dataclass(kw_only=True)
+class Probes(Carried):
+    """What the hook's probes measured: the gain of each factor probed, smoothed over the steps, and when it probes.
+
+    Attributes:
+        gains: the smoothed gain of each probed factor.
+        last_probe: the step of the last probe.
+        probe_interval: the steps between probes now, grown while they change nothing (``probe_backoff``).
+        gain_of: what the gains are measured on, ``"error_fed"`` or ``"gradient"`` (decided at setup).
+        gain_sums: the bias-corrected EWMA of each factor's gain: ``(weighted sum, weight)``.
+        probe_every: after the first window, the gains are measured on one step in this many.
+        probe_backoff: how far the spacing grows while probes change nothing: up to ``probe_every x probe_backoff``.
+        bias_corrected: smooth by a bias-corrected EWMA (the model search's), else by the paper's, started at the first
+            value.
+    """
+
+    gains: dict[float, float] = field(default_factory=dict, metadata=carried(restore=dict))
+    last_probe: int = field(default=0, metadata=carried(added=True))
+    probe_interval: int = field(metadata=carried(added=True))
+    gain_of: GainOf = field(metadata=carried(added=True))
+    gain_sums: dict[float, tuple[float, float]] = field(
+        default_factory=dict, metadata=carried(added=True, restore=_sums)
+    )
+    probe_every: int
+    probe_backoff: int
+    bias_corrected: bool
+
+    def take(self, measured: dict[float, float], steps: int, alpha: float) -> None:
+        """Smooth a step's probes (``measured``: the gain by factor) into :attr:`gains`. The gains decay per step: a
+        probe after ``p`` steps without one weighs ``1 - (1 - alpha)^p``. ``steps``: the steps so far, this one's."""
+        if not measured:
+            return
+        weight = 1 - (1 - alpha) ** (steps - self.last_probe)
+        self.last_probe = steps
+        for cf, gain in measured.items():
+            if self.bias_corrected:  # the weights of the probes so far, normalised
+                total, mass = self.gain_sums.get(cf, (0.0, 0.0))
+                total, mass = (1 - weight) * total + weight * gain, (1 - weight) * mass + weight
+                self.gain_sums[cf] = (total, mass)
+                self.gains[cf] = total / mass
+            else:
+                self.gains[cf] = gain if cf not in self.gains else (1 - weight) * self.gains[cf] + weight * gain
+
+    def due(self, steps: int) -> bool:
+        """Whether a step after ``steps`` steps falls on the probes' spacing."""
+        return steps % self.probe_interval == 0
+
+    def space(self, changed: bool, probed: bool) -> None:
+        """The probes' spacing after a step: a probe after the first window that leaves the choice as it was
+        (``probed``) doubles it, up to ``probe_every x probe_backoff`` steps; a change of choice (``changed``) brings it
+        back to ``probe_every``."""
+        if changed:
+            self.probe_interval = self.probe_every
+        elif probed:
+            self.probe_interval = min(2 * self.probe_interval, self.probe_every * self.probe_backoff)
+
+    def fresh(self, f: Field[Any], saved: dict[str, Any]) -> Any:
+        """A checkpoint without probes' spacing starts from ``probe_every``, one without a last probe from its step
+        count, one without ``gain_of`` keeps this run's."""
+        if f.name == "last_probe":
+            return saved.get("steps", 0)
+        if f.name == "probe_interval":
+            return self.probe_every
+        if f.name == "gain_of":
+            return self.gain_of
+        return super().fresh(f, saved)
