@@ -21,17 +21,18 @@ class AdamW(TeacherRegression):
 
 
 class _Link(GraVAC):
-    """GraVAC on a modelled link: 1 MB/s for fp32, ``half_ratio`` times an fp32 byte's cost for an fp16 byte."""
+    """GraVAC on a modelled link: ``per_byte`` seconds a byte for fp32 (1 MB/s), ``half_ratio`` times an fp32 byte's
+    cost for an fp16 byte."""
 
-    def __init__(self, half_ratio: float, **kwargs) -> None:
+    def __init__(self, half_ratio: float, per_byte: float = 1e-6, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.half_ratio = half_ratio
+        self.half_ratio, self.per_byte = half_ratio, per_byte
 
     def measure_link(self, trainer):
-        return 0.0, 1e-6
+        return 0.0, self.per_byte
 
     def measure_half(self, trainer):
-        return self.half_ratio * 1e-6, 0.0
+        return self.half_ratio * self.per_byte, 0.0
 
     def compress_seconds(self, stats):
         return 0.0  # the casts cost nothing on the modelled link: the choice rests on the bytes alone
@@ -43,7 +44,9 @@ def _fit(rank, world_size, optimizer, controller, compressor):
     summary = RunSummary()
     callbacks = {
         "default": [],
-        "compress": [GraVAC(adam="compress")],
+        # Compressing pays on a slow link (100 kB/s; on a loopback the default sends dense).
+        "compress": [_Link(half_ratio=1.0, per_byte=1e-5, adam="compress")],
+        "slow-default": [_Link(half_ratio=1.0, per_byte=1e-5)],
         "static": [Static(cf=10)],
         "held-dense": [GraVAC(adam="dense")],
         "held-fp16": [GraVAC(adam="fp16")],  # held all the run: dense or fp16, said with a warning
@@ -79,7 +82,7 @@ def _fit(rank, world_size, optimizer, controller, compressor):
         # An explicit factor: dense through the warm-up, then Adam's moments at that factor (no warning).
         ("adamw", "static", "topk", {1.0}, None),
         ("adamw", "default", "fp16", {2.0}, None),  # a cast is safe with Adam: held at its factor, no warning
-        ("sgd", "default", "topk", None, None),  # SGD: the default compresses, nothing said
+        ("sgd", "slow-default", "topk", None, None),  # SGD on a slow link: the default compresses, nothing said
     ],
 )
 def test_adam_like_optimizers_get_dense_fp16_or_a_warning(optimizer, controller, compressor, sent, warned):
