@@ -7,7 +7,7 @@ all the run, or until Adam's second moment is frozen and its first moment is sen
 
 from typing import Literal
 
-from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel
+from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, saves_enough
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import HALF
 
@@ -28,21 +28,23 @@ def held_factor(
     holding: bool, moved: bool, policy: AdamPolicy, fixed_cf: float | None, rungs: tuple[float, ...], cost: CostModel
 ) -> float | None:
     """The factor to send next step when Adam decides it, ``None`` when the search does. While ``holding`` an
-    Adam-like optimizer: fp16 if the rung can be sent (``rungs``) and the cost model predicts it faster than dense
-    (before the first window ends, from the fit-start probe alone: the rest of the step is the same for both), else
-    dense. Once Adam's moments have ``moved`` under a method of one factor (``fixed_cf``, scaled signs): dense, fp16 or
-    that factor, whichever the cost model predicts fastest; that factor while the link is unknown. Nothing to search:
-    what a step keeps of the moment is carried by error feedback, and the second moment no longer sees it."""
+    Adam-like optimizer: fp16 if the rung can be sent (``rungs``) and the cost model predicts it saves a tenth of a
+    dense step (before the first window ends, from the fit-start probe alone: the rest of the step is the same for
+    both), else dense. Once Adam's moments have ``moved`` under a method of one factor (``fixed_cf``, scaled signs):
+    dense, fp16 or that factor, whichever the cost model predicts fastest, a lossy one only where it saves a tenth of
+    a step; that factor while the link is unknown. Nothing to search: what a step keeps of the moment is carried by
+    error feedback, and the second moment no longer sees it."""
     if holding:
         seconds = cost.seconds_by_factor(rungs)
         if policy == "dense" or not rungs or seconds is None:
             return DENSE
-        return HALF if seconds(HALF) < seconds(DENSE) else DENSE
+        return HALF if saves_enough(seconds(HALF), seconds(DENSE)) else DENSE
     if moved and fixed_cf is not None:
         fixed, seconds = float(fixed_cf or DENSE), cost.seconds_by_factor(rungs)
         if seconds is None:
             return fixed
-        return min([DENSE, *rungs, fixed], key=lambda cf: (seconds(cf), cf))
+        lossy = [cf for cf in (*rungs, fixed) if saves_enough(seconds(cf), seconds(DENSE))]
+        return min([DENSE, *lossy], key=lambda cf: (seconds(cf), cf))
     return None
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info
 
-from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, regime
+from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, regime, saves_enough
 from lightning_gravac.callbacks.gravac.ladder import Ladder
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.feedback.momentum import MomentumCorrection, SGDMomentum, masking_retention
@@ -73,16 +73,6 @@ def progress_per_second(d: Decision, cf: float, dense_bytes: float) -> float:
     seconds = d.cost.seconds(link, cf, dense_bytes, d.rungs)
     progress = 1.0 if cf in (DENSE, *d.rungs) else d.progress(cf)
     return progress / seconds if seconds > 0 else math.inf
-
-
-#: The least share of a dense step a lossy step must be predicted to save to be sent: below it the saving is within
-#: the spread of a step's time on a shared machine, and the step would spend accuracy for nothing measurable.
-MIN_SAVING = 0.1
-
-
-def saves_enough(seconds: float, dense_seconds: float) -> bool:
-    """Whether a lossy step predicted at ``seconds`` saves at least :data:`MIN_SAVING` of a dense step's."""
-    return seconds <= (1 - MIN_SAVING) * dense_seconds
 
 
 #: The most a fit's first step may be predicted to cost beyond the mildest factor's and still be sent dense, before a
