@@ -140,7 +140,9 @@ UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
 ABLATIONS = ["default, masking unweighed", "default, budget off", "default, whole tables"]
 #: Milder Top-K factors, for short budgets.
 MILD = ["topk cf=20", "topk cf=40"]
-ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS + MILD
+#: Local steps: H inner steps, then the parameter change in QSGD's 4-bit codes averaged (outer lr 1, no momentum).
+LOCAL = ["local H=4", "local H=8", "local H=16"]
+ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS + MILD + LOCAL
 #: AdamW's learning rate per task (``--optimizer adamw``).
 ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3, "diamonds": 1e-3, "gpt": 1e-3}
 TASKS = ["bag", "mlp", "cnn", "lstm", "diamonds", "gpt"]
@@ -152,7 +154,7 @@ USERS_SGD_LR = {"mlp": 0.01, "cnn": 0.005}
 #: Plain SGD's learning rate for the tasks trained with momentum 0.9 (``--optimizer sgd``): lr / (1 - momentum).
 PLAIN_SGD_LR = {"cnn": 0.05, "diamonds": 0.1}
 #: Rows trained on every link (they time their own steps); the others are projected from the unlimited run.
-LINK_DEPENDENT = {"gravac (paper)", "default", *ABLATIONS}
+LINK_DEPENDENT = {"gravac (paper)", "default", *ABLATIONS, *LOCAL}  # local steps: one slow step a round
 #: Rows trained in the first repeat only (``--repeats``): the paper's search, slow on a slow link and not what the
 #: bar judges; later repeats borrow its runs.
 ONCE = {"gravac (paper)"}
@@ -298,6 +300,8 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return GraVACStrategy(), [GraVAC(budget=False)]
     if row == "default, whole tables":  # embedding tables whole on dense and fp16 steps, not by their touched rows
         return GraVACStrategy(embedding_rows=False), []
+    if row in LOCAL:
+        return GraVACStrategy(local_steps=int(row.removeprefix("local H="))), []
     if row in FAMILY_SETTINGS:
         method, cf = FAMILY_SETTINGS[row]
         # "ef": error-fed, and SGD's momentum moved into the hook with it (the default leaves it in the optimizer).
