@@ -292,16 +292,14 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return GraVACStrategy("topk"), [Accordion(low_cf=10, high_cf=1000, window=25, interval="step")]
     if row == "gravac (paper)":
         return GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, search="sequential", window=25)]
-    if row == "default":
-        return GraVACStrategy(), []
+    if row == "default" or row in LOCAL:
+        return GraVACStrategy(local_steps=int(row.removeprefix("local H=")) if row in LOCAL else None), []
     if row == "default, masking unweighed":
         return GraVACStrategy(), [GraVAC(weigh_masking=False)]
     if row == "default, budget off":  # the default's controller without the budget rule (and so Top-K's method)
         return GraVACStrategy(), [GraVAC(budget=False)]
     if row == "default, whole tables":  # embedding tables whole on dense and fp16 steps, not by their touched rows
         return GraVACStrategy(embedding_rows=False), []
-    if row in LOCAL:
-        return GraVACStrategy(local_steps=int(row.removeprefix("local H="))), []
     if row in FAMILY_SETTINGS:
         method, cf = FAMILY_SETTINGS[row]
         # "ef": error-fed, and SGD's momentum moved into the hook with it (the default leaves it in the optimizer).

@@ -10,12 +10,13 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_gravac import GraVACStrategy, LocalSteps, Static
+from lightning_gravac import GraVAC, GraVACStrategy, LocalSteps, Static
+from lightning_gravac.callbacks.gravac.rounds import choose_length
 from lightning_gravac.compressors import get_compressor
 from lightning_gravac.feedback import OuterUpdate, Setup
 from lightning_gravac.launch import run_distributed
 
-from models import loader, trainer_kwargs
+from models import LinkOf, loader, trainer_kwargs
 
 
 class StepData(pl.LightningModule):
@@ -60,7 +61,7 @@ def _fit(strategy: GraVACStrategy, steps: int, model: pl.LightningModule | None 
     pl.seed_everything(0)
     callbacks = [trace, *kwargs.pop("callbacks", [])]
     trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, max_steps=steps, **trainer_kwargs(2, **kwargs))
-    trainer.fit(model or StepData(), loader(n=4096))
+    trainer.fit(model or StepData(), loader(n=32768))  # 512 steps an epoch: no epoch ends a round here
     assert trainer.global_step == steps, "global_step counts inner steps"
     return trace
 
@@ -201,3 +202,49 @@ def test_local_steps_arguments_are_checked():
     assert GraVACStrategy("topk", local_steps=8).compression_state.error_feedback
     assert not GraVACStrategy("topk").outer, "inactive without local steps"
     assert isinstance(strategy.compression_state.feedback.get(OuterUpdate), OuterUpdate)
+
+
+def test_the_link_and_the_budget_change_the_choice_as_the_rule_says():
+    # 10 ms of computation; every-step sending predicted at 15 ms; a round's communication 5.4 ms.
+    assert choose_length(0.010, 0.015, 0.0054, 0.086, 1000) == 8, "the shortest round within a tenth of a step"
+    assert choose_length(0.010, 0.015, 0.0054, 0.086, 60) == 4, "the budget holds 8 rounds of 4, not of 8"
+    assert choose_length(0.010, 0.015, 0.0054, 0.086, 31) is None, "not 8 rounds of even 4 steps"
+    assert choose_length(0.010, 0.015, 0.0300, 0.086, 1000) == 16, "no round fits: the longest allowed"
+    # A fast link: sending every step costs 5% over the computation; local steps cannot save a tenth of it.
+    assert choose_length(0.010, 0.0105, 0.0001, 0.001, 1000) is None
+
+
+def _default_on_a_scripted_link(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    out: dict[str, Any] = {}
+    for name, bits_per_second, steps in (("slow", 1e6, 200), ("short", 1e6, 20), ("fast", 1e10, 200)):
+        # The zero-argument default, its controller's link and step times scripted (`LinkOf`).
+        default_controller._default_controller = lambda method, alone, b=bits_per_second: LinkOf(b)
+        strategy = GraVACStrategy()
+        trace = _fit(strategy, steps)
+        controller = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC))
+        out[name] = {
+            "method": strategy.compressor.name, "every": controller.rounds.every, "start": controller.rounds.start,
+            "rounds": strategy.outer.rounds, "after": trace.after, "losses": trace.losses,
+        }  # fmt: skip
+    return out
+
+
+@pytest.mark.distributed
+def test_the_default_switches_to_local_steps_where_the_link_and_the_budget_say():
+    r0, r1 = run_distributed(_default_on_a_scripted_link, timeout=600)
+    for name in ("slow", "short", "fast"):
+        for key in ("method", "every", "start", "rounds"):
+            assert r0[name][key] == r1[name][key], (name, key)  # every rank decides alike
+        assert r0[name]["method"] == "qsgd"
+    slow = r0["slow"]
+    # 1 Mbit/s, 10 ms of computation: after the first window (3 steps), rounds of 8 from step 3.
+    assert (slow["every"], slow["start"]) == (8, 3)
+    assert slow["rounds"] >= 24
+    for step in range(3 + 8, 200, 8):  # the ranks are one model after each round, and two within
+        assert torch.equal(r0["slow"]["after"][step - 1], r1["slow"]["after"][step - 1]), step
+        assert not torch.equal(r0["slow"]["after"][step - 5], r1["slow"]["after"][step - 5]), step
+    assert slow["losses"][-1] < 0.5 * slow["losses"][0]
+    assert r0["short"]["every"] == 0, "a budget of 20 steps holds no 8 rounds"
+    assert r0["fast"]["every"] == 0, "on a fast link sending every step costs too little to save a tenth"

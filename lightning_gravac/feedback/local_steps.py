@@ -118,12 +118,24 @@ class OuterUpdate(Adaptation):
     def __bool__(self) -> bool:
         return self.config is not None
 
+    def start(self, config: LocalSteps, compressor: Compressor, error_feedback: bool, steps: int) -> None:
+        """From the next step on, run local steps as ``config`` says (the default's choice mid-fit, once every rank's
+        parameters are one after ``steps`` steps): the round starts from the parameters as they are."""
+        self.configure(config, compressor, error_feedback)
+        self.steps, self.since = steps, 0
+        self._set_anchor()
+
+    @property
+    def can_start(self) -> bool:
+        """Whether the fit has what local steps need: one optimizer, taken at setup."""
+        return self._optimizer is not None
+
     @override
     def take_from(self, setup: Setup) -> list[str]:
-        if self.config is None:
-            return []
         if len(setup.optimizers) != 1:
-            raise ValueError(f"Local steps run one optimizer; the model configures {len(setup.optimizers)}.")
+            if self.config is not None:
+                raise ValueError(f"Local steps run one optimizer; the model configures {len(setup.optimizers)}.")
+            return []
         assert setup.module is not None
         self._optimizer = setup.optimizers[0]
         self._params = {name: p for name, p in setup.module.named_parameters() if p.requires_grad}
@@ -134,6 +146,8 @@ class OuterUpdate(Adaptation):
         """At fit start, after Lightning restored a checkpoint: the global step, the budget and how to tell an
         epoch's last batch; a resumed rank takes back its own parameters and inner state."""
         self.steps, self.budget, self.epoch_ends = steps, max(budget, 0), epoch_ends
+        if self.config is None:
+            return
         if self._resumed:
             self._restore_rank()
         if not self.anchor.kept:

@@ -3,6 +3,7 @@ most one."""
 
 from typing import Any
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.callbacks import Callback, Checkpoint
 
@@ -10,6 +11,7 @@ from lightning_gravac.callbacks.controller import Controller, controllers_of
 from lightning_gravac.callbacks.gravac import GraVAC
 from lightning_gravac.callbacks.static import Static
 from lightning_gravac.compressors.base import Compressor
+from lightning_gravac.state import CompressionState
 
 
 def attach_controller(trainer: Any, method: Compressor, alone: bool, local: bool = False) -> bool:
@@ -63,3 +65,16 @@ def _default_controller(method: Compressor, alone: bool) -> Controller:
         # fitted at setup, when the model exists (also one built in `configure_model`).
         return Static(cf=method.fixed_cf, cap_to_model=True)
     return GraVAC()
+
+
+def allow_rounds(trainer: Any, state: CompressionState, optimizers: list[Any]) -> None:
+    """Let the default controller switch to local steps (:mod:`~lightning_gravac.callbacks.gravac.rounds`) where they
+    were measured to keep dense's accuracy: the zero-argument default's QSGD under SGD (one optimizer, nothing of it
+    moved into the hook), on several ranks."""
+    if state.compressor.name != "qsgd" or state.feedback.moves_optimizer_state or len(optimizers) != 1:
+        return
+    if not isinstance(optimizers[0], torch.optim.SGD) or state.world_size < 2:
+        return
+    for controller in controllers_of(trainer):
+        if isinstance(controller, GraVAC):
+            controller.rounds.allowed = True

@@ -19,7 +19,7 @@ from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.feedback import LocalSteps, MomentumCorrection, OuterUpdate, Setup
 from lightning_gravac.state import CompressionState, Granularity
 from lightning_gravac.strategies.checkpoint import CHECKPOINT_KEY, restore_compression, saved_compression
-from lightning_gravac.strategies.default_controller import attach_controller
+from lightning_gravac.strategies.default_controller import allow_rounds, attach_controller
 from lightning_gravac.strategies.default_method import choose_method, method_of
 from lightning_gravac.strategies.hook import gravac_hook
 from lightning_gravac.tables import sparse_parameters
@@ -167,10 +167,10 @@ class GraVACStrategy(DDPStrategy):
         in_trainer = module._trainer if module is not None else None
         if self._method_open and self._default_controller:
             choose_method(state, self.optimizers, module, in_trainer, movable)
+            allow_rounds(trainer, state, self.optimizers)
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
-        if self.outer:
-            self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))
+        self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps
         # Methods without error feedback (unbiased quantizers, casts, signSGD's vote) and methods with a momentum of
         # their own (DGC) keep the optimizer's state; so do local SGD and a gradient scaler (see the predicate).
         if movable and state.error_feedback and not self.compressor.passthrough and not self.compressor.owns_feedback:
@@ -196,7 +196,7 @@ class GraVACStrategy(DDPStrategy):
         module = self.lightning_module
         if averager is not None and module is not None:
             averager.step = module.trainer.global_step
-        if self.outer and module is not None:
+        if module is not None:
             trainer = module.trainer
             last_batch = trainer.fit_loop.epoch_loop.batch_progress  # set before each batch's step
             self.outer.begin_fit(trainer.global_step, trainer.max_steps, lambda: last_batch.is_last_batch)
