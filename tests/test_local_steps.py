@@ -248,3 +248,35 @@ def test_the_default_switches_to_local_steps_where_the_link_and_the_budget_say()
     assert slow["losses"][-1] < 0.5 * slow["losses"][0]
     assert r0["short"]["every"] == 0, "a budget of 20 steps holds no 8 rounds"
     assert r0["fast"]["every"] == 0, "on a fast link sending every step costs too little to save a tenth"
+
+
+def _default_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6)
+
+    def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> tuple[list[torch.Tensor], int]:
+        trace = Trace()
+        pl.seed_everything(0)
+        strategy = GraVACStrategy()
+        kwargs = trainer_kwargs(2, enable_checkpointing=True)
+        trainer = pl.Trainer(strategy=strategy, callbacks=[trace, *callbacks], max_steps=60, **kwargs)
+        trainer.fit(StepData(), loader(n=32768), ckpt_path=ckpt_path)
+        return trace.after, strategy.outer.config.every if strategy.outer.config else 0
+
+    every_30 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=30, save_top_k=-1)
+    whole, every = fit([every_30])
+    resumed, resumed_every = fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=30.ckpt")
+    return {"whole": whole, "resumed": resumed, "every": every, "resumed_every": resumed_every}
+
+
+@pytest.mark.distributed
+def test_the_defaults_local_steps_resume_mid_round_bit_for_bit(tmp_path):
+    ranks = run_distributed(_default_resumed, timeout=300, ckpt_dir=str(tmp_path))
+    for rank in ranks:
+        # A budget of 60 steps holds 8 rounds of 4 (from step 3): the checkpoint after step 30 is mid-round.
+        assert rank["every"] == rank["resumed_every"] == 4
+        assert len(rank["resumed"]) == 30
+        for step, (a, b) in enumerate(zip(rank["whole"][30:], rank["resumed"], strict=True), start=31):
+            assert torch.equal(a, b), f"step {step} differs from the uninterrupted run"
+    assert not torch.equal(ranks[0]["whole"][29], ranks[1]["whole"][29])

@@ -407,8 +407,8 @@ class GraVAC(Controller):
         self.cost.take_window(closed.compression, self.fp16_rung)
         self.rule.end_window(closed, self.ladder, self.probes.gains, self.cost, self.window.settled, self.omega)
         self.window.settle(self.omega)
-        length = self.rounds.consider(self.cost, self.choose(), self.rungs, self.state.step, self.budget.steps)
-        if length is not None:
+        if self.rounds.allowed and (length := self.rounds.consider(self.cost, self.choose(), self.rungs,
+                                                                     self.state.step, self.budget.steps)):  # fmt: skip
             self.rounds.every, self.rounds.start = length, self.state.step
             self.rounds.run(self.state, self.cost.link, fresh=True)
 
@@ -475,12 +475,12 @@ class GraVAC(Controller):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The factor and the guard (the base class's), then each part's carried fields under their names. Lightning
-        writes rank 0's: the partial window's times and samples, the only rank-local values, feed a MAX and a sum over
-        ranks at the window's end, so every rank still decides alike."""
-        parts: tuple[Carried, ...] = (self.ladder, self.probes, self.window, self.cost, self.rounds)
+        """The factor and the guard (the base class's), then each part's carried fields by name. Lightning writes rank
+        0's: the partial window's times and samples (rank-local) feed a MAX and a sum over ranks, decided alike."""
+        parts: tuple[Carried, ...] = (self.ladder, self.probes, self.window, self.cost)
         carried = {key: value for part in parts for key, value in part.state_dict().items()}
-        return {**super().state_dict(), **{key: carried[key] for key in CHECKPOINT_ORDER}}
+        rounds = self.rounds.state_dict() if self.rounds.every else {}  # a run without local steps saves as it did
+        return {**super().state_dict(), **{key: carried[key] for key in CHECKPOINT_ORDER}, **rounds}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 CHECKPOINT_ORDER = (
     "cf_min", "candidate", "scale", "settled", "gains", "throughput", "link", "windows", "progress", "steps",
     "last_probe", "probe_interval", "tally", "gain_of", "gain_sums", "compress_cost", "cast_cost", "payload_fixed",
-    "buckets", "every", "start",
+    "buckets",
 )  # fmt: skip
 
 
