@@ -141,7 +141,7 @@ ABLATIONS = ["default, masking unweighed", "default, budget off", "default, whol
 #: Milder Top-K factors, for short budgets.
 MILD = ["topk cf=20", "topk cf=40"]
 #: Local steps: H inner steps, then the parameter change in QSGD's 4-bit codes averaged (outer lr 1, no momentum).
-LOCAL = ["local H=4", "local H=8", "local H=16"]
+LOCAL = ["local H=4", "local H=8", "local H=16", "local H=16 overlap"]
 ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS + MILD + LOCAL
 #: AdamW's learning rate per task (``--optimizer adamw``).
 ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3, "diamonds": 1e-3, "gpt": 1e-3}
@@ -293,7 +293,9 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
     if row == "gravac (paper)":
         return GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, search="sequential", window=25)]
     if row == "default" or row in LOCAL:
-        return GraVACStrategy(local_steps=int(row.removeprefix("local H=")) if row in LOCAL else None), []
+        every = int(row.removeprefix("local H=").removesuffix(" overlap")) if row in LOCAL else 0
+        rounds = LocalSteps(every=every, overlap=row.endswith(" overlap")) if every else None
+        return GraVACStrategy(local_steps=rounds), []
     if row == "default, masking unweighed":
         return GraVACStrategy(), [GraVAC(weigh_masking=False)]
     if row == "default, budget off":  # the default's controller without the budget rule (and so Top-K's method)

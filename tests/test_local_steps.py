@@ -71,9 +71,9 @@ def _rounds(rank: int, world_size: int) -> dict[str, Any]:
     before: list[torch.Tensor] = []  # this rank's parameters as each round ends, before the outer step
     end_round = sent_whole.outer.end_round
 
-    def recorded(whole: bool = False) -> None:
+    def recorded(**kwargs: bool) -> None:
         before.append(torch.cat([p.detach().reshape(-1).clone() for p in sent_whole.outer._params.values()]))
-        end_round(whole)
+        end_round(**kwargs)
 
     sent_whole.outer.end_round = recorded  # type: ignore[method-assign]
     whole = _fit(sent_whole, 10)
@@ -142,11 +142,48 @@ def test_outer_nesterov_step_follows_its_definition():
     assert outer.rounds == 3
 
 
-def _resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+def test_overlap_applies_each_round_one_round_late():
+    # One process: each round's change is the rank's own; the outer step at lr 0.5 lands one round late, and each
+    # round continues from the anchor minus its own progress since.
+    model = nn.Linear(3, 2)
+    x = {n: p.detach().clone() for n, p in model.named_parameters()}
+    outer = OuterUpdate()
+    outer.configure(LocalSteps(every=2, cf=1, lr=0.5, overlap=True), get_compressor("none"), False)
+    outer.take_from(Setup([torch.optim.SGD(model.parameters(), lr=0.1)], {}, model))
+    outer.begin_fit(0, 0, lambda: False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        for _ in range(2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g))
+            outer.after_step()
+        assert outer._pending, "the round's change is in flight"
+    outer.finish()  # the fit ends: the change in flight lands, the last round's own is sent whole
+    assert outer.rounds == 5 and not outer._pending and not outer.began.kept
+    # Replayed by the definition.
+    g = torch.Generator().manual_seed(0)
+    anchor, began, pending = dict(x), None, None
+    for _ in range(4):
+        for _ in range(2):
+            x = {n: value + torch.randn(value.shape, generator=g) for n, value in x.items()}
+        change = {n: (began or anchor)[n] - value for n, value in x.items()}
+        if pending is not None:
+            anchor = {n: a - 0.5 * pending[n] for n, a in anchor.items()}
+        pending, x = change, {n: anchor[n] - change[n] for n in x}
+        began = dict(x)
+    assert began is not None and pending is not None
+    anchor = {n: a - 0.5 * pending[n] for n, a in anchor.items()}
+    anchor = {n: a - 0.5 * (began[n] - x[n]) for n, a in anchor.items()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), anchor[n], rtol=1e-6, atol=1e-6)
+
+
+def _resumed(rank: int, world_size: int, ckpt_dir: str, overlap: bool) -> dict[str, Any]:
     def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> list[torch.Tensor]:
         trace = Trace()
         pl.seed_everything(0)
-        strategy = GraVACStrategy("topk", local_steps=LocalSteps(every=4, cf=10, momentum=0.5))
+        strategy = GraVACStrategy("topk", local_steps=LocalSteps(every=4, cf=10, momentum=0.5, overlap=overlap))
         kwargs = trainer_kwargs(2, enable_checkpointing=True)
         trainer = pl.Trainer(strategy=strategy, callbacks=[Static(cf=1), trace, *callbacks], max_steps=12, **kwargs)
         trainer.fit(StepData(), loader(n=4096), ckpt_path=ckpt_path)
@@ -158,10 +195,12 @@ def _resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_resume_mid_round_is_bit_for_bit(tmp_path):
-    ranks = run_distributed(_resumed, timeout=300, ckpt_dir=str(tmp_path))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_resume_mid_round_is_bit_for_bit(tmp_path, overlap):
+    ranks = run_distributed(_resumed, timeout=300, ckpt_dir=str(tmp_path), overlap=overlap)
     # Saved after step 6, two steps into the second round: the ranks' parameters differ there, each rank's inner
-    # momentum and Top-K's residual are its own, and the outer momentum is one.
+    # momentum and Top-K's residual are its own, and the outer momentum is one; with overlap, the first round's
+    # average is in flight (landed by the checkpoint).
     assert not torch.equal(ranks[0]["whole"][5], ranks[1]["whole"][5])
     for rank in ranks:
         assert len(rank["resumed"]) == 6

@@ -26,7 +26,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_gravac.compressors.base import Compressor, Pattern, all_finite
+from lightning_gravac.compressors.base import Compressor, Pattern, Payload, all_finite
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.feedback.adaptation import Adaptation, Setup, register_adaptation
 from lightning_gravac.staged import Staged
@@ -42,6 +42,8 @@ class LocalSteps:
         lr: the outer step's learning rate (1: the anchor moves by the averaged change).
         momentum: the outer step's momentum (0: none).
         nesterov: Nesterov's form of the outer momentum (DiLoCo's outer step: ``lr=0.7, momentum=0.9``).
+        overlap: send a round's change while the next round computes, and apply it one round late (Streaming
+            DiLoCo's overlap): each rank then continues from the outer step plus its own progress since.
 
     Raises:
         ValueError: for a round shorter than one step, a factor below 1, a learning rate that is not positive or a
@@ -53,6 +55,7 @@ class LocalSteps:
     lr: float = 1.0
     momentum: float = 0.0
     nesterov: bool = False
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -85,9 +88,13 @@ class OuterUpdate(Adaptation):
         self.anchor: Staged
         self.velocity: Staged
         self.residual: Staged
+        self.began: Staged
+        self.landed: Staged
         self.add_state("anchor", "anchor", reset=False)
         self.add_state("velocity", "velocity")
         self.add_state("residual", "residual")
+        self.add_state("began", "began", reset=False)  # with overlap: this rank's parameters as the round began
+        self.add_state("landed", "landed", reset=False)  # with overlap: the change in flight, landed for a checkpoint
         self.since = 0  # inner steps taken in the current round
         self.rounds = 0  # rounds ended: seeds the method's draws
         self.budget = 0  # the fit's last step (``max_steps``), 0 when none
@@ -99,6 +106,7 @@ class OuterUpdate(Adaptation):
         self._optimizer: torch.optim.Optimizer | None = None
         self._resumed: dict[str, Tensor] = {}  # this rank's parameters and inner state, for after Lightning's restore
         self._skipped = False
+        self._pending: list[_Exchange] = []  # with overlap: the last round's averaging, in flight
 
     def configure(self, config: LocalSteps, compressor: Compressor, error_feedback: bool) -> None:
         """Run local steps as ``config`` says, sending the outer update with ``compressor``.
@@ -169,79 +177,123 @@ class OuterUpdate(Adaptation):
         self.steps += 1
         self.since += 1
         last = self.budget > 0 and self.steps >= self.budget
-        if self.since >= self.config.every or last or self.epoch_ends():
-            self.end_round(whole=last)
+        epoch_ends = self.epoch_ends()
+        if self.since >= self.config.every or last or epoch_ends:
+            self.end_round(whole=last, drain=epoch_ends)
 
     def finish(self) -> None:
-        """The fit ends: a round begun is closed, sent whole."""
-        if self.config is not None and self.since > 0:
+        """The fit ends: a round begun, or one in flight, is closed, sent whole."""
+        if self.config is not None and (self.since > 0 or self._pending or self.landed.kept):
             self.end_round(whole=True)
 
-    def end_round(self, whole: bool = False) -> None:
-        """Compress and average the ranks' changes, take the outer step, and start the next round from it; every
-        rank calls it (collectives). ``whole``: the change and the residual sent uncompressed."""
-        assert self.config is not None and self.compressor is not None
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name, p in self._params.items():
-            by_dtype.setdefault(p.dtype, []).append(name)
+    def end_round(self, whole: bool = False, drain: bool = False) -> None:
+        """End a round; every rank calls it (collectives). Each rank's change over the round is compressed and
+        averaged, the outer step taken, and the next round starts from it; with ``overlap``, the change is sent while
+        the next round computes and applied at its end, each rank then rebased on the outer step. ``whole``: the
+        change and the residual sent uncompressed; ``drain`` (or ``whole``): nothing left in flight, every rank on the
+        common parameters."""
+        assert self.config is not None
+        overlap = self.config.overlap and not (whole or drain)
         with torch.no_grad():
-            averaged: dict[str, Tensor] = {}
-            for names in by_dtype.values():
-                averaged.update(zip(names, self._average(names, whole), strict=True))
-            if all(all_finite(a) for a in averaged.values()):
-                self._outer_step(averaged)
+            starts = self.began.kept or self.anchor.kept
+            changes = {name: starts[name] - p for name, p in self._params.items()}  # this round's own progress
+            if self._pending or self.landed.kept:
+                self._outer_step(self._take_pending())
+            exchanges = [self._launch(names, changes, whole) for names in self._groups()]
+            if overlap:
+                self._pending = exchanges
+                for name, p in self._params.items():
+                    p.copy_(self.anchor.kept[name] - changes[name])  # rebased on the outer step, own progress kept
+                    self.began.kept[name] = p.detach().clone()
             else:
-                rank_zero_warn("Local steps: the averaged change was not finite; every rank restarts the round.")
-            for name, p in self._params.items():
-                p.copy_(self.anchor.kept[name])
-            if self._buffers and dist.is_initialized():
-                # DDP does not sync them at each forward in this mode (the strategy sets ``forward_sync_buffers=False``)
-                flat = torch.cat([b.reshape(-1).double() for b in self._buffers])
-                dist.all_reduce(flat)
-                flat.div_(dist.get_world_size())
-                for b, mean in zip(self._buffers, _split(flat, self._buffers), strict=True):
-                    b.copy_(mean)
+                self._outer_step({n: avg for ex in exchanges for n, avg in zip(ex.names, self._land(ex), strict=True)})
+                self.began.clear()
+                for name, p in self._params.items():
+                    p.copy_(self.anchor.kept[name])
+            self._average_buffers()
         self.since = 0
         self.rounds += 1
 
-    def _average(self, names: list[str], whole: bool) -> list[Tensor]:
-        """The ranks' mean (compressed) change of ``names``, one tensor each; the new residuals kept."""
+    def _groups(self) -> list[list[str]]:
+        """The parameters' names by dtype: one flat tensor each."""
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, p in self._params.items():
+            by_dtype.setdefault(p.dtype, []).append(name)
+        return list(by_dtype.values())
+
+    def _take_pending(self) -> dict[str, Tensor]:
+        """The averaged changes of the round in flight (waited for), or those a checkpoint landed."""
+        averaged = dict(self.landed.kept) or {
+            n: a for ex in self._pending for n, a in zip(ex.names, self._land(ex), strict=True)
+        }
+        self._pending = []
+        self.landed.clear()
+        return averaged
+
+    def _average_buffers(self) -> None:
+        """Floating buffers averaged whole: DDP does not sync them at each forward in this mode (the strategy sets
+        ``forward_sync_buffers=False``)."""
+        if self._buffers and dist.is_initialized():
+            flat = torch.cat([b.reshape(-1).double() for b in self._buffers])
+            dist.all_reduce(flat)
+            flat.div_(dist.get_world_size())
+            for b, mean in zip(self._buffers, _split(flat, self._buffers), strict=True):
+                b.copy_(mean)
+
+    def _launch(self, names: list[str], changes: dict[str, Tensor], whole: bool) -> "_Exchange":
+        """Start averaging the changes of ``names`` (error-fed for a biased method; the new residuals kept): an
+        all-reduce of the whole change, or an all-gather of the compressed one."""
         assert self.compressor is not None and self.config is not None
-        delta = torch.cat([(self.anchor.kept[n] - self._params[n].detach()).reshape(-1) for n in names])
+        like = [self._params[n] for n in names]
+        delta = torch.cat([changes[n].reshape(-1) for n in names])
         if self.error_feedback:
-            for n, part in zip(names, _split(delta, [self._params[n] for n in names]), strict=True):
+            for n, part in zip(names, _split(delta, like), strict=True):
                 residual = self.residual.kept.get(n)
                 if residual is not None:
                     part.add_(residual)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if whole or self.config.cf <= 1 or self.compressor.passthrough:
-            total = delta
-            if world > 1:
-                dist.all_reduce(total)
+            for n in names:
+                self.residual.kept.pop(n, None)
             self.bytes_sent += delta.numel() * delta.element_size()
-            self.residual.clear()
-            return _split(total.div_(world), [self._params[n] for n in names])
+            handle = dist.all_reduce(delta, async_op=True) if world > 1 else None
+            return _Exchange(names, like, world, handle, delta)
         payload = self.compressor.compress(delta, self.config.cf, key="outer", step=self.rounds)
         if self.error_feedback:
             sent = self.compressor.decompress(payload).reshape(-1)
-            for n, rest in zip(names, _split(delta - sent, [self._params[n] for n in names]), strict=True):
+            for n, rest in zip(names, _split(delta - sent, like), strict=True):
                 self.residual.kept[n] = rest
         layout = Layout.of([payload])
         packed = layout.pack([payload])
         gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=packed.device)
-        if world > 1:
-            dist.all_gather_single(gathered, packed)
-        else:
-            gathered.copy_(packed)
         self.bytes_sent += layout.nbytes
-        _, (stacked,) = layout.unpack(gathered.view(world, layout.nbytes), [payload])
-        mean = torch.empty_like(delta)
+        handle = dist.all_gather_single(gathered, packed, async_op=True) if world > 1 else None
+        if handle is None:
+            gathered.copy_(packed)
+        return _Exchange(names, like, world, handle, delta, gathered, layout, payload)
+
+    def _land(self, exchange: "_Exchange") -> list[Tensor]:
+        """Wait for ``exchange`` and decode the ranks' mean change, one tensor a parameter."""
+        if exchange.handle is not None:
+            exchange.handle.wait()
+        world = exchange.world
+        if exchange.payload is None:
+            return _split(exchange.buffer.div_(world), exchange.like)
+        assert self.compressor is not None and exchange.layout is not None and exchange.gathered is not None
+        _, (stacked,) = exchange.layout.unpack(
+            exchange.gathered.view(world, exchange.layout.nbytes), [exchange.payload]
+        )
+        mean = torch.empty_like(exchange.buffer)
         self.compressor.decode_(mean, stacked, 1.0 / world)
-        return _split(mean, [self._params[n] for n in names])
+        return _split(mean, exchange.like)
 
     def _outer_step(self, averaged: dict[str, Tensor]) -> None:
-        """``anchor <- anchor - lr * update``, with the outer momentum where asked; identical on every rank."""
+        """``anchor <- anchor - lr * update``, with the outer momentum where asked; identical on every rank. A
+        non-finite average leaves the anchor where it was."""
         assert self.config is not None
+        if not all(all_finite(a) for a in averaged.values()):
+            rank_zero_warn("Local steps: the averaged change was not finite; every rank goes on from the anchor.")
+            return
         lr, mu = self.config.lr, self.config.momentum
         for name, change in averaged.items():
             update = change
@@ -272,6 +324,9 @@ class OuterUpdate(Adaptation):
     def state_dict(self) -> dict[str, Any]:
         if self.config is None:
             return {}
+        if self._pending:  # the same bits decoded now or at the round's end: a checkpoint holds the average
+            with torch.no_grad():
+                self.landed.kept.update(self._take_pending())
         state = super().state_dict()
         state["since"] = torch.tensor(self.since)
         state["rounds"] = torch.tensor(self.rounds)
@@ -304,6 +359,21 @@ class OuterUpdate(Adaptation):
                     if isinstance(held, Tensor):
                         held.copy_(value)
         self._resumed = {}
+
+
+@dataclass
+class _Exchange:
+    """One flat tensor's averaging in flight: its names and shapes, the collective's handle, the change (summed in
+    place when sent whole) and, compressed, the gathered payloads."""
+
+    names: list[str]
+    like: list[nn.Parameter]
+    world: int
+    handle: Any
+    buffer: Tensor
+    gathered: Tensor | None = None
+    layout: Layout | None = None
+    payload: Payload | None = None
 
 
 def _split(flat: Tensor, like: list[Tensor] | list[nn.Parameter]) -> list[Tensor]:
