@@ -86,7 +86,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from lightning_gravac import Accordion, GraVAC, GraVACStrategy, Static
+from lightning_gravac import Accordion, GraVAC, GraVACStrategy, LocalSteps, Static
 from lightning_gravac.callbacks.controller import controllers_of
 from lightning_gravac.compressors import DGC
 from lightning_gravac.launch import run_distributed
