@@ -229,7 +229,7 @@ class GraVAC(Controller):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
         if self.rounds.every:  # resumed in local steps
-            self.rounds.run(self.state, self.cost.link, fresh=False)
+            self.rounds.run(self.state, fresh=False)
             return
         if not self.rule.models_cost:
             self._hold_for_adam()
@@ -410,7 +410,7 @@ class GraVAC(Controller):
         if self.rounds.allowed and (length := self.rounds.consider(self.cost, self.choose(), self.rungs,
                                                                      self.state.step, self.budget.steps)):  # fmt: skip
             self.rounds.every, self.rounds.start = length, self.state.step
-            self.rounds.run(self.state, self.cost.link, fresh=True)
+            self.rounds.run(self.state, fresh=True)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -70,6 +70,7 @@ class Rounds(Carried):
     allowed: bool = False
     every: int = field(default=0, metadata=carried(added=True))
     start: int = field(default=0, metadata=carried(added=True))
+    why: str = ""  # the prediction that chose them, said once
 
     def consider(self, cost: CostModel, every_step_cf: float, rungs: tuple[float, ...], steps_done: int,
                  budget: float) -> int | None:  # fmt: skip
@@ -80,21 +81,30 @@ class Rounds(Carried):
             return None
         every_step = cost.seconds(link, every_step_cf, cost.dense_bytes, rungs)
         dense = cost.model_bytes or cost.dense_bytes
-        whole_s = ring_share(cost.world_size) * dense * link.seconds_per_byte
-        return choose_length(link.other_seconds, every_step, round_seconds(link, cost), whole_s, budget - steps_done)
+        whole_s, round_s, left = (
+            ring_share(cost.world_size) * dense * link.seconds_per_byte,
+            round_seconds(link, cost),
+            budget - steps_done,
+        )
+        length = choose_length(link.other_seconds, every_step, round_s, whole_s, left)
+        if length is not None:
+            local = link.other_seconds + round_s / length + whole_s / left
+            self.why = (
+                f"a step computes {link.other_seconds * 1e3:.1f} ms; predicted {every_step * 1e3:.1f} ms a step "
+                f"sending every step (cf {every_step_cf:g}), {local * 1e3:.1f} ms with these rounds"
+            )
+        return length
 
-    def run(self, state: CompressionState, link: Link | None, fresh: bool) -> None:
+    def run(self, state: CompressionState, fresh: bool) -> None:
         """Local steps from :attr:`start` on, rounds of :attr:`every`, said on rank 0 (``fresh``: from the next step,
         the round starting from the parameters as they are; else resumed, the round's state restored by the
         strategy)."""
         config, outer = LocalSteps(every=self.every, cf=OUTER_CF), state.feedback.get(OuterUpdate)
         if fresh:
             outer.start(config, state.compressor, False, state.step)
-            compute = f"{link.other_seconds * 1e3:.1f} ms" if link is not None else "an unknown time"
             rank_zero_info(
                 f"GraVAC: local steps from step {state.step}: rounds of {self.every} steps, each round's parameter "
-                f"change averaged in 4-bit codes. A step computes {compute}; sending every step would cost at least "
-                "a tenth more than a round's share."
+                f"change averaged in 4-bit codes ({self.why})."
             )
         else:
             outer.configure(config, state.compressor, False)
