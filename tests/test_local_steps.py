@@ -2,6 +2,7 @@
 gloo ranks: nothing sent within a round, the ranks one model at each round's end, the outer step's arithmetic, exact
 resume mid-round, a non-finite inner step skipped, and the arguments checked."""
 
+import pickle
 from typing import Any
 
 import pytest
@@ -241,6 +242,7 @@ def test_local_steps_arguments_are_checked():
     assert GraVACStrategy("topk", local_steps=8).compression_state.error_feedback
     assert not GraVACStrategy("topk").outer, "inactive without local steps"
     assert isinstance(strategy.compression_state.feedback.get(OuterUpdate), OuterUpdate)
+    assert pickle.loads(pickle.dumps(strategy)).outer.config == LocalSteps(every=8), "ddp_spawn pickles it"
 
 
 def test_the_link_and_the_budget_change_the_choice_as_the_rule_says():

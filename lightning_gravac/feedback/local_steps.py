@@ -99,8 +99,10 @@ class OuterUpdate(Adaptation):
         self.rounds = 0  # rounds ended: seeds the method's draws
         self.budget = 0  # the fit's last step (``max_steps``), 0 when none
         self.steps = 0  # inner steps taken in the fit (Lightning's global step)
-        self.epoch_ends: Callable[[], bool] = lambda: False
+        self.epoch_ends: Callable[[], bool] = _never  # set at fit start (module-level defaults: the strategy pickles)
         self.bytes_sent = 0  # this fit's outer updates, as each rank put them into the collectives
+        #: Told of each outer update's bytes and whether they were gathered (the strategy records them as a step's).
+        self.sent: Callable[[int, bool], None] = _unrecorded
         self._params: dict[str, nn.Parameter] = {}
         self._buffers: list[Tensor] = []  # floating buffers (running statistics): averaged whole at each round's end
         self._optimizer: torch.optim.Optimizer | None = None
@@ -256,6 +258,7 @@ class OuterUpdate(Adaptation):
             for n in names:
                 self.residual.kept.pop(n, None)
             self.bytes_sent += delta.numel() * delta.element_size()
+            self.sent(delta.numel() * delta.element_size(), False)
             handle = dist.all_reduce(delta, async_op=True) if world > 1 else None
             return _Exchange(names, like, world, handle, delta)
         payload = self.compressor.compress(delta, self.config.cf, key="outer", step=self.rounds)
@@ -267,6 +270,7 @@ class OuterUpdate(Adaptation):
         packed = layout.pack([payload])
         gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=packed.device)
         self.bytes_sent += layout.nbytes
+        self.sent(layout.nbytes, True)
         handle = dist.all_gather_single(gathered, packed, async_op=True) if world > 1 else None
         if handle is None:
             gathered.copy_(packed)
@@ -359,6 +363,14 @@ class OuterUpdate(Adaptation):
                     if isinstance(held, Tensor):
                         held.copy_(value)
         self._resumed = {}
+
+
+def _never() -> bool:
+    return False
+
+
+def _unrecorded(nbytes: int, gathered: bool) -> None:
+    """Bytes not recorded anywhere (before the strategy's setup)."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ from lightning_gravac._validation import whole
 from lightning_gravac.callbacks.controller import largest_trainable
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.feedback import LocalSteps, MomentumCorrection, OuterUpdate, Setup
-from lightning_gravac.state import CompressionState, Granularity
+from lightning_gravac.state import GATHER, REDUCE, BucketRecord, CompressionState, Granularity
 from lightning_gravac.strategies.checkpoint import CHECKPOINT_KEY, restore_compression, saved_compression
 from lightning_gravac.strategies.default_controller import allow_rounds, attach_controller
 from lightning_gravac.strategies.default_method import choose_method, method_of
@@ -171,8 +171,8 @@ class GraVACStrategy(DDPStrategy):
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
         self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps
-        # Methods without error feedback (unbiased quantizers, casts, signSGD's vote) and methods with a momentum of
-        # their own (DGC) keep the optimizer's state; so do local SGD and a gradient scaler (see the predicate).
+        self.outer.sent = lambda nbytes, gathered: state.record(BucketRecord(nbytes, 0, GATHER if gathered else REDUCE))
+        # Unbiased methods, casts, signSGD and DGC keep the optimizer's state; so do local SGD and a gradient scaler.
         if movable and state.error_feedback and not self.compressor.passthrough and not self.compressor.owns_feedback:
             # A sparse gradient (`nn.Embedding(sparse=True)`) is sent as it is: its parameters keep their state.
             sparse = sparse_parameters(module) if module is not None else set()
