@@ -16,6 +16,7 @@ no other rank saw its gradient); a non-finite averaged change leaves every rank 
 """
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +108,6 @@ class OuterUpdate(Adaptation):
         self._buffers: list[Tensor] = []  # floating buffers (running statistics): averaged whole at each round's end
         self._optimizer: torch.optim.Optimizer | None = None
         self._resumed: dict[str, Tensor] = {}  # this rank's parameters and inner state, for after Lightning's restore
-        self._skipped = False
         self._pending: list[_Exchange] = []  # with overlap: the last round's averaging, in flight
 
     def configure(self, config: LocalSteps, compressor: Compressor, error_feedback: bool) -> None:
@@ -135,11 +135,6 @@ class OuterUpdate(Adaptation):
         self.steps, self.since = steps, 0
         self._set_anchor()
 
-    @property
-    def can_start(self) -> bool:
-        """Whether the fit has what local steps need: one optimizer, taken at setup."""
-        return self._optimizer is not None
-
     @override
     def take_from(self, setup: Setup) -> list[str]:
         if len(setup.optimizers) != 1:
@@ -165,10 +160,13 @@ class OuterUpdate(Adaptation):
 
     @override
     def after_closure(self) -> None:
+        if self.config is None:  # every step communicates: the hook handles a non-finite step
+            return
         grads = [p.grad for p in self._params.values() if p.grad is not None]
-        self._skipped = not all(all_finite(g) for g in grads)
-        if self._skipped:
-            rank_zero_warn("Local steps: a non-finite gradient; the rank that saw it skips this step.")
+        # One host sync a step (on CUDA): whether to step is decided on the host.
+        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            warnings.warn(f"Local steps: a non-finite gradient on rank {rank}, which skips this step.", stacklevel=1)
             for p in self._params.values():
                 p.grad = None  # the optimizer skips a parameter without a gradient: nothing of it is applied
 
