@@ -582,7 +582,7 @@ def _profile_of(results: dict[str, Any], task: str, link: str, row: str) -> Call
     timing = results["timing"][task][link]
     if row == "accordion 10/1000":  # Top-K at the factor it sent that step
         return lambda cf: timing["topk cf=10" if cf <= 10 else "topk cf=1000"]
-    if row != "dense DDP" and "dense DDP" in timing:  # a step sent dense (Adam's warm-up) at dense's cost
+    if row not in ("dense DDP", LIMIT) and "dense DDP" in timing:  # a step sent dense (Adam's warm-up) at dense's cost
         return lambda cf: timing["dense DDP"] if cf == 1 else timing[row]
     return lambda cf: timing[row]
 

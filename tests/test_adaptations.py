@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from lightning_gravac import get_compressor
-from lightning_gravac.feedback import AdamMoments, Feedback, MomentumCorrection, Setup, Staged, adaptation
+from lightning_gravac.feedback import AdamMoments, Feedback, MomentumCorrection, OuterUpdate, Setup, Staged, adaptation
 from lightning_gravac.feedback.adaptation import Adaptation, register_adaptation
 from lightning_gravac.state import CompressionState
 from lightning_gravac.strategies.checkpoint import restore_compression, saved_compression
@@ -33,8 +33,8 @@ class _Trace(Adaptation):
         (self.sums.commit if finite else self.sums.discard)(names)
 
 
-def test_the_registered_parts_are_sgd_momentum_and_adams_moments_in_that_order():
-    assert [type(p) for p in Feedback().adaptations] == [MomentumCorrection, AdamMoments]
+def test_the_registered_parts_are_sgd_momentum_adams_moments_and_the_outer_update_in_that_order():
+    assert [type(p) for p in Feedback().adaptations] == [MomentumCorrection, AdamMoments, OuterUpdate]
 
 
 def test_a_part_is_one_class_and_one_registration(monkeypatch):

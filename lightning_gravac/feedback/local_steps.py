@@ -9,8 +9,8 @@ momentum the outer step is the average of the ranks' parameters (post-local SGD)
 outer Nesterov step is ``lr=0.7, momentum=0.9, nesterov=True``. The inner optimizer's state stays each rank's own.
 
 A round also ends at the last step of the budget (``max_steps``), at the last batch of a training epoch and when the
-fit ends, so that the model a checkpoint or a validation at those points sees is the ranks' common one; that last
-round of a fit is sent whole (its change and what error feedback still held), so nothing is left unsent. A
+fit ends, so that the model a checkpoint or a validation at those points sees is the ranks' common one; with error
+feedback the fit's last round is sent whole (its change and the residual), so nothing is left unsent. A
 non-finite inner step is skipped on the rank that saw it (its parameters and optimizer state stay as they were;
 no other rank saw its gradient); a non-finite averaged change leaves every rank at the round's anchor.
 """
@@ -179,12 +179,13 @@ class OuterUpdate(Adaptation):
         last = self.budget > 0 and self.steps >= self.budget
         epoch_ends = self.epoch_ends()
         if self.since >= self.config.every or last or epoch_ends:
-            self.end_round(whole=last, drain=epoch_ends)
+            self.end_round(whole=last and self.error_feedback, drain=last or epoch_ends)
 
     def finish(self) -> None:
-        """The fit ends: a round begun, or one in flight, is closed, sent whole."""
+        """The fit ends: a round begun, or one in flight, is closed; sent whole where error feedback holds a residual
+        (an unbiased code leaves nothing owed)."""
         if self.config is not None and (self.since > 0 or self._pending or self.landed.kept):
-            self.end_round(whole=True)
+            self.end_round(whole=self.error_feedback, drain=True)
 
     def end_round(self, whole: bool = False, drain: bool = False) -> None:
         """End a round; every rank calls it (collectives). Each rank's change over the round is compressed and
