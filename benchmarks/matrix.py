@@ -86,7 +86,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from lightning_gravac import Accordion, GraVAC, GraVACStrategy, Static
+from lightning_gravac import Accordion, GraVAC, GraVACStrategy, LocalSteps, Static
 from lightning_gravac.callbacks.controller import controllers_of
 from lightning_gravac.compressors import DGC
 from lightning_gravac.launch import run_distributed
@@ -140,7 +140,9 @@ UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
 ABLATIONS = ["default, masking unweighed", "default, budget off", "default, whole tables"]
 #: Milder Top-K factors, for short budgets.
 MILD = ["topk cf=20", "topk cf=40"]
-ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS + MILD
+#: Local steps: H inner steps, then the parameter change in QSGD's 4-bit codes averaged (outer lr 1, no momentum).
+LOCAL = ["local H=4", "local H=8", "local H=16", "local H=16 overlap"]
+ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS + MILD + LOCAL
 #: AdamW's learning rate per task (``--optimizer adamw``).
 ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3, "diamonds": 1e-3, "gpt": 1e-3}
 TASKS = ["bag", "mlp", "cnn", "lstm", "diamonds", "gpt"]
@@ -152,7 +154,7 @@ USERS_SGD_LR = {"mlp": 0.01, "cnn": 0.005}
 #: Plain SGD's learning rate for the tasks trained with momentum 0.9 (``--optimizer sgd``): lr / (1 - momentum).
 PLAIN_SGD_LR = {"cnn": 0.05, "diamonds": 0.1}
 #: Rows trained on every link (they time their own steps); the others are projected from the unlimited run.
-LINK_DEPENDENT = {"gravac (paper)", "default", *ABLATIONS}
+LINK_DEPENDENT = {"gravac (paper)", "default", *ABLATIONS, *LOCAL}  # local steps: one slow step a round
 #: Rows trained in the first repeat only (``--repeats``): the paper's search, slow on a slow link and not what the
 #: bar judges; later repeats borrow its runs.
 ONCE = {"gravac (paper)"}
@@ -290,8 +292,10 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return GraVACStrategy("topk"), [Accordion(low_cf=10, high_cf=1000, window=25, interval="step")]
     if row == "gravac (paper)":
         return GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, search="sequential", window=25)]
-    if row == "default":
-        return GraVACStrategy(), []
+    if row == "default" or row in LOCAL:
+        every = int(row.removeprefix("local H=").removesuffix(" overlap")) if row in LOCAL else 0
+        rounds = LocalSteps(every=every, overlap=row.endswith(" overlap")) if every else None
+        return GraVACStrategy(local_steps=rounds), []
     if row == "default, masking unweighed":
         return GraVACStrategy(), [GraVAC(weigh_masking=False)]
     if row == "default, budget off":  # the default's controller without the budget rule (and so Top-K's method)

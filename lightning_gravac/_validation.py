@@ -1,5 +1,6 @@
 """Argument checks shared by the public constructors: each raises ValueError naming the argument and what is allowed."""
 
+import math
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -25,3 +26,11 @@ def choice(value: _T, argument: str, allowed: Sequence[_T]) -> _T:
     if value not in allowed:
         raise ValueError(f"`{argument}` must be one of {tuple(allowed)}, got {value!r}.")
     return value
+
+
+def nonnegative(value: float, argument: str) -> float:
+    """``value`` a finite number of at least 0, as a float."""
+    number = float(value)
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"`{argument}` must be a finite number >= 0, got {value}.")
+    return number

@@ -10,6 +10,8 @@ from lightning_gravac.feedback.momentum import MomentumCorrection, SGDMomentum, 
 
 from lightning_gravac.feedback.adam import AdamMoments, scales_per_coordinate  # isort: split
 
+from lightning_gravac.feedback.local_steps import LocalSteps, OuterUpdate  # isort: split
+
 from lightning_gravac.feedback.feedback import Feedback
 from lightning_gravac.feedback.residuals import Encoded, ErrorFeedback, FeedMode, encode
 from lightning_gravac.staged import Staged
@@ -21,7 +23,9 @@ __all__ = [
     "ErrorFeedback",
     "FeedMode",
     "Feedback",
+    "LocalSteps",
     "MomentumCorrection",
+    "OuterUpdate",
     "SGDMomentum",
     "Setup",
     "Staged",

@@ -3,6 +3,7 @@ most one."""
 
 from typing import Any
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.callbacks import Callback, Checkpoint
 
@@ -10,13 +11,14 @@ from lightning_gravac.callbacks.controller import Controller, controllers_of
 from lightning_gravac.callbacks.gravac import GraVAC
 from lightning_gravac.callbacks.static import Static
 from lightning_gravac.compressors.base import Compressor
+from lightning_gravac.state import CompressionState
 
 
-def attach_controller(trainer: Any, method: Compressor, alone: bool) -> bool:
+def attach_controller(trainer: Any, method: Compressor, alone: bool, local: bool = False) -> bool:
     """Check that ``trainer`` has at most one controller, and add the default when it has none: GraVAC with its
     defaults, or a ``Static`` one where there is no factor to choose (one process, a method that sends the gradient
-    unchanged, or one whose size its encoding fixes). ``alone``: the trainer runs one process. Returns whether the
-    default was added.
+    unchanged, or one whose size its encoding fixes, local steps, whose steps send nothing). ``alone``: the trainer
+    runs one process. Returns whether the default was added.
 
     Raises:
         ValueError: when the trainer has several controllers.
@@ -35,7 +37,7 @@ def attach_controller(trainer: Any, method: Compressor, alone: bool) -> bool:
         )
     if controllers:
         return False
-    default = _default_controller(method, alone)
+    default = Static(cf=1) if local else _default_controller(method, alone)
     rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
     # Before the checkpoint callbacks, which Lightning has already moved last: a checkpoint then holds the step's
     # decisions, and a `ModelCheckpoint(monitor="gravac/...")` sees the step's values.
@@ -63,3 +65,16 @@ def _default_controller(method: Compressor, alone: bool) -> Controller:
         # fitted at setup, when the model exists (also one built in `configure_model`).
         return Static(cf=method.fixed_cf, cap_to_model=True)
     return GraVAC()
+
+
+def allow_rounds(trainer: Any, state: CompressionState, optimizers: list[Any]) -> None:
+    """Let the default controller switch to local steps (:mod:`~lightning_gravac.callbacks.gravac.rounds`) where they
+    were measured to keep dense's accuracy: the zero-argument default's QSGD under SGD (one optimizer, nothing of it
+    moved into the hook), on several ranks."""
+    if state.compressor.name != "qsgd" or state.feedback.moves_optimizer_state or len(optimizers) != 1:
+        return
+    if not isinstance(optimizers[0], torch.optim.SGD) or state.world_size < 2:
+        return
+    for controller in controllers_of(trainer):
+        if isinstance(controller, GraVAC):
+            controller.rounds.allowed = True

@@ -16,10 +16,10 @@ from typing_extensions import override
 from lightning_gravac._validation import whole
 from lightning_gravac.callbacks.controller import largest_trainable
 from lightning_gravac.compressors.base import Compressor
-from lightning_gravac.feedback import MomentumCorrection, Setup
-from lightning_gravac.state import CompressionState, Granularity
+from lightning_gravac.feedback import LocalSteps, MomentumCorrection, OuterUpdate, Setup
+from lightning_gravac.state import GATHER, REDUCE, BucketRecord, CompressionState, Granularity
 from lightning_gravac.strategies.checkpoint import CHECKPOINT_KEY, restore_compression, saved_compression
-from lightning_gravac.strategies.default_controller import attach_controller
+from lightning_gravac.strategies.default_controller import allow_rounds, attach_controller
 from lightning_gravac.strategies.default_method import choose_method, method_of
 from lightning_gravac.strategies.hook import gravac_hook
 from lightning_gravac.tables import sparse_parameters
@@ -38,42 +38,36 @@ class GraVACStrategy(DDPStrategy):
     Args:
         compressor: a registered compressor name (see :func:`~lightning_gravac.list_compressors`) or an instance.
             ``None`` (the default): Top-K, except that the zero-argument default (no controller among the callbacks,
-            ``error_feedback`` and ``momentum_masking`` unset) sends QSGD when the optimizer is ``torch.optim.SGD``
-            and the model is not mostly embedding tables. Top-K's error feedback delays what it does not send, so
-            a run of the user's length ends behind dense on a dense gradient (and under momentum, masking restarts
-            the momentum of each entry sent); QSGD sends every entry every step, unbiased, and leaves any momentum to
-            the optimizer. An embedding table's gradient is mostly zero rows, which Top-K sends nearly exactly and
-            QSGD would spend bits on (measurements in BENCHMARKS.md). Said once at setup.
+            ``error_feedback`` and ``momentum_masking`` unset) sends QSGD, every entry every step and unbiased, when
+            the optimizer is ``torch.optim.SGD`` and the model is not mostly embedding tables, whose mostly-zero rows
+            Top-K sends nearly exactly (BENCHMARKS.md). Said once at setup.
         granularity: ``"layer"`` compresses each parameter's gradient on its own (per-layer factors possible);
             ``"bucket"`` compresses each DDP bucket as one tensor (fewer, larger selections).
         error_feedback: keep what compression dropped and add it to the next gradient. ``None`` turns it on for
             biased methods (sparsifiers, 1-bit, EF-signSGD, PowerSGD) and off for unbiased ones (QSGD, TernGrad,
             casts) and for signSGD, which is defined without it.
-        model_averaging_period: periodic model averaging (post-local SGD, Lin et al. 2020): from step
-            ``start_local_sgd_step`` on, gradients are not communicated at all (each rank steps on its own), and every
-            ``model_averaging_period`` steps the parameters are averaged across ranks (Lightning's
-            ``PeriodicModelAverager``). Before that step, gradients go through the compressor as usual. ``None``: off.
-        start_local_sgd_step: the step from which local SGD runs.
+        model_averaging_period: post-local SGD (Lin et al. 2020): from step ``start_local_sgd_step`` on, nothing is
+            sent each step and the parameters are averaged dense every ``model_averaging_period`` steps (Lightning's
+            ``PeriodicModelAverager``). ``None``: off.
+        start_local_sgd_step: the step from which ``model_averaging_period``'s local SGD runs.
+        local_steps: rounds of local steps whose outer update ``compressor`` compresses (QSGD's 4-bit codes when none
+            is named): a round's length, or a :class:`~lightning_gravac.LocalSteps` (its factor, outer learning rate
+            and momentum). Nothing is sent within a round; ``global_step`` counts inner steps. ``None``: off.
         momentum_correction: when the optimizer is ``torch.optim.SGD`` with momentum and the method uses error
-            feedback, move the momentum (and the weight decay SGD applies before it) into the comm hook: each rank
-            keeps its own ``u <- m u + g`` and compresses it, error feedback accumulating what is not sent, and the
-            optimizer's momentum and weight decay are set to 0 for those parameters (said once on rank 0). Error
-            feedback under heavy-ball momentum applied after communication diverges at high factors; this is Deep
-            Gradient Compression's momentum correction, for every method. Exact at ``cf=1``: the same updates as
-            stock DDP with SGD momentum, bit for bit. ``False`` leaves the optimizer alone. Gradients seen after
-            ``backward`` (e.g. by gradient clipping) are then update directions, momentum included. Not applied under
-            a gradient scaler (fp16 mixed precision), whose scale changes from step to step.
+            feedback, move the momentum (and SGD's weight decay) into the comm hook: each rank compresses its own
+            ``u <- m u + g``, error feedback accumulating what is not sent, and the optimizer's momentum and weight
+            decay are set to 0 there (Deep Gradient Compression's momentum correction, for every method; said once).
+            Exact at ``cf=1``: stock DDP's updates bit for bit. Gradients seen after ``backward`` (clipping) are then
+            update directions. Not applied under a gradient scaler, whose scale changes. ``False``: the optimizer's.
         momentum_masking: with momentum correction, restart a parameter's moved momentum from 0 where its entry was
             just sent (Deep Gradient Compression's momentum factor masking; ``None``: on, as published). ``False``
             keeps the whole momentum (heavy-ball delayed by error feedback): faster at a learning rate well inside
             dense's stable range, but it can diverge near the largest rate dense survives, where masking trains
             (BENCHMARKS.md).
-        embedding_rows: on a bucket sent dense with nothing probed, or whole in fp16 (the 16-bit rung), send an
-            embedding table (``nn.Embedding``, ``nn.EmbeddingBag`` with a dense gradient, not tied to another layer)
-            by the rows some rank's step touched: first which rows (a byte a row), then those rows; the others are
-            zero on every rank, so the sum is the whole table's (bit for bit on two ranks). Where a step touches more
-            than half of a table, it goes whole. On a half step a bucket with a table keeps no fp16 rounding (a
-            rounding left on a row would make it look touched). ``False``: whole tables.
+        embedding_rows: on a bucket sent dense with nothing probed, or whole in fp16, send an embedding table
+            (``nn.Embedding``, ``nn.EmbeddingBag`` with a dense gradient, not tied to another layer) by the rows some
+            rank's step touched: which rows (a byte a row), then those rows, the same sum (bit for bit on two ranks).
+            A table a step touches more than half of goes whole. ``False``: whole tables.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
@@ -96,27 +90,29 @@ class GraVACStrategy(DDPStrategy):
         error_feedback: bool | None = None,
         model_averaging_period: int | None = None,
         start_local_sgd_step: int = 0,
+        local_steps: "int | LocalSteps | None" = None,
         momentum_correction: bool = True,
         momentum_masking: bool | None = None,
         embedding_rows: bool = True,
         **kwargs: Any,
     ) -> None:
-        clashing = [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]
-        if clashing:
+        if clashing := [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]:
             raise ValueError(
                 f"GraVACStrategy registers its own DDP comm hook; remove {', '.join(clashing)} "
                 "or use DDPStrategy for a hook of your own."
             )
+        if local_steps is not None and model_averaging_period is not None:
+            raise ValueError("Pass `local_steps` or `model_averaging_period`, not both.")
+        rounds = LocalSteps(every=local_steps) if isinstance(local_steps, int) else local_steps
         # The zero-argument default's method follows the optimizer (`default_method`): decided at setup.
-        self._method_open = compressor is None and error_feedback is None and momentum_masking is None
+        self._method_open = compressor is None and error_feedback is None and momentum_masking is None and not rounds
         self._default_controller = False
-        compressor = method_of(compressor, granularity, error_feedback)
+        compressor = method_of("qsgd" if rounds and compressor is None else compressor, granularity, error_feedback)
         if model_averaging_period is not None:
             whole(model_averaging_period, "model_averaging_period", minimum=1)
             whole(start_local_sgd_step, "start_local_sgd_step", minimum=0)
-            # Lightning's post-local-SGD machinery: with this state, DDPStrategy.setup builds a PeriodicModelAverager
-            # and optimizer_step averages the parameters every period. Lightning registers the matching gradient hook on
-            # CUDA only; here our own hook stops communicating gradients once local SGD starts, on every device.
+            # With this state DDPStrategy builds a PeriodicModelAverager averaging every period; Lightning's matching
+            # gradient hook is CUDA-only: ours stops communicating gradients once local SGD starts, on every device.
             kwargs["model_averaging_period"] = model_averaging_period
             local_sgd = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start_local_sgd_step)
         super().__init__(**kwargs)
@@ -125,8 +121,10 @@ class GraVACStrategy(DDPStrategy):
             compressor=compressor,
             error_feedback=compressor.error_feedback_default if error_feedback is None else error_feedback,
             granularity=granularity,
-            local_sgd_from=start_local_sgd_step if model_averaging_period is not None else None,
+            local_sgd_from=0 if rounds else start_local_sgd_step if model_averaging_period is not None else None,
         )
+        if rounds:
+            self.outer.configure(rounds, compressor, self.compression_state.error_feedback)
         self.compression_state.feedback.get(MomentumCorrection).masking = momentum_masking is not False
         self.compression_state.rows.enabled = embedding_rows
         if model_averaging_period is not None:
@@ -136,6 +134,11 @@ class GraVACStrategy(DDPStrategy):
     def compressor(self) -> Compressor:
         """The compressor the hook uses."""
         return self.compression_state.compressor
+
+    @property
+    def outer(self) -> OuterUpdate:
+        """Local steps' rounds and outer update (inactive without ``local_steps``)."""
+        return self.compression_state.feedback.get(OuterUpdate)
 
     @override
     def setup_environment(self) -> None:
@@ -153,7 +156,7 @@ class GraVACStrategy(DDPStrategy):
     def _attach_controller(self, trainer: "pl.Trainer") -> None:
         # Known before the process group: the devices and nodes the trainer was given.
         alone = self.num_nodes * len(self.parallel_devices or []) == 1
-        self._default_controller = attach_controller(trainer, self.compressor, alone)
+        self._default_controller = attach_controller(trainer, self.compressor, alone, bool(self.outer))
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -164,13 +167,14 @@ class GraVACStrategy(DDPStrategy):
         in_trainer = module._trainer if module is not None else None
         if self._method_open and self._default_controller:
             choose_method(state, self.optimizers, module, in_trainer, movable)
+            allow_rounds(trainer, state, self.optimizers)
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
-        # Methods without error feedback (unbiased quantizers, casts, signSGD's vote) and methods with a momentum of
-        # their own (DGC) keep the optimizer's state; so do local SGD and a gradient scaler (see the predicate).
+        self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps
+        self.outer.sent = lambda nbytes, gathered: state.record(BucketRecord(nbytes, 0, GATHER if gathered else REDUCE))
+        # Unbiased methods, casts, signSGD and DGC keep the optimizer's state; so do local SGD and a gradient scaler.
         if movable and state.error_feedback and not self.compressor.passthrough and not self.compressor.owns_feedback:
-            # A sparse gradient (`nn.Embedding(sparse=True)`) goes through the hook as it is: its parameters keep
-            # their optimizer state.
+            # A sparse gradient (`nn.Embedding(sparse=True)`) is sent as it is: its parameters keep their state.
             sparse = sparse_parameters(module) if module is not None else set()
             dense = {i: name for i, name in state.param_names.items() if i not in sparse}
             state.feedback.take_from(Setup(self.optimizers, dense, module, in_trainer, frozenset(sparse)))
@@ -186,13 +190,21 @@ class GraVACStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         # Lightning builds its PeriodicModelAverager afresh at setup, counting from 0, and does not checkpoint its
-        # count. Resumed past the start of local SGD, it would count the warm-up again: each rank would train on its
-        # own, unaveraged, for `start_local_sgd_step` steps, and average out of phase after. The averager counts
-        # optimizer steps, which the trainer has restored by now.
+        # count: resumed, it would count the warm-up again and average out of phase. It counts optimizer steps, which
+        # the trainer has restored by now.
         averager = getattr(self, "_model_averager", None)
         module = self.lightning_module
         if averager is not None and module is not None:
             averager.step = module.trainer.global_step
+        if module is not None:
+            trainer = module.trainer
+            last_batch = trainer.fit_loop.epoch_loop.batch_progress  # set before each batch's step
+            self.outer.begin_fit(trainer.global_step, trainer.max_steps, lambda: last_batch.is_last_batch)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.outer.finish()  # a round begun is closed: the fit's model is the ranks' common one
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -258,7 +270,9 @@ class GraVACStrategy(DDPStrategy):
         # from `_ddp_kwargs`, so it is set for that call alone. `gradient_as_bucket_view=False` turns it off.
         largest_trainable(model)
         passed = self._ddp_kwargs
-        self._ddp_kwargs = {"gradient_as_bucket_view": True, **passed}
+        # Local steps average the buffers at each round's end, not with a collective at every forward.
+        local = {"forward_sync_buffers": False} if self.outer else {}
+        self._ddp_kwargs = {"gradient_as_bucket_view": True, **local, **passed}
         try:
             return super()._setup_model(model)
         finally:

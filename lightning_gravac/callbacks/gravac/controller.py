@@ -14,7 +14,7 @@ from pytorch_lightning.utilities.data import extract_batch_size
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_gravac._validation import choice, fraction, whole
+from lightning_gravac._validation import choice, fraction, nonnegative, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Tally, moved_in_step
 from lightning_gravac.callbacks.gravac.hold import AdamPolicy, held_factor, hold_warning, rung_allowed
@@ -22,6 +22,7 @@ from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_
 from lightning_gravac.callbacks.gravac.link_probe import PROBE_BYTES, LinkProbe
 from lightning_gravac.callbacks.gravac.prediction import Decision, kept, masking_weight, progress_per_second, say_choice
 from lightning_gravac.callbacks.gravac.probes import Probes
+from lightning_gravac.callbacks.gravac.rounds import Rounds
 from lightning_gravac.callbacks.gravac.search import SEARCH_DEFAULTS, SEARCHES, Search
 from lightning_gravac.callbacks.gravac.state import CHECKPOINT_ORDER, Carried
 from lightning_gravac.callbacks.gravac.window import Interval, Reduce, Window
@@ -30,21 +31,16 @@ from lightning_gravac.feedback.momentum import MomentumCorrection
 from lightning_gravac.state import HALF, CompressionState, Factors, GainOf, StepStats
 
 
-def _gain_power(value: float) -> float:
-    power = float(value)
-    if not (math.isfinite(power) and power >= 0):
-        raise ValueError(f"`gain_power` must be a finite number >= 0, got {value}.")
-    return power
-
-
 class GraVAC(Controller):
     """Adapt the compression factor to what compression loses (gain) and what the link costs (step time).
 
     Each step it sends the factor of highest predicted progress a second among dense and a ladder of factors
     (``cf_min, x2, x4, x16, ...`` up to ``cf_max``), from the link measured at fit start, the steps sent and the gains
     the hook probes. Under Adam or AdamW it sends dense or fp16 while Adam's second moment settles, then Adam's first
-    moment compressed. Every rank decides alike. ``GraVAC(search="sequential")`` is the paper's GraVAC (Tyagi & Swany,
-    IEEE CLOUD 2023). The rules, and why they depart from the paper: ``docs/algorithms.md``.
+    moment compressed. As the strategy's zero-argument default under SGD it may switch to local steps where a round's
+    one compressed update costs less (:mod:`.rounds`). Every rank decides alike. ``GraVAC(search="sequential")`` is the
+    paper's GraVAC (Tyagi & Swany, IEEE CLOUD 2023). The rules, and why they depart from the paper:
+    ``docs/algorithms.md``.
 
     Args:
         cf_min: least aggressive factor. ``None``: 10, or the size of the model's largest gradient if smaller.
@@ -127,7 +123,7 @@ class GraVAC(Controller):
         self._gain_of_default = gain_of is None
         gain_basis: GainOf = choice(defaults["gain_of"] if gain_of is None else gain_of, "gain_of",
                                     ("error_fed", "gradient"))  # fmt: skip
-        self.gain_power = _gain_power(defaults["gain_power"] if gain_power is None else gain_power)
+        self.gain_power = nonnegative(defaults["gain_power"] if gain_power is None else gain_power, "gain_power")
         self.link_probe = bool(defaults["link_probe"] if link_probe is None else link_probe)
         self.adam = choice(adam, "adam", ("moment", "fp16", "dense", "compress"))
         probe_backoff = whole(defaults["probe_backoff"] if probe_backoff is None else probe_backoff,
@@ -157,6 +153,8 @@ class GraVAC(Controller):
         self.window = Window(length=length, first=first, interval=interval)
         #: What a step costs: the link probed at fit start, the model fitted to the windows' steps.
         self.cost = CostModel()
+        #: Whether the default runs local steps, from when (the strategy allows it for its zero-argument default).
+        self.rounds = Rounds()
 
         # What a fit measures, not carried in checkpoints: the largest all-reduce the link probe timed, this rank's
         # seconds of a fit's first step (the cost model's `first_step` is the slowest rank's), its samples in the step
@@ -231,6 +229,9 @@ class GraVAC(Controller):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
+        if self.rounds.every:  # resumed in local steps
+            self.rounds.run(self.state, fresh=False)
+            return
         if not self.rule.models_cost:
             self._hold_for_adam()
             return
@@ -263,8 +264,8 @@ class GraVAC(Controller):
                 rank_zero_warn(hold_warning(self.adam, self.rungs, method, rows, self.rule.models_cost, self.fp16_rung))
 
     def _probe_link(self, trainer: "pl.Trainer", fresh: bool) -> None:
-        """Measure the link (:meth:`measure_link`) into the cost model, said on rank 0, and with the fp16 rung on what
-        an fp16 step costs (:meth:`measure_half`); ``fresh``: not a resumed run."""
+        """Measure the link (:meth:`measure_link`), said on rank 0, and with the fp16 rung what an fp16 step costs
+        (:meth:`measure_half`); ``fresh``: not a resumed run."""
         cost = self.cost
         cost.probed = self.measure_link(trainer)
         rank_zero_info(
@@ -309,9 +310,8 @@ class GraVAC(Controller):
 
     def _probing(self, state: CompressionState) -> bool:
         """Whether the next step measures the gains: every step of the first window; then one step in the probes'
-        spacing (the gains are smoothed anyway), so that a settled or dense choice stops paying for the measurement on
-        the other steps; fewer while probes change nothing, none while no factor could pay whatever it kept. Once
-        Adam's moments move, the first step that sends them; none under a method of one factor."""
+        spacing, fewer while probes change nothing, none while no factor could pay whatever it kept. Once Adam's
+        moments move, the first step that sends them; none under a method of one factor."""
         probes = self.window.windows == 0 or (self.probes.due(self.window.steps) and self.gains_can_matter())
         if self.moments_moved():
             fixed = state.compressor.fixed_cf is not None
@@ -327,9 +327,7 @@ class GraVAC(Controller):
         try:
             self.batch_size = extract_batch_size(batch)
         except (MisconfigurationException, RecursionError):
-            # No tensor to count (or too deep a structure): the batch counts as one sample. Throughputs are then per
-            # batch; the model search ranks progress per second without it, the sequential search compares factors
-            # measured with the same count.
+            # No tensor to count: the batch counts as one sample (throughputs per batch; the searches compare alike).
             if self.batch_size != 1 or self.window.steps == 0:
                 rank_zero_warn("GraVAC: no batch size found in the batch; throughputs are reported per batch.")
             self.batch_size = 1
@@ -347,6 +345,8 @@ class GraVAC(Controller):
 
     @override
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
+        if self.rounds.every:  # local steps: nothing is sent a step, no factor to choose
+            return
         probed = self._record(stats)
         self._after_step(self._reduce(trainer), probed)
 
@@ -404,6 +404,10 @@ class GraVAC(Controller):
         self.cost.take_window(closed.compression, self.fp16_rung)
         self.rule.end_window(closed, self.ladder, self.probes.gains, self.cost, self.window.settled, self.omega)
         self.window.settle(self.omega)
+        if self.rounds.allowed and (length := self.rounds.consider(self.cost, self.choose(), self.rungs,
+                                                                     self.state.step, self.budget.steps)):  # fmt: skip
+            self.rounds.every, self.rounds.start = length, self.state.step
+            self.rounds.run(self.state, fresh=True)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -468,20 +472,16 @@ class GraVAC(Controller):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The factor and the guard (the base class's), then each part's carried fields under their names.
-
-        Lightning writes rank 0's callback state, so on resume every rank gets rank 0's partial-window step times
-        and sample counts: the only rank-local values here, which at the window's end feed a MAX (the times) and a
-        sum (the samples) over ranks, so every rank still decides alike (the resumed window counts rank 0's samples
-        for every rank).
-        """
+        """The factor and the guard (the base class's), then each part's carried fields by name. Lightning writes rank
+        0's: the partial window's times and samples (rank-local) feed a MAX and a sum over ranks, decided alike."""
         parts: tuple[Carried, ...] = (self.ladder, self.probes, self.window, self.cost)
         carried = {key: value for part in parts for key, value in part.state_dict().items()}
-        return {**super().state_dict(), **{key: carried[key] for key in CHECKPOINT_ORDER}}
+        rounds = self.rounds.state_dict() if self.rounds.every else {}  # a run without local steps saves as it did
+        return {**super().state_dict(), **{key: carried[key] for key in CHECKPOINT_ORDER}, **rounds}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for part in (self.ladder, self.probes, self.window, self.cost):
+        for part in (self.ladder, self.probes, self.window, self.cost, self.rounds):
             part.load_state_dict(state_dict)
         super().load_state_dict(state_dict)
 

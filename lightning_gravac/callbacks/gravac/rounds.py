@@ -1,0 +1,111 @@
+"""The default's choice between sending every step and local steps: rounds of ``H`` inner steps with nothing sent,
+then the parameter change in QSGD's 4-bit codes averaged (``lightning_gravac.feedback.local_steps``).
+
+Local steps are chosen when the cost model predicts that they save at least a tenth of the every-step choice's step
+(:data:`~.cost.MIN_SAVING`) and the run's budget holds enough rounds. ``H`` is the shortest round whose communication
+adds at most a tenth of a step's computation a step (:data:`WITHIN_LIMIT`: the run then computes 90% of its time), else
+the longest allowed. The bounds, ``H <= 16`` and at least 8 rounds in the budget, are where averaging unbiased 4-bit
+changes kept dense's held-out metric at a 120-step budget (an SGD-momentum tabular classifier, checked on an
+SGD-momentum MLP with a cosine schedule and the matrix's other tasks: BENCHMARKS.md). Only where nothing of the
+optimizer lives in the hook and the optimizer does not scale each coordinate (SGD): Adam-like inner steps lost 2% of
+dense's held-out loss at ``H = 8``.
+"""
+
+from dataclasses import dataclass, field
+
+from lightning_utilities.core.rank_zero import rank_zero_info
+
+from lightning_gravac.callbacks.gravac.cost import CostModel, Link, moved_bytes, saves_enough
+from lightning_gravac.callbacks.gravac.state import Carried, carried
+from lightning_gravac.feedback.local_steps import LocalSteps, OuterUpdate
+from lightning_gravac.state import CompressionState, ring_share
+
+#: Round lengths the default picks from, shortest first.
+LENGTHS = (4, 8, 16)
+#: The fewest rounds the budget must hold at the round length picked.
+MIN_ROUNDS = 8
+#: The share of a step's computation a round's communication may add a step.
+WITHIN_LIMIT = 0.1
+#: The outer update's factor: QSGD's 4-bit codes from fp32.
+OUTER_CF = 8.0
+
+
+def round_seconds(link: Link, cost: CostModel, cf: float = OUTER_CF) -> float:
+    """A round's communication by the cost model: one message and the payload of the whole model at ``cf``, gathered,
+    and compressing it."""
+    dense = cost.model_bytes or cost.dense_bytes
+    per_message = link.per_step / max(1, cost.buckets)
+    return per_message + moved_bytes(dense / cf, dense, cost.world_size) * link.seconds_per_byte + cost.compress_cost
+
+
+def choose_length(compute: float, every_step: float, round_s: float, whole_s: float, steps_left: float) -> int | None:
+    """The round length to run, or ``None`` to go on sending every step.
+
+    Args:
+        compute: a step's seconds without communication (the slowest rank's).
+        every_step: the every-step choice's predicted seconds a step.
+        round_s: a round's communication (:func:`round_seconds`).
+        whole_s: the fit's last round, sent whole, paid once.
+        steps_left: the steps left in the budget.
+    """
+    allowed = [h for h in LENGTHS if h * MIN_ROUNDS <= steps_left]
+    if not allowed:
+        return None
+    fitting = [h for h in allowed if round_s / h <= WITHIN_LIMIT * compute]
+    length = fitting[0] if fitting else allowed[-1]
+    per_step = compute + round_s / length + whole_s / steps_left
+    return length if saves_enough(per_step, every_step) else None
+
+
+@dataclass(kw_only=True)
+class Rounds(Carried):
+    """Whether and from when the default runs local steps.
+
+    Attributes:
+        allowed: the fit may switch (the zero-argument default under SGD with QSGD, one optimizer).
+        every: the round length chosen; 0 while every step is sent (carried).
+        start: the step from which local steps run (carried).
+    """
+
+    allowed: bool = False
+    every: int = field(default=0, metadata=carried(added=True))
+    start: int = field(default=0, metadata=carried(added=True))
+    why: str = ""  # the prediction that chose them, said once
+
+    def consider(self, cost: CostModel, every_step_cf: float, rungs: tuple[float, ...], steps_done: int,
+                 budget: float) -> int | None:  # fmt: skip
+        """At a window's end: the round length to switch to, from the cost model (``every_step_cf``: what the every-step
+        rule would send next), or ``None``."""
+        link = cost.link
+        if not self.allowed or self.every or link is None or budget <= 0:
+            return None
+        every_step = cost.seconds(link, every_step_cf, cost.dense_bytes, rungs)
+        dense = cost.model_bytes or cost.dense_bytes
+        whole_s, round_s, left = (
+            ring_share(cost.world_size) * dense * link.seconds_per_byte,
+            round_seconds(link, cost),
+            budget - steps_done,
+        )
+        length = choose_length(link.other_seconds, every_step, round_s, whole_s, left)
+        if length is not None:
+            local = link.other_seconds + round_s / length + whole_s / left
+            self.why = (
+                f"a step computes {link.other_seconds * 1e3:.1f} ms; predicted {every_step * 1e3:.1f} ms a step "
+                f"sending every step (cf {every_step_cf:g}), {local * 1e3:.1f} ms with these rounds"
+            )
+        return length
+
+    def run(self, state: CompressionState, fresh: bool) -> None:
+        """Local steps from :attr:`start` on, rounds of :attr:`every`, said on rank 0 (``fresh``: from the next step,
+        the round starting from the parameters as they are; else resumed, the round's state restored by the
+        strategy)."""
+        config, outer = LocalSteps(every=self.every, cf=OUTER_CF), state.feedback.get(OuterUpdate)
+        if fresh:
+            outer.start(config, state.compressor, False, state.step)
+            rank_zero_info(
+                f"GraVAC: local steps from step {state.step}: rounds of {self.every} steps, each round's parameter "
+                f"change averaged in 4-bit codes ({self.why})."
+            )
+        else:
+            outer.configure(config, state.compressor, False)
+        state.local_sgd_from = self.start

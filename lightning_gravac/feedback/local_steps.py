@@ -1,0 +1,397 @@
+"""Local steps with a compressed outer update: each rank takes ``every`` steps of the user's optimizer on its own
+batches with nothing sent, then the ranks' parameter changes are compressed, averaged and applied by an outer step.
+
+Within a round nothing crosses the network (the comm hook sends nothing). At the round's end each rank's change
+since the round began, ``delta_i = anchor - x_i`` (a pseudo-gradient: it points where a gradient does), is compressed
+by the strategy's method, with error feedback for a biased one, and averaged over ranks; the outer step moves the
+anchor, ``anchor <- anchor - lr (avg + momentum terms)``, and every rank continues from it. At ``lr = 1`` without
+momentum the outer step is the average of the ranks' parameters (post-local SGD) up to the compression; DiLoCo's
+outer Nesterov step is ``lr=0.7, momentum=0.9, nesterov=True``. The inner optimizer's state stays each rank's own.
+
+A round also ends at the last step of the budget (``max_steps``), at the last batch of a training epoch and when the
+fit ends, so that the model a checkpoint or a validation at those points sees is the ranks' common one; that last
+round of a fit is sent whole (its change and what error feedback still held), so nothing is left unsent. A
+non-finite inner step is skipped on the rank that saw it (its parameters and optimizer state stay as they were;
+no other rank saw its gradient); a non-finite averaged change leaves every rank at the round's anchor.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_gravac.compressors.base import Compressor, Pattern, Payload, all_finite
+from lightning_gravac.compressors.packing import Layout
+from lightning_gravac.feedback.adaptation import Adaptation, Setup, register_adaptation
+from lightning_gravac.staged import Staged
+
+
+@dataclass(frozen=True)
+class LocalSteps:
+    """How local steps run: pass to ``GraVACStrategy(local_steps=...)`` (an ``int`` is ``LocalSteps(every=int)``).
+
+    Args:
+        every: inner steps a round (``H``); the outer update follows each round.
+        cf: the compression factor of the outer update (8: QSGD's 4-bit codes from fp32; 1 sends it whole).
+        lr: the outer step's learning rate (1: the anchor moves by the averaged change).
+        momentum: the outer step's momentum (0: none).
+        nesterov: Nesterov's form of the outer momentum (DiLoCo's outer step: ``lr=0.7, momentum=0.9``).
+        overlap: send a round's change while the next round computes, and apply it one round late (Streaming
+            DiLoCo's overlap): each rank then continues from the outer step plus its own progress since.
+
+    Raises:
+        ValueError: for a round shorter than one step, a factor below 1, a learning rate that is not positive or a
+            momentum outside ``[0, 1)``.
+    """
+
+    every: int = 16
+    cf: float = 8.0
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = False
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"`LocalSteps.every` must be a whole number >= 1, got {self.every!r}.")
+        if not (math.isfinite(self.cf) and self.cf >= 1):
+            raise ValueError(f"`LocalSteps.cf` must be a finite number >= 1, got {self.cf!r}.")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"`LocalSteps.lr` must be a positive number, got {self.lr!r}.")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"`LocalSteps.momentum` must be in [0, 1), got {self.momentum!r}.")
+
+
+@register_adaptation
+class OuterUpdate(Adaptation):
+    """The rounds of local steps and their outer update (see the module's docstring); inactive unless configured.
+
+    State: the anchor (the ranks' common parameters at the round's start) and the outer momentum, the same on every
+    rank; error feedback's residual and, in a checkpoint, this rank's parameters and inner optimizer state mid-round,
+    its own. All by parameter name.
+    """
+
+    name = "outer"
+    per_rank = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config: LocalSteps | None = None
+        self.compressor: Compressor | None = None
+        self.error_feedback = False
+        self.anchor: Staged
+        self.velocity: Staged
+        self.residual: Staged
+        self.began: Staged
+        self.landed: Staged
+        self.add_state("anchor", "anchor", reset=False)
+        self.add_state("velocity", "velocity")
+        self.add_state("residual", "residual")
+        self.add_state("began", "began", reset=False)  # with overlap: this rank's parameters as the round began
+        self.add_state("landed", "landed", reset=False)  # with overlap: the change in flight, landed for a checkpoint
+        self.since = 0  # inner steps taken in the current round
+        self.rounds = 0  # rounds ended: seeds the method's draws
+        self.budget = 0  # the fit's last step (``max_steps``), 0 when none
+        self.steps = 0  # inner steps taken in the fit (Lightning's global step)
+        self.epoch_ends: Callable[[], bool] = _never  # set at fit start (module-level defaults: the strategy pickles)
+        self.bytes_sent = 0  # this fit's outer updates, as each rank put them into the collectives
+        #: Told of each outer update's bytes and whether they were gathered (the strategy records them as a step's).
+        self.sent: Callable[[int, bool], None] = _unrecorded
+        self._params: dict[str, nn.Parameter] = {}
+        self._buffers: list[Tensor] = []  # floating buffers (running statistics): averaged whole at each round's end
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._resumed: dict[str, Tensor] = {}  # this rank's parameters and inner state, for after Lightning's restore
+        self._skipped = False
+        self._pending: list[_Exchange] = []  # with overlap: the last round's averaging, in flight
+
+    def configure(self, config: LocalSteps, compressor: Compressor, error_feedback: bool) -> None:
+        """Run local steps as ``config`` says, sending the outer update with ``compressor``.
+
+        Raises:
+            ValueError: for a method whose payloads need several rounds (PowerSGD) or keep a momentum of their own
+                (DGC): the outer update is one flat tensor sent once a round.
+        """
+        if compressor.communication is Pattern.ROUNDS or compressor.owns_feedback:
+            raise ValueError(
+                f"Local steps send the outer update with a one-round method; {compressor.name!r} is not one. Use "
+                "'qsgd' (the default), 'topk', 'randomk', 'signsgd', 'onebit', 'fp16' or 'none'."
+            )
+        self.config, self.compressor, self.error_feedback = config, compressor, error_feedback
+
+    @override
+    def __bool__(self) -> bool:
+        return self.config is not None
+
+    def start(self, config: LocalSteps, compressor: Compressor, error_feedback: bool, steps: int) -> None:
+        """From the next step on, run local steps as ``config`` says (the default's choice mid-fit, once every rank's
+        parameters are one after ``steps`` steps): the round starts from the parameters as they are."""
+        self.configure(config, compressor, error_feedback)
+        self.steps, self.since = steps, 0
+        self._set_anchor()
+
+    @property
+    def can_start(self) -> bool:
+        """Whether the fit has what local steps need: one optimizer, taken at setup."""
+        return self._optimizer is not None
+
+    @override
+    def take_from(self, setup: Setup) -> list[str]:
+        if len(setup.optimizers) != 1:
+            if self.config is not None:
+                raise ValueError(f"Local steps run one optimizer; the model configures {len(setup.optimizers)}.")
+            return []
+        assert setup.module is not None
+        self._optimizer = setup.optimizers[0]
+        self._params = {name: p for name, p in setup.module.named_parameters() if p.requires_grad}
+        self._buffers = [b for b in setup.module.buffers() if b.is_floating_point()]
+        return []
+
+    def begin_fit(self, steps: int, budget: int, epoch_ends: Callable[[], bool]) -> None:
+        """At fit start, after Lightning restored a checkpoint: the global step, the budget and how to tell an
+        epoch's last batch; a resumed rank takes back its own parameters and inner state."""
+        self.steps, self.budget, self.epoch_ends = steps, max(budget, 0), epoch_ends
+        if self.config is None:
+            return
+        if self._resumed:
+            self._restore_rank()
+        if not self.anchor.kept:
+            self._set_anchor()
+
+    @override
+    def after_closure(self) -> None:
+        grads = [p.grad for p in self._params.values() if p.grad is not None]
+        self._skipped = not all(all_finite(g) for g in grads)
+        if self._skipped:
+            rank_zero_warn("Local steps: a non-finite gradient; the rank that saw it skips this step.")
+            for p in self._params.values():
+                p.grad = None  # the optimizer skips a parameter without a gradient: nothing of it is applied
+
+    @override
+    def after_step(self) -> None:
+        if self.config is None:
+            return
+        self.steps += 1
+        self.since += 1
+        last = self.budget > 0 and self.steps >= self.budget
+        epoch_ends = self.epoch_ends()
+        if self.since >= self.config.every or last or epoch_ends:
+            self.end_round(whole=last, drain=epoch_ends)
+
+    def finish(self) -> None:
+        """The fit ends: a round begun, or one in flight, is closed, sent whole."""
+        if self.config is not None and (self.since > 0 or self._pending or self.landed.kept):
+            self.end_round(whole=True)
+
+    def end_round(self, whole: bool = False, drain: bool = False) -> None:
+        """End a round; every rank calls it (collectives). Each rank's change over the round is compressed and
+        averaged, the outer step taken, and the next round starts from it; with ``overlap``, the change is sent while
+        the next round computes and applied at its end, each rank then rebased on the outer step. ``whole``: the
+        change and the residual sent uncompressed; ``drain`` (or ``whole``): nothing left in flight, every rank on the
+        common parameters."""
+        assert self.config is not None
+        overlap = self.config.overlap and not (whole or drain)
+        with torch.no_grad():
+            starts = self.began.kept or self.anchor.kept
+            changes = {name: starts[name] - p for name, p in self._params.items()}  # this round's own progress
+            if self._pending or self.landed.kept:
+                self._outer_step(self._take_pending())
+            exchanges = [self._launch(names, changes, whole) for names in self._groups()]
+            if overlap:
+                self._pending = exchanges
+                for name, p in self._params.items():
+                    p.copy_(self.anchor.kept[name] - changes[name])  # rebased on the outer step, own progress kept
+                    self.began.kept[name] = p.detach().clone()
+            else:
+                self._outer_step({n: avg for ex in exchanges for n, avg in zip(ex.names, self._land(ex), strict=True)})
+                self.began.clear()
+                for name, p in self._params.items():
+                    p.copy_(self.anchor.kept[name])
+            self._average_buffers()
+        self.since = 0
+        self.rounds += 1
+
+    def _groups(self) -> list[list[str]]:
+        """The parameters' names by dtype: one flat tensor each."""
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, p in self._params.items():
+            by_dtype.setdefault(p.dtype, []).append(name)
+        return list(by_dtype.values())
+
+    def _take_pending(self) -> dict[str, Tensor]:
+        """The averaged changes of the round in flight (waited for), or those a checkpoint landed."""
+        averaged = dict(self.landed.kept) or {
+            n: a for ex in self._pending for n, a in zip(ex.names, self._land(ex), strict=True)
+        }
+        self._pending = []
+        self.landed.clear()
+        return averaged
+
+    def _average_buffers(self) -> None:
+        """Floating buffers averaged whole: DDP does not sync them at each forward in this mode (the strategy sets
+        ``forward_sync_buffers=False``)."""
+        if self._buffers and dist.is_initialized():
+            flat = torch.cat([b.reshape(-1).double() for b in self._buffers])
+            dist.all_reduce(flat)
+            flat.div_(dist.get_world_size())
+            for b, mean in zip(self._buffers, _split(flat, self._buffers), strict=True):
+                b.copy_(mean)
+
+    def _launch(self, names: list[str], changes: dict[str, Tensor], whole: bool) -> "_Exchange":
+        """Start averaging the changes of ``names`` (error-fed for a biased method; the new residuals kept): an
+        all-reduce of the whole change, or an all-gather of the compressed one."""
+        assert self.compressor is not None and self.config is not None
+        like = [self._params[n] for n in names]
+        delta = torch.cat([changes[n].reshape(-1) for n in names])
+        if self.error_feedback:
+            for n, part in zip(names, _split(delta, like), strict=True):
+                residual = self.residual.kept.get(n)
+                if residual is not None:
+                    part.add_(residual)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if whole or self.config.cf <= 1 or self.compressor.passthrough:
+            for n in names:
+                self.residual.kept.pop(n, None)
+            self.bytes_sent += delta.numel() * delta.element_size()
+            self.sent(delta.numel() * delta.element_size(), False)
+            handle = dist.all_reduce(delta, async_op=True) if world > 1 else None
+            return _Exchange(names, like, world, handle, delta)
+        payload = self.compressor.compress(delta, self.config.cf, key="outer", step=self.rounds)
+        if self.error_feedback:
+            sent = self.compressor.decompress(payload).reshape(-1)
+            for n, rest in zip(names, _split(delta - sent, like), strict=True):
+                self.residual.kept[n] = rest
+        layout = Layout.of([payload])
+        packed = layout.pack([payload])
+        gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=packed.device)
+        self.bytes_sent += layout.nbytes
+        self.sent(layout.nbytes, True)
+        handle = dist.all_gather_single(gathered, packed, async_op=True) if world > 1 else None
+        if handle is None:
+            gathered.copy_(packed)
+        return _Exchange(names, like, world, handle, delta, gathered, layout, payload)
+
+    def _land(self, exchange: "_Exchange") -> list[Tensor]:
+        """Wait for ``exchange`` and decode the ranks' mean change, one tensor a parameter."""
+        if exchange.handle is not None:
+            exchange.handle.wait()
+        world = exchange.world
+        if exchange.payload is None:
+            return _split(exchange.buffer.div_(world), exchange.like)
+        assert self.compressor is not None and exchange.layout is not None and exchange.gathered is not None
+        _, (stacked,) = exchange.layout.unpack(
+            exchange.gathered.view(world, exchange.layout.nbytes), [exchange.payload]
+        )
+        mean = torch.empty_like(exchange.buffer)
+        self.compressor.decode_(mean, stacked, 1.0 / world)
+        return _split(mean, exchange.like)
+
+    def _outer_step(self, averaged: dict[str, Tensor]) -> None:
+        """``anchor <- anchor - lr * update``, with the outer momentum where asked; identical on every rank. A
+        non-finite average leaves the anchor where it was."""
+        assert self.config is not None
+        if not all(all_finite(a) for a in averaged.values()):
+            rank_zero_warn("Local steps: the averaged change was not finite; every rank goes on from the anchor.")
+            return
+        lr, mu = self.config.lr, self.config.momentum
+        for name, change in averaged.items():
+            update = change
+            if mu > 0:
+                velocity = self.velocity.kept.get(name)
+                if velocity is None:
+                    velocity = self.velocity.kept[name] = change.clone()
+                else:
+                    velocity.mul_(mu).add_(change)
+                update = change.add(velocity, alpha=mu) if self.config.nesterov else velocity
+            self.anchor.kept[name].sub_(update, alpha=lr)
+
+    def _set_anchor(self) -> None:
+        for name, p in self._params.items():
+            self.anchor.kept[name] = p.detach().clone()
+
+    @override
+    def rescale_(self, factor: float) -> None:
+        """Changes of parameters are not in gradient units: a gradient scaler's factor leaves them alone."""
+
+    @override
+    def reset(self) -> None:
+        """The divergence guard: the residual and the outer momentum are dropped; the round goes on."""
+        self.residual.clear()
+        self.velocity.clear()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.config is None:
+            return {}
+        if self._pending:  # the same bits decoded now or at the round's end: a checkpoint holds the average
+            with torch.no_grad():
+                self.landed.kept.update(self._take_pending())
+        state = super().state_dict()
+        state["since"] = torch.tensor(self.since)
+        state["rounds"] = torch.tensor(self.rounds)
+        for name, p in self._params.items():
+            state[f"params/{name}"] = p.detach().clone()
+        if self._optimizer is not None:
+            for name, p in self._params.items():
+                for key, value in self._optimizer.state.get(p, {}).items():
+                    if isinstance(value, Tensor):
+                        state[f"inner/{name}/{key}"] = value.detach().clone()
+        return state
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.since = int(state["since"]) if "since" in state else 0
+        self.rounds = int(state["rounds"]) if "rounds" in state else 0
+        self._resumed = {k: v for k, v in state.items() if k.startswith(("params/", "inner/"))}
+
+    def _restore_rank(self) -> None:
+        """This rank's own parameters and inner optimizer state, saved mid-round (Lightning restored rank 0's)."""
+        with torch.no_grad():
+            for key, value in self._resumed.items():
+                kind, rest = key.split("/", 1)
+                if kind == "params" and rest in self._params:
+                    self._params[rest].copy_(value)
+                elif kind == "inner" and self._optimizer is not None:
+                    name, slot = rest.rsplit("/", 1)
+                    held = self._optimizer.state.get(self._params.get(name), {}).get(slot)  # type: ignore[arg-type]
+                    if isinstance(held, Tensor):
+                        held.copy_(value)
+        self._resumed = {}
+
+
+def _never() -> bool:
+    return False
+
+
+def _unrecorded(nbytes: int, gathered: bool) -> None:
+    """Bytes not recorded anywhere (before the strategy's setup)."""
+
+
+@dataclass
+class _Exchange:
+    """One flat tensor's averaging in flight: its names and shapes, the collective's handle, the change (summed in
+    place when sent whole) and, compressed, the gathered payloads."""
+
+    names: list[str]
+    like: list[nn.Parameter]
+    world: int
+    handle: Any
+    buffer: Tensor
+    gathered: Tensor | None = None
+    layout: Layout | None = None
+    payload: Payload | None = None
+
+
+def _split(flat: Tensor, like: list[Tensor] | list[nn.Parameter]) -> list[Tensor]:
+    """``flat`` cut into views shaped as ``like``."""
+    out, offset = [], 0
+    for p in like:
+        out.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return out

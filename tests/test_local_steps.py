@@ -1,0 +1,323 @@
+"""Local steps with a compressed outer update (``GraVACStrategy(local_steps=...)``), through Lightning's Trainer on two
+gloo ranks: nothing sent within a round, the ranks one model at each round's end, the outer step's arithmetic, exact
+resume mid-round, a non-finite inner step skipped, and the arguments checked."""
+
+import pickle
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_gravac import GraVAC, GraVACStrategy, LocalSteps, Static
+from lightning_gravac.callbacks.gravac.rounds import choose_length
+from lightning_gravac.compressors import get_compressor
+from lightning_gravac.feedback import OuterUpdate, Setup
+from lightning_gravac.launch import run_distributed
+
+from models import LinkOf, loader, trainer_kwargs
+
+
+class StepData(pl.LightningModule):
+    """A regression whose batch is drawn from (global step, rank), not from the loader: a run resumed mid-epoch (where
+    Lightning restarts the epoch's loader) sees the batches the uninterrupted run saw. SGD with momentum 0.9; ``nan_at``
+    makes rank 1's loss NaN at that step."""
+
+    def __init__(self, nan_at: int = -1) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+        self.nan_at = nan_at
+        teacher = torch.Generator().manual_seed(7)
+        self.register_buffer("w", torch.randn(16, 4, generator=teacher) / 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+        x = torch.randn(32, 16, generator=g)
+        loss = nn.functional.mse_loss(self.net(x), torch.tanh(x @ self.w))
+        if self.global_step == self.nan_at and self.global_rank == 1:
+            loss = loss * float("nan")
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class Trace(pl.Callback):
+    """This rank's parameters after every optimizer step, and the loss."""
+
+    def __init__(self) -> None:
+        self.after: list[torch.Tensor] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.after.append(torch.cat([p.detach().reshape(-1).clone() for p in pl_module.parameters()]))
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit(strategy: GraVACStrategy, steps: int, model: pl.LightningModule | None = None, **kwargs: Any) -> Trace:
+    trace = Trace()
+    pl.seed_everything(0)
+    callbacks = [trace, *kwargs.pop("callbacks", [])]
+    trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, max_steps=steps, **trainer_kwargs(2, **kwargs))
+    trainer.fit(model or StepData(), loader(n=32768))  # 512 steps an epoch: no epoch ends a round here
+    assert trainer.global_step == steps, "global_step counts inner steps"
+    return trace
+
+
+def _rounds(rank: int, world_size: int) -> dict[str, Any]:
+    sent_whole = GraVACStrategy("none", local_steps=LocalSteps(every=4, cf=1))
+    before: list[torch.Tensor] = []  # this rank's parameters as each round ends, before the outer step
+    end_round = sent_whole.outer.end_round
+
+    def recorded(**kwargs: bool) -> None:
+        before.append(torch.cat([p.detach().reshape(-1).clone() for p in sent_whole.outer._params.values()]))
+        end_round(**kwargs)
+
+    sent_whole.outer.end_round = recorded  # type: ignore[method-assign]
+    whole = _fit(sent_whole, 10)
+    strategy = GraVACStrategy(local_steps=4)  # QSGD's 4-bit codes
+    compressed = _fit(strategy, 10)
+    outer = strategy.outer
+    return {
+        "whole": whole.after, "before": before, "compressed": compressed.after,
+        "losses": compressed.losses, "bytes": outer.bytes_sent, "rounds": outer.rounds,
+        "dense": sum(p.numel() * 4 for p in StepData().parameters()),
+    }  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_rounds_send_nothing_within_and_end_with_the_ranks_one_model():
+    r0, r1 = run_distributed(_rounds, timeout=300)
+    # Rounds end after steps 4, 8 and at the budget's last step, 10 (sent whole): the ranks are one model there
+    # and two in between (each stepped on its own batches, nothing sent).
+    same = [True if step in (4, 8, 10) else False for step in range(1, 11)]
+    for run in ("whole", "compressed"):
+        assert [torch.equal(a, b) for a, b in zip(r0[run], r1[run], strict=True)] == same, run
+    # Sent whole at outer lr 1, the outer step is the ranks' average (post-local SGD): ``anchor - mean(anchor - x_i)``,
+    # which rounds differently from ``mean(x_i)``, equal to float32's precision.
+    assert len(r0["before"]) == len(r1["before"]) == 3
+    for k, step in enumerate((4, 8, 10)):
+        mean = (r0["before"][k] + r1["before"][k]) / 2
+        torch.testing.assert_close(r0["whole"][step - 1], mean, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(r0["before"][k], r1["before"][k])
+    # Compressed: two rounds of 4-bit codes and the last round whole; it trains.
+    assert r0["rounds"] == 3
+    assert r0["bytes"] < 2 * r0["dense"] / 6 + r0["dense"], "two rounds at about 1/8 of dense, the last whole"
+    assert r0["losses"][-1] < 0.7 * r0["losses"][0]
+
+
+def test_outer_nesterov_step_follows_its_definition():
+    # One process, nothing to average: the change is this rank's own, and the outer step's arithmetic is seen whole.
+    model = nn.Linear(3, 2)
+    outer = OuterUpdate()
+    outer.configure(LocalSteps(every=2, cf=1, lr=0.7, momentum=0.9, nesterov=True), get_compressor("none"), False)
+    outer.take_from(Setup([torch.optim.SGD(model.parameters(), lr=0.1)], {}, model))
+    outer.begin_fit(0, 0, lambda: False)
+    anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
+    velocity: dict[str, torch.Tensor] = {}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for _ in range(2):  # two inner "steps": the parameters move as an optimizer would move them
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g))
+            outer.after_step()
+        assert outer.since == 0, "a round of two steps ended"
+    # Replayed by the definition: v <- mu v + delta; anchor <- anchor - lr (delta + mu v).
+    g = torch.Generator().manual_seed(0)
+    x = {n: t.clone() for n, t in anchor.items()}
+    for _ in range(3):
+        for _ in range(2):
+            x = {n: value + torch.randn(value.shape, generator=g) for n, value in x.items()}
+        for n, value in x.items():
+            delta = anchor[n] - value
+            velocity[n] = delta.clone() if n not in velocity else velocity[n] * 0.9 + delta
+            anchor[n] = anchor[n] - 0.7 * (delta + 0.9 * velocity[n])
+        x = {n: anchor[n].clone() for n in x}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), anchor[n], rtol=1e-6, atol=1e-6)
+        assert torch.equal(p.detach(), outer.anchor.kept[n])
+    assert outer.rounds == 3
+
+
+def test_overlap_applies_each_round_one_round_late():
+    # One process: each round's change is the rank's own; the outer step at lr 0.5 lands one round late, and each
+    # round continues from the anchor minus its own progress since.
+    model = nn.Linear(3, 2)
+    x = {n: p.detach().clone() for n, p in model.named_parameters()}
+    outer = OuterUpdate()
+    outer.configure(LocalSteps(every=2, cf=1, lr=0.5, overlap=True), get_compressor("none"), False)
+    outer.take_from(Setup([torch.optim.SGD(model.parameters(), lr=0.1)], {}, model))
+    outer.begin_fit(0, 0, lambda: False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        for _ in range(2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g))
+            outer.after_step()
+        assert outer._pending, "the round's change is in flight"
+    outer.finish()  # the fit ends: the change in flight lands, the last round's own is sent whole
+    assert outer.rounds == 5 and not outer._pending and not outer.began.kept
+    # Replayed by the definition.
+    g = torch.Generator().manual_seed(0)
+    anchor, began, pending = dict(x), None, None
+    for _ in range(4):
+        for _ in range(2):
+            x = {n: value + torch.randn(value.shape, generator=g) for n, value in x.items()}
+        change = {n: (began or anchor)[n] - value for n, value in x.items()}
+        if pending is not None:
+            anchor = {n: a - 0.5 * pending[n] for n, a in anchor.items()}
+        pending, x = change, {n: anchor[n] - change[n] for n in x}
+        began = dict(x)
+    assert began is not None and pending is not None
+    anchor = {n: a - 0.5 * pending[n] for n, a in anchor.items()}
+    anchor = {n: a - 0.5 * (began[n] - x[n]) for n, a in anchor.items()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), anchor[n], rtol=1e-6, atol=1e-6)
+
+
+def _resumed(rank: int, world_size: int, ckpt_dir: str, overlap: bool) -> dict[str, Any]:
+    def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> list[torch.Tensor]:
+        trace = Trace()
+        pl.seed_everything(0)
+        strategy = GraVACStrategy("topk", local_steps=LocalSteps(every=4, cf=10, momentum=0.5, overlap=overlap))
+        kwargs = trainer_kwargs(2, enable_checkpointing=True)
+        trainer = pl.Trainer(strategy=strategy, callbacks=[Static(cf=1), trace, *callbacks], max_steps=12, **kwargs)
+        trainer.fit(StepData(), loader(n=4096), ckpt_path=ckpt_path)
+        return trace.after
+
+    every_6 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=6, save_top_k=-1)
+    whole = fit([every_6])
+    return {"whole": whole, "resumed": fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=6.ckpt")}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("overlap", [False, True])
+def test_resume_mid_round_is_bit_for_bit(tmp_path, overlap):
+    ranks = run_distributed(_resumed, timeout=300, ckpt_dir=str(tmp_path), overlap=overlap)
+    # Saved after step 6, two steps into the second round: the ranks' parameters differ there, each rank's inner
+    # momentum and Top-K's residual are its own, and the outer momentum is one; with overlap, the first round's
+    # average is in flight (landed by the checkpoint).
+    assert not torch.equal(ranks[0]["whole"][5], ranks[1]["whole"][5])
+    for rank in ranks:
+        assert len(rank["resumed"]) == 6
+        for step, (a, b) in enumerate(zip(rank["whole"][6:], rank["resumed"], strict=True), start=7):
+            assert torch.equal(a, b), f"step {step} differs from the uninterrupted run"
+
+
+def _non_finite(rank: int, world_size: int) -> dict[str, Any]:
+    trace = _fit(GraVACStrategy(local_steps=4), 8, model=StepData(nan_at=2))
+    return {"after": trace.after}
+
+
+@pytest.mark.distributed
+def test_a_non_finite_inner_step_is_skipped_on_its_rank_and_nothing_is_lost():
+    r0, r1 = run_distributed(_non_finite, timeout=300)
+    # Rank 1's step 3 (global step 2) had a NaN loss: it kept its parameters; rank 0 stepped.
+    assert torch.equal(r1["after"][2], r1["after"][1])
+    assert not torch.equal(r0["after"][2], r0["after"][1])
+    for rank in (r0, r1):
+        assert all(bool(torch.isfinite(p).all()) for p in rank["after"])
+    assert torch.equal(r0["after"][3], r1["after"][3]) and torch.equal(r0["after"][7], r1["after"][7])
+
+
+def test_local_steps_arguments_are_checked():
+    with pytest.raises(ValueError, match="not both"):
+        GraVACStrategy(local_steps=4, model_averaging_period=4)
+    with pytest.raises(ValueError, match=r"`LocalSteps.every` must be a whole number >= 1, got 0"):
+        GraVACStrategy(local_steps=0)
+    with pytest.raises(ValueError, match=r"`LocalSteps.momentum` must be in \[0, 1\)"):
+        LocalSteps(momentum=1.0)
+    with pytest.raises(ValueError, match="one-round method; 'powersgd'"):
+        GraVACStrategy("powersgd", local_steps=4)
+    with pytest.raises(ValueError, match="one-round method; 'dgc'"):
+        GraVACStrategy("dgc", local_steps=4)
+    strategy = GraVACStrategy(local_steps=8)
+    assert strategy.compressor.name == "qsgd" and not strategy.compression_state.error_feedback
+    assert strategy.outer.config == LocalSteps(every=8)
+    assert GraVACStrategy("topk", local_steps=8).compression_state.error_feedback
+    assert not GraVACStrategy("topk").outer, "inactive without local steps"
+    assert isinstance(strategy.compression_state.feedback.get(OuterUpdate), OuterUpdate)
+    assert pickle.loads(pickle.dumps(strategy)).outer.config == LocalSteps(every=8), "ddp_spawn pickles it"
+
+
+def test_the_link_and_the_budget_change_the_choice_as_the_rule_says():
+    # 10 ms of computation; every-step sending predicted at 15 ms; a round's communication 5.4 ms.
+    assert choose_length(0.010, 0.015, 0.0054, 0.086, 1000) == 8, "the shortest round within a tenth of a step"
+    assert choose_length(0.010, 0.015, 0.0054, 0.086, 60) == 4, "the budget holds 8 rounds of 4, not of 8"
+    assert choose_length(0.010, 0.015, 0.0054, 0.086, 31) is None, "not 8 rounds of even 4 steps"
+    assert choose_length(0.010, 0.015, 0.0300, 0.086, 1000) == 16, "no round fits: the longest allowed"
+    # A fast link: sending every step costs 5% over the computation; local steps cannot save a tenth of it.
+    assert choose_length(0.010, 0.0105, 0.0001, 0.001, 1000) is None
+
+
+def _default_on_a_scripted_link(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    out: dict[str, Any] = {}
+    for name, bits_per_second, steps in (("slow", 1e6, 200), ("short", 1e6, 20), ("fast", 1e10, 200)):
+        # The zero-argument default, its controller's link and step times scripted (`LinkOf`).
+        default_controller._default_controller = lambda method, alone, b=bits_per_second: LinkOf(b)
+        strategy = GraVACStrategy()
+        trace = _fit(strategy, steps)
+        controller = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC))
+        out[name] = {
+            "method": strategy.compressor.name, "every": controller.rounds.every, "start": controller.rounds.start,
+            "rounds": strategy.outer.rounds, "after": trace.after, "losses": trace.losses,
+        }  # fmt: skip
+    return out
+
+
+@pytest.mark.distributed
+def test_the_default_switches_to_local_steps_where_the_link_and_the_budget_say():
+    r0, r1 = run_distributed(_default_on_a_scripted_link, timeout=600)
+    for name in ("slow", "short", "fast"):
+        for key in ("method", "every", "start", "rounds"):
+            assert r0[name][key] == r1[name][key], (name, key)  # every rank decides alike
+        assert r0[name]["method"] == "qsgd"
+    slow = r0["slow"]
+    # 1 Mbit/s, 10 ms of computation: after the first window (3 steps), rounds of 8 from step 3.
+    assert (slow["every"], slow["start"]) == (8, 3)
+    assert slow["rounds"] >= 24
+    for step in range(3 + 8, 200, 8):  # the ranks are one model after each round, and two within
+        assert torch.equal(r0["slow"]["after"][step - 1], r1["slow"]["after"][step - 1]), step
+        assert not torch.equal(r0["slow"]["after"][step - 5], r1["slow"]["after"][step - 5]), step
+    assert slow["losses"][-1] < 0.5 * slow["losses"][0]
+    assert r0["short"]["every"] == 0, "a budget of 20 steps holds no 8 rounds"
+    assert r0["fast"]["every"] == 0, "on a fast link sending every step costs too little to save a tenth"
+
+
+def _default_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6)
+
+    def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> tuple[list[torch.Tensor], int]:
+        trace = Trace()
+        pl.seed_everything(0)
+        strategy = GraVACStrategy()
+        kwargs = trainer_kwargs(2, enable_checkpointing=True)
+        trainer = pl.Trainer(strategy=strategy, callbacks=[trace, *callbacks], max_steps=60, **kwargs)
+        trainer.fit(StepData(), loader(n=32768), ckpt_path=ckpt_path)
+        return trace.after, strategy.outer.config.every if strategy.outer.config else 0
+
+    every_30 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=30, save_top_k=-1)
+    whole, every = fit([every_30])
+    resumed, resumed_every = fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=30.ckpt")
+    return {"whole": whole, "resumed": resumed, "every": every, "resumed_every": resumed_every}
+
+
+@pytest.mark.distributed
+def test_the_defaults_local_steps_resume_mid_round_bit_for_bit(tmp_path):
+    ranks = run_distributed(_default_resumed, timeout=300, ckpt_dir=str(tmp_path))
+    for rank in ranks:
+        # A budget of 60 steps holds 8 rounds of 4 (from step 3): the checkpoint after step 30 is mid-round.
+        assert rank["every"] == rank["resumed_every"] == 4
+        assert len(rank["resumed"]) == 30
+        for step, (a, b) in enumerate(zip(rank["whole"][30:], rank["resumed"], strict=True), start=31):
+            assert torch.equal(a, b), f"step {step} differs from the uninterrupted run"
+    assert not torch.equal(ranks[0]["whole"][29], ranks[1]["whole"][29])
