@@ -143,8 +143,9 @@ class StepStats:
 
 @dataclass
 class Config:
-    """What the hook does, fixed for the run: the strategy's arguments (the method may be swapped once, before any
-    step: :meth:`CompressionState.use_method`), and the methods a step sends with besides the run's."""
+    """What the hook does, fixed for the run: the strategy's arguments, and the methods a step sends with besides the
+    run's. Two are settled later, once: the method, before any step (:meth:`CompressionState.use_method`), and the
+    step local SGD starts from, when the default controller chooses local steps (``callbacks/gravac/rounds.py``)."""
 
     compressor: Compressor
     error_feedback: bool
