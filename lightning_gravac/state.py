@@ -2,9 +2,10 @@
 
 import math
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
-from typing import Literal
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from lightning_gravac.tables import RowTables
 
 Granularity = Literal["layer", "bucket"]
 GainOf = Literal["error_fed", "gradient"]
+_T = TypeVar("_T")
 
 
 class Collective(IntEnum):
@@ -140,58 +142,233 @@ class StepStats:
 
 
 @dataclass
-class CompressionState:
-    """Everything the comm hook needs, owned by :class:`~lightning_gravac.GraVACStrategy`.
+class Config:
+    """What the hook does, fixed for the run: the strategy's arguments, and the methods a step sends with besides the
+    run's. Two are settled later, once: the method, before any step (:meth:`CompressionState.use_method`), and the
+    step local SGD starts from, when the default controller chooses local steps (``callbacks/gravac/rounds.py``)."""
 
-    Created with the strategy (so it pickles with it for ``ddp_spawn``) and bound to the DDP model and process
-    group when the hook is registered.
-    """
-
-    # What to do: fixed for the run (the strategy's arguments).
     compressor: Compressor
     error_feedback: bool
     granularity: Granularity = "layer"
-
-    # What the controller decides (written by the controller only); must be identical on every rank.
-    cf: float = 1.0
-    param_cf: dict[str, float] = field(default_factory=dict)
-    probe_cfs: tuple[float, ...] = ()  # factors whose gain the hook measures as well (GraVAC's candidates)
-    gain_of: GainOf = "error_fed"  # what the probes compress: the error-fed gradient, or the step's own gradient
-    half: bool = False  # send this step whole in fp16 (the model search's 16-bit rung), whatever the factors say
-    # Fixed by the strategy at setup.
     local_sgd_from: int | None = None  # the step from which gradients stay local (periodic model averaging)
-    rows: RowTables = field(default_factory=RowTables)  # embedding tables sent by their touched rows (`tables`)
+    identity: Compressor = field(default_factory=NoCompression)  # what a layer at factor 1 is sent with
+    cast: Compressor = field(default_factory=FP16)  # what a ``half`` step sends with
 
-    # Bound at hook registration (by the strategy).
+
+@dataclass(frozen=True)
+class Factors:
+    """What the controller decided for the next step: the factors it sends at and the ones it measures. Identical on
+    every rank. Handed to the hook whole (:meth:`CompressionState.decide`), never field by field, so that the hook
+    reads one decision; the controller owns it (:attr:`~lightning_gravac.callbacks.Controller.decided`).
+
+    Attributes:
+        cf: the factor of every parameter without one of its own.
+        param_cf: per-parameter factors, by name (Accordion's); a mapping the hook only reads.
+        probe_cfs: factors whose gain the hook measures as well (GraVAC's candidates).
+        gain_of: what the probes compress: the error-fed gradient, or the step's own gradient.
+        half: send the step whole in fp16 (the model search's 16-bit rung), whatever the factors say.
+    """
+
+    cf: float = DENSE
+    param_cf: Mapping[str, float] = field(default_factory=dict)
+    probe_cfs: tuple[float, ...] = ()
+    gain_of: GainOf = "error_fed"
+    half: bool = False
+
+    def dense(self, half: bool = False) -> "Factors":
+        """These factors held whole: factor 1 everywhere and nothing probed, in fp16 if ``half``."""
+        return replace(self, cf=DENSE, param_cf={}, probe_cfs=(), half=half)
+
+
+@dataclass
+class Binding:
+    """What the hook learns at registration (:meth:`CompressionState.bind`): the process group, its size, the
+    parameters' names and the embedding tables it may send by their rows. The group is a handle of this process:
+    a pickled state (``ddp_spawn``) is bound again in the process that runs it."""
+
     process_group: dist.ProcessGroup | None = None
     world_size: int = 1
     param_names: dict[int, str] = field(default_factory=dict)
+    rows: RowTables = field(default_factory=RowTables)  # embedding tables sent by their touched rows (`tables`)
 
-    # Carried across steps: residuals and moved moments (written by `feedback/`'s code alone), the step's bookkeeping.
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "process_group": None}
+
+
+#: The metadata of a :class:`Carried` field a checkpoint saves as it is (the same on every rank).
+SAVED = {"saved": True}
+
+
+@dataclass
+class Carried:
+    """What the hook carries from step to step: residuals and moved moments (written by ``feedback/``'s code alone),
+    and the step's bookkeeping. A checkpoint saves the feedback part rank by rank (``strategies/checkpoint.py``) and
+    the fields declared ``SAVED`` once."""
+
     feedback: Feedback = field(default_factory=Feedback)
-    step: int = 0  # steps that communicated: advanced by `end_step` only (it seeds every method's draws)
-    epoch: int = -1  # the training epoch the compressor was last told of (`begin_step`)
-    grad_scale: float | None = None  # the mixed-precision gradient scale the residuals are in (None: none or unknown)
+    step: int = field(default=0, metadata=SAVED)  # steps that communicated: advanced by `end_step` only (seeds draws)
+    grad_scale: float | None = field(default=None, metadata=SAVED)  # the mixed-precision scale the residuals are in
+    # The training epoch the compressor was last told of (`begin_step`): not saved, a resumed fit tells it again.
+    epoch: int = -1
 
-    _records: list[BucketRecord] = field(default_factory=list)  # this step's buckets, from the hook's callbacks
-    _done: list[BucketRecord] = field(default_factory=list)  # ended steps' buckets, not yet read by the controller
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    identity: Compressor = field(default_factory=NoCompression)
-    cast: Compressor = field(default_factory=FP16)  # what a ``half`` step sends with
-    _wires: dict[str, Tensor] = field(default_factory=dict)  # summed payloads' buffers by bucket, recycled each step
-    _wires_used: set[str] = field(default_factory=set)  # the buckets whose buffer this step wrote
+    def saved(self) -> dict[str, Any]:
+        """The fields a checkpoint saves as they are, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("saved")}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """The fields :meth:`saved` wrote; one a checkpoint lacks takes its default."""
+        for f in fields(self):
+            if f.metadata.get("saved"):
+                setattr(self, f.name, saved.get(f.name, f.default))
+
+
+class Scratch:
+    """What one step leaves behind for the next reader: the buckets' records and the recycled wire buffers. Never
+    saved; pickled empty (its lock cannot be pickled, and its buffers are not state)."""
+
+    def __init__(self) -> None:
+        self.records: list[BucketRecord] = []  # this step's buckets, from the hook's callbacks
+        self.done: list[BucketRecord] = []  # ended steps' buckets, not yet read by the controller
+        self.lock = threading.Lock()
+        self.wires: dict[str, Tensor] = {}  # summed payloads' buffers by bucket, recycled each step
+        self.wires_used: set[str] = set()  # the buckets whose buffer this step wrote
+
+    def __reduce__(self) -> tuple[type["Scratch"], tuple[()]]:
+        return Scratch, ()  # unpickled empty
+
+    def record(self, record: BucketRecord) -> None:
+        # Records arrive from the hook's future callbacks, which may run on the backend's thread.
+        with self.lock:
+            self.records.append(record)
+
+    def wire_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """See :meth:`CompressionState.wire_buffer`."""
+        self.wires_used.add(key)
+        buffer = self.wires.get(key)
+        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self.wires[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer
+
+    def end_step(self) -> bool:
+        """The step's records move to :attr:`done`, and a step that wrote wire buffers drops those it did not write;
+        whether it communicated (left any record)."""
+        with self.lock:
+            records, self.records = self.records, []
+        if self.wires_used:
+            self.wires = {key: buffer for key, buffer in self.wires.items() if key in self.wires_used}
+            self.wires_used = set()
+        self.done += records
+        return bool(records)
+
+    def take_done(self) -> list[BucketRecord]:
+        """The ended steps' records, once."""
+        records, self.done = self.done, []
+        return records
+
+
+class _Of(Generic[_T]):
+    """A field of one of the state's parts, read through the state (``state.step`` is ``state.carried.step``). Written
+    through its part alone, so that every write names the part it changes."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, state: None, owner: type) -> "_Of[_T]": ...
+
+    @overload
+    def __get__(self, state: object, owner: type) -> _T: ...
+
+    def __get__(self, state: object | None, owner: type) -> "_T | _Of[_T]":
+        if state is None:
+            return self
+        value: _T = getattr(getattr(state, self.part), self.name)
+        return value
+
+    def __set__(self, state: object, value: _T) -> None:
+        raise AttributeError(f"`{self.name}` is written through its part: `state.{self.part}.{self.name}`.")
+
+
+class CompressionState:
+    """Everything the comm hook needs, owned by :class:`~lightning_gravac.GraVACStrategy`, in parts by who writes
+    them and how long they live:
+
+    - :attr:`config` (:class:`Config`): what to do, fixed for the run (the strategy's arguments);
+    - :attr:`factors` (:class:`Factors`): what the controller decided for the next step (:meth:`decide`, its only
+      writer); identical on every rank;
+    - :attr:`binding` (:class:`Binding`): the process group and the model's names, set at hook registration;
+    - :attr:`carried` (:class:`Carried`): residuals, moved moments and the step count, carried across steps and saved;
+    - :attr:`scratch` (:class:`Scratch`): the records and buffers one step leaves, never saved.
+
+    Each field reads through the state too (``state.compressor``, ``state.step``, ``state.cf``); writes go through
+    its part. Created with the strategy (so it pickles with it for ``ddp_spawn``: the group and the scratch stay
+    behind) and bound to the DDP model and process group when the hook is registered.
+
+    Args:
+        compressor: the method.
+        error_feedback: keep what compression dropped and add it to the next gradient.
+        granularity: ``"layer"`` or ``"bucket"``.
+        cf: the factor before any controller decides.
+        local_sgd_from: the step from which gradients stay local; ``None``: never.
+        feedback: the feedback part (a fresh one by default).
+    """
+
+    compressor: _Of[Compressor] = _Of("config")
+    error_feedback: _Of[bool] = _Of("config")
+    granularity: _Of[Granularity] = _Of("config")
+    local_sgd_from: _Of[int | None] = _Of("config")
+    identity: _Of[Compressor] = _Of("config")
+    cast: _Of[Compressor] = _Of("config")
+    cf: _Of[float] = _Of("factors")
+    param_cf: _Of[Mapping[str, float]] = _Of("factors")
+    probe_cfs: _Of[tuple[float, ...]] = _Of("factors")
+    gain_of: _Of[GainOf] = _Of("factors")
+    half: _Of[bool] = _Of("factors")
+    process_group: _Of[dist.ProcessGroup | None] = _Of("binding")
+    world_size: _Of[int] = _Of("binding")
+    param_names: _Of[dict[int, str]] = _Of("binding")
+    rows: _Of[RowTables] = _Of("binding")
+    feedback: _Of[Feedback] = _Of("carried")
+    step: _Of[int] = _Of("carried")
+    grad_scale: _Of[float | None] = _Of("carried")
+    epoch: _Of[int] = _Of("carried")
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        error_feedback: bool,
+        granularity: Granularity = "layer",
+        *,
+        cf: float = DENSE,
+        local_sgd_from: int | None = None,
+        feedback: Feedback | None = None,
+    ) -> None:
+        self.config = Config(compressor, error_feedback, granularity, local_sgd_from)
+        self.factors = Factors(cf=cf)
+        self.binding = Binding()
+        self.carried = Carried(Feedback() if feedback is None else feedback)
+        self.scratch = Scratch()
+
+    def decide(self, factors: Factors) -> None:
+        """Send the next steps at ``factors`` (the controller's decision, or a hold of it): the one write of them."""
+        self.factors = factors
 
     def bind(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         """Name the parameters of ``module`` (the unwrapped model) and remember the group."""
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.compressor.setup(self.world_size, dist.get_rank(process_group))
-        self.param_names = {id(p): name for name, p in module.named_parameters()}
-        self.rows.find(module, self.world_size)
+        binding = self.binding
+        binding.process_group = process_group
+        binding.world_size = dist.get_world_size(process_group)
+        self.compressor.setup(binding.world_size, dist.get_rank(process_group))
+        binding.param_names = {id(p): name for name, p in module.named_parameters()}
+        binding.rows.find(module, binding.world_size)
 
     def use_method(self, compressor: Compressor, error_feedback: bool) -> None:
         """Send with ``compressor`` from now on (set up for this process group when bound); before any step."""
-        self.compressor, self.error_feedback = compressor, error_feedback
+        self.config.compressor, self.config.error_feedback = compressor, error_feedback
         if self.world_size and dist.is_initialized():
             compressor.setup(self.world_size, dist.get_rank(self.process_group))
 
@@ -216,67 +393,45 @@ class CompressionState:
         """
         if self.grad_scale is not None and scale != self.grad_scale:
             self.rescale_(scale / self.grad_scale)
-        self.grad_scale = scale
+        self.carried.grad_scale = scale
 
     def cf_of(self, name: str) -> float:
         """The factor in force for parameter ``name``: its own if the controller set one, else the global one."""
         if self.compressor.passthrough:
             return 1.0
-        return self.param_cf.get(name, self.cf)
+        return self.factors.param_cf.get(name, self.factors.cf)
 
     def wire_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A flat buffer for bucket ``key``'s summed payloads, the same one step after step while its size and type
         stay (a bucket's collectives end before the next step's hook for it starts): a payload-sized allocation and
         its page faults saved a step, at the price of keeping it between steps. A step that wrote any drops those of
         buckets it did not write (DDP's rebuilt buckets leave the first step's behind: :meth:`end_step`)."""
-        self._wires_used.add(key)
-        buffer = self._wires.get(key)
-        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
-            buffer = self._wires[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buffer
+        return self.scratch.wire_buffer(key, numel, dtype, device)
 
     def record(self, record: BucketRecord) -> None:
-        # Records arrive from the hook's future callbacks, which may run on the backend's thread.
-        with self._lock:
-            self._records.append(record)
+        """Keep one bucket's record of this step (from a future's callback, on whichever thread runs it)."""
+        self.scratch.record(record)
 
     def begin_step(self, epoch: int) -> None:
         """Called by the strategy before each batch: tells the compressor when the training epoch changed (epoch-driven
         schedules such as DGC's warm-up)."""
         if epoch != self.epoch:
-            self.epoch = epoch
+            self.carried.epoch = epoch
             self.compressor.on_epoch_start(epoch)
 
     def end_step(self) -> None:
         """Called by the strategy after each backward pass: a pass that communicated (not a gradient-accumulation one)
         is a step; :attr:`step` advances and its buckets wait for :meth:`take_stats`."""
-        with self._lock:
-            records, self._records = self._records, []
-        if self._wires_used:
-            self._wires = {key: buffer for key, buffer in self._wires.items() if key in self._wires_used}
-            self._wires_used = set()
-        if records:
-            self.step += 1
-            self._done += records
+        if self.scratch.end_step():
+            self.carried.step += 1
 
     def take_stats(self) -> StepStats | None:
         """The statistics of the steps ended since the last call (one, but for several backward passes in a batch
         under manual optimization), or ``None`` if none communicated. Reading them changes nothing else."""
-        records, self._done = self._done, []
-        return StepStats.of(records, self.probe_cfs) if records else None
+        records = self.scratch.take_done()
+        return StepStats.of(records, self.factors.probe_cfs) if records else None
 
     def pop_stats(self) -> StepStats | None:
         """:meth:`end_step` and :meth:`take_stats` at once, for the hook used without the strategy (torch DDP)."""
         self.end_step()
         return self.take_stats()
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state.pop("_lock")
-        state["process_group"] = None
-        state["_wires"], state["_wires_used"] = {}, set()  # scratch: recycled buffers, not state
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()

@@ -15,7 +15,7 @@ from lightning_gravac.compressors.powersgd import PowerSGD
 from lightning_gravac.feedback import ErrorFeedback
 from lightning_gravac.feedback.residuals import encode
 from lightning_gravac.launch import run_distributed
-from lightning_gravac.state import GATHER, REDUCE, CompressionState
+from lightning_gravac.state import GATHER, REDUCE, CompressionState, Factors
 from lightning_gravac.strategies.communicators import (
     DenseProbed,
     Gathered,
@@ -45,7 +45,8 @@ def _bucket(rank: int, step: int) -> tuple[torch.Tensor, list[str], list[torch.T
 def _one(rank: int, world: int, name: str, cf: float, dense: tuple[bool, bool] = (False, False)) -> list[dict]:
     """Two steps of one method on a hand-made bucket (``dense[step]``: that step every factor is 1, probed)."""
     state = CompressionState(get_compressor(name), error_feedback=True)
-    state.world_size, state.probe_cfs = world, (10.0,)
+    state.binding.world_size = world
+    state.decide(Factors(probe_cfs=(10.0,)))
     state.compressor.setup(world, rank)
     out = []
     for step, dense_now in enumerate(dense):  # the second step error-feeds the first one's residuals
@@ -61,13 +62,13 @@ def _one(rank: int, world: int, name: str, cf: float, dense: tuple[bool, bool] =
         work = Work(state, buffer, segments, names, grads, "copy" if dense_now else "recycle", dense_now)
         communicator = communicator_for(work)
         result = communicator.send(work).wait()
-        state.step += 1
+        state.carried.step += 1
         out.append({
             "communicator": type(communicator).__name__, "result": result.clone(), "fed": fed,
             "residuals": {n: state.feedback.residuals.get(n).clone() for n in names if n in state.feedback.residuals},
-            "records": list(state._records),
+            "records": list(state.scratch.records),
         })  # fmt: skip
-        state._records.clear()
+        state.scratch.records.clear()
     return out
 
 
@@ -169,7 +170,7 @@ def test_in_rounds_is_the_communicator_of_powersgd_only():
     g = torch.zeros(4, 4)
     work = Work(state, g.view(-1), [Segment("w", g, 4.0, state.compressor, g)], ["w"], [g])
     assert isinstance(communicator_for(work), InRounds)
-    state.half = True
+    state.decide(Factors(half=True))
     half = Work(state, g.view(-1), [Segment("w", g, 2.0, state.cast, g)], ["w"], [g])
     assert isinstance(communicator_for(half), Summed)  # a half step is a cast, whatever the method
 
@@ -183,8 +184,8 @@ def test_the_wire_buffers_are_recycled_and_a_step_drops_those_it_did_not_write()
     state.end_step()
     assert state.wire_buffer("a", 100, torch.float16, torch.device("cpu")) is first  # recycled
     state.end_step()  # a step that wrote only "a" (DDP rebuilt its buckets): "b" goes
-    assert set(state._wires) == {"a"}
+    assert set(state.scratch.wires) == {"a"}
     state.end_step()  # a step that wrote none (a sparsifier's step) drops nothing
-    assert set(state._wires) == {"a"}
+    assert set(state.scratch.wires) == {"a"}
     assert state.wire_buffer("a", 100, torch.bfloat16, torch.device("cpu")).dtype == torch.bfloat16  # re-made
-    assert pickle.loads(pickle.dumps(state))._wires == {}  # scratch, not state
+    assert pickle.loads(pickle.dumps(state)).scratch.wires == {}  # scratch, not state

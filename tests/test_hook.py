@@ -4,6 +4,7 @@ Each rank trains on different data, so a hook that communicated nothing, or aver
 """
 
 import copy
+from dataclasses import replace
 from typing import NamedTuple
 
 import pytest
@@ -81,7 +82,7 @@ def _reference_step(compressor, names, grads, residuals, cf, granularity, step, 
 
 def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb, param_cf=None):
     state = CompressionState(get_compressor(compressor), error_feedback=True, granularity=granularity, cf=cf)
-    state.param_cf = param_cf or {}
+    state.decide(replace(state.factors, param_cf=param_cf or {}))
     model, reference, ddp = _hooked(state, bucket_cap_mb)
     memory = state.feedback.residuals
     residuals: dict[str, torch.Tensor] = {}
@@ -195,7 +196,7 @@ def _probed(rank, world, granularity, cf):
     for gain_of in ("error_fed", "gradient"):
         topk = get_compressor("topk")
         state = CompressionState(topk, error_feedback=True, granularity=granularity, cf=cf)
-        state.probe_cfs, state.gain_of = cfs, gain_of
+        state.decide(replace(state.factors, probe_cfs=cfs, gain_of=gain_of))
         _, reference, ddp = _hooked(state)
         residuals: dict[str, torch.Tensor] = {}
         got, expected = [], []
@@ -267,7 +268,7 @@ def _dgc_steps(rank, world, granularity):
     _, reference, ddp = _hooked(state)
     out = []
     for step, (cf, param_cf, probe_cfs) in enumerate(DGC_STEPS):
-        state.cf, state.param_cf, state.probe_cfs = cf, param_cf, probe_cfs
+        state.decide(replace(state.factors, cf=cf, param_cf=param_cf, probe_cfs=probe_cfs))
         names, grads = _backward_both(ddp, reference, step, rank)
         shapes = {n: g.shape for n, g in zip(names, grads, strict=True)}
         sent, sums = {}, torch.zeros(1 + len(probe_cfs), dtype=torch.float64)  # ||g||^2 and the probes' norms
@@ -385,7 +386,7 @@ def _vote(rank, world):
 
 def _low_rank_probed(rank, world, gain_of):
     state = CompressionState(get_compressor("powersgd"), error_feedback=True, cf=8)
-    state.probe_cfs, state.gain_of = (16.0, 32.0), gain_of
+    state.decide(replace(state.factors, probe_cfs=(16.0, 32.0), gain_of=gain_of))
     model, _, ddp = _hooked(state)
     steps = []
     for step in range(3):
@@ -422,7 +423,7 @@ def _half_steps(rank, world, granularity):
     residuals: dict[str, torch.Tensor] = {}
     out = []
     for step, half in enumerate((False, True, False, True)):
-        state.half = half
+        state.decide(replace(state.factors, half=half))
         names, grads = _backward_both(ddp, reference, step, rank)
         if half:
             expected = {}
@@ -440,7 +441,7 @@ def _half_steps(rank, world, granularity):
             "equal": all(torch.equal(got[n].grad, expected[n]) for n in names),
             "residuals": all(torch.equal(state.feedback.residuals.get(n), residuals[n]) for n in names),
             "achieved_cf": stats.achieved_cf,
-            "wires": {key: wire.data_ptr() for key, wire in state._wires.items()},
+            "wires": {key: wire.data_ptr() for key, wire in state.scratch.wires.items()},
         })  # fmt: skip
     return out
 
@@ -452,7 +453,7 @@ def _residual_bytes(rank, world, method):
     model, reference, ddp = _hooked(state)
     held = []
     for step, half in enumerate((False, False, False, True, False, False)):
-        state.half = half
+        state.decide(replace(state.factors, half=half))
         _backward_both(ddp, reference, step, rank)
         held.append(state.feedback.residuals.nbytes())
     return held, sum(p.numel() * p.element_size() for p in model.parameters())

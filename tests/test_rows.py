@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gravac import Controller, GraVACStrategy, RunSummary, Static
 from lightning_gravac.launch import run_distributed
-from lightning_gravac.state import CompressionState
+from lightning_gravac.state import CompressionState, Factors
 from lightning_gravac.tables import RowTables, untied_tables
 
 from models import SimulatedLink, trainer_kwargs, weights
@@ -51,8 +51,8 @@ def _loader(vocab: int) -> DataLoader:
 class Halves(Controller):
     """Every step whole in fp16 (the 16-bit rung an adaptive controller may choose)."""
 
-    def apply(self, state: CompressionState) -> None:
-        state.cf, state.half = 1.0, True
+    def decide(self, state: CompressionState) -> Factors:
+        return Factors(cf=1.0, half=True)
 
 
 class Bytes(pl.Callback):

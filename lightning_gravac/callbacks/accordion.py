@@ -1,5 +1,6 @@
 """Accordion: light compression in critical regimes, heavy elsewhere (Agarwal et al., MLSys 2021)."""
 
+from dataclasses import replace
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -11,7 +12,7 @@ from typing_extensions import override
 from lightning_gravac._validation import choice, fraction, whole
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.state import DENSE, CompressionState, StepStats
+from lightning_gravac.state import DENSE, CompressionState, Factors, StepStats
 
 
 class Accordion(Controller):
@@ -69,9 +70,9 @@ class Accordion(Controller):
         return "high_cf", self.high_cf
 
     @override
-    def apply(self, state: CompressionState) -> None:
-        super().apply(state)
-        state.param_cf = dict(self.layer_cf)
+    def decide(self, state: CompressionState) -> Factors:
+        # A copy: the layers' factors handed over stay as they are until the next hand-over.
+        return replace(super().decide(state), param_cf=dict(self.layer_cf))
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -80,7 +81,7 @@ class Accordion(Controller):
             self.layer_cf = {n: DENSE if p.ndim <= 1 else self.low_cf for n, p in pl_module.named_parameters()}
             self.compressible = [n for n, p in pl_module.named_parameters() if p.ndim > 1]
         self._sums = {name: s.to(pl_module.device) for name, s in self._sums.items()}  # restored on the CPU
-        self._hand_over(self.state)
+        self.apply(self.state)
 
     @override
     def on_train_batch_start(
@@ -91,7 +92,7 @@ class Accordion(Controller):
         if lr is not None and self._last_lr is not None and lr < self._last_lr:
             self.lr_dropped = True
             self.layer_cf.update(dict.fromkeys(self.compressible, self.low_cf))
-            self._hand_over(self.state)
+            self.apply(self.state)
         self._last_lr = lr
 
     @override
@@ -116,7 +117,7 @@ class Accordion(Controller):
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.interval == "epoch":
             self._tick()
-            self._hand_over(self.state)
+            self.apply(self.state)
 
     def _tick(self) -> None:
         self._progress += 1

@@ -1,6 +1,7 @@
 """The base of every compression controller."""
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytorch_lightning as pl
@@ -12,7 +13,7 @@ from typing_extensions import override
 
 from lightning_gravac.callbacks.guard import DivergenceGuard
 from lightning_gravac.feedback import scales_per_coordinate
-from lightning_gravac.state import CompressionState, StepStats
+from lightning_gravac.state import CompressionState, Factors, StepStats
 
 
 def largest_trainable(module: torch.nn.Module) -> int:
@@ -45,7 +46,15 @@ class Controller(Callback):
     Statistics come from the comm hook and crossed the network, so they are identical on every rank, and so is
     every decision made from them: ranks that chose different factors would send payloads of different sizes
     and deadlock the collective. Subclasses implement :meth:`observe` (and may override :meth:`metrics`);
-    they change the factor by setting ``self.cf`` (or per-parameter factors in the state).
+    they change the factor by setting ``self.cf``, and complete the decision in :meth:`decide` (per-layer factors,
+    probes).
+
+    The controller owns the decision (:attr:`decided`, whose ``cf`` is :attr:`cf`) and the state reads it: the hook's
+    :attr:`~lightning_gravac.CompressionState.factors` is this very object, handed over by :meth:`apply`, except while
+    a hold sends the steps whole in its place. The decision lives here rather than in the state because it outlives
+    what the hook sends: the divergence guard's hold and an Adam warm-up replace it and give it back, a checkpoint
+    carries it, and it exists before any state does (a controller is built before its trainer) and stays with the
+    controller when it is attached to another.
 
     Every step it computes :attr:`last_metrics`: ``gravac/cf`` (factor in force), ``gravac/achieved_cf`` (dense /
     sent bytes), ``gravac/gain`` (``sum ||C(g)||^2 / sum ||g||^2``), ``gravac/bytes_sent``, ``gravac/bytes_dense``,
@@ -63,7 +72,8 @@ class Controller(Callback):
     """
 
     def __init__(self, cf: float = 1.0) -> None:
-        self.cf = cf
+        #: The decision for the next step: what :meth:`apply` hands the hook.
+        self.decided = Factors(cf=cf)
         #: Whether the optimizer scales each coordinate by a running second moment: known at fit start.
         self.adaptive_optimizer = False
         #: Sends dense for a while when a compressed step's gradient norm explodes; ``None`` turns it off.
@@ -75,6 +85,15 @@ class Controller(Callback):
         self._state: CompressionState | None = None
 
     @property
+    def cf(self) -> float:
+        """The factor this controller chose (the hook's, unless a hold sends the step whole)."""
+        return self.decided.cf
+
+    @cf.setter
+    def cf(self, cf: float) -> None:
+        self.decided = replace(self.decided, cf=cf)
+
+    @property
     def state(self) -> CompressionState:
         """The strategy's compression state (available from ``setup`` on)."""
         if self._state is None:
@@ -84,7 +103,7 @@ class Controller(Callback):
     @property
     def compression_state(self) -> CompressionState | None:
         """The strategy's compression state, ``None`` before setup (when :attr:`state` raises). Setup sets it; set it by
-        hand to drive the controller without a trainer (the next :meth:`apply` hands the factor over)."""
+        hand to drive the controller without a trainer (the next :meth:`apply` hands the decision over)."""
         return self._state
 
     @compression_state.setter
@@ -105,7 +124,7 @@ class Controller(Callback):
         if stage == "fit" and any(True for _ in pl_module.parameters()):
             self._fit_and_check(pl_module)
         self._state = state
-        self._hand_over(state)
+        self.apply(state)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -116,7 +135,7 @@ class Controller(Callback):
             # When the optimizer's moments move into the hook (after a warm-up) is their part's decision.
             self.state.feedback.on_fit_start(trainer, self.moves_adam, type(self).__name__, self.state.compressor.name)
             self._on_adaptive_optimizer()
-        self._hand_over(self.state)
+        self.apply(self.state)
 
     @property
     def moves_adam(self) -> bool:
@@ -180,7 +199,7 @@ class Controller(Callback):
         guarded = self._guarded(stats, trainer, outputs)
         if guarded == "free":  # a step the guard sent dense is not the controller's to observe
             self.observe(stats, trainer)
-        self._hand_over(self.state)
+        self.apply(self.state)
         self.last_metrics["gravac/guarded"] = float(guarded == "hold")  # whether the next step is held dense
         self._publish(trainer)
 
@@ -198,15 +217,6 @@ class Controller(Callback):
         connector = trainer._logger_connector
         if getattr(connector, "should_update_logs", True):
             connector.log_metrics(metrics)
-
-    def _hand_over(self, state: CompressionState) -> None:
-        """:meth:`apply` the decisions, unless the divergence guard holds the factor at 1 (then everything is dense)."""
-        self.apply(state)
-        if self.guard is not None and self.guard.holding > 0:
-            state.cf, state.param_cf, state.probe_cfs, state.half = 1.0, {}, (), False
-        if state.feedback.warming_up(state.step) and not state.half:
-            # A moved moment's warm-up: sent whole (fp16 when GraVAC chose it), whatever the factor.
-            state.cf, state.param_cf, state.probe_cfs = 1.0, {}, ()
 
     def _guarded(self, stats: StepStats, trainer: "pl.Trainer", outputs: Any = None) -> str:
         """``"hold"``: the divergence guard holds the next step dense; ``"released"``: this step was its last dense
@@ -241,9 +251,19 @@ class Controller(Callback):
     def observe(self, stats: StepStats, trainer: "pl.Trainer") -> None:
         """Take one step's statistics into account and decide the next factor. Static controllers do nothing."""
 
+    def decide(self, state: CompressionState) -> Factors:
+        """The decision for ``state``'s next step: the factor (and, in subclasses, probes or per-layer factors)."""
+        return Factors(cf=self.cf)
+
     def apply(self, state: CompressionState) -> None:
-        """Hand the current decisions to the comm hook: the factor (and, in subclasses, probes or per-layer factors)."""
-        state.cf, state.half = self.cf, False
+        """Hand the decision (:meth:`decide`) to the comm hook, unless a hold sends the step whole: the divergence
+        guard's (factor 1), or a moved moment's warm-up (factor 1, or fp16 when GraVAC chose it)."""
+        self.decided = factors = self.decide(state)
+        if self.guard is not None and self.guard.holding > 0:
+            factors = factors.dense()
+        if state.feedback.warming_up(state.step) and not factors.half:
+            factors = factors.dense()
+        state.decide(factors)
 
     def metrics(self, stats: StepStats) -> dict[str, float]:
         """The ``gravac/*`` metrics of the step that produced ``stats``."""
@@ -268,7 +288,7 @@ class Controller(Callback):
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
         if self._state is not None:
-            self._hand_over(self._state)
+            self.apply(self._state)
 
     def _all_reduce(
         self, trainer: "pl.Trainer", values: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM

@@ -55,11 +55,10 @@ def saved_compression(state: CompressionState, world_size: int) -> dict[str, Any
     ranks = world_size if dist.is_initialized() else 1
     feedback = state.feedback.state_dict()
     saved: dict[str, Any] = {
-        "step": state.step,
+        **state.carried.saved(),  # the step count and the units the residuals are in (fp16 scaling)
         "world_size": world_size,
         "residuals": gather_rows(feedback["residuals"], ranks),
         "compressor": gather_rows(state.compressor.state_dict(), ranks),
-        "grad_scale": state.grad_scale,  # the units the residuals are in (fp16 scaling)
     }
     for part in state.feedback.adaptations:
         saved[part.name] = gather_rows(feedback[part.name], ranks) if part.per_rank else feedback[part.name]
@@ -70,8 +69,7 @@ def restore_compression(
     state: CompressionState, saved: dict[str, Any], world_size: int, rank: int, device: torch.device
 ) -> None:
     """Restore :func:`saved_compression`'s entry on this ``rank`` of ``world_size``, onto ``device``."""
-    state.step = saved["step"]
-    state.grad_scale = saved.get("grad_scale")
+    state.carried.restore(saved)
     residuals: dict[str, torch.Tensor] = saved["residuals"]
     same_world = saved["world_size"] == world_size
     if residuals and not same_world:

@@ -5,16 +5,17 @@ and every communicator ends in the same ``settle``, which hands the outcome to t
 (:class:`~lightning_gravac.feedback.Feedback`, which stores or drops residuals and moved momentum). The hook decides the
 path and prepares the bucket as a :class:`~lightning_gravac.strategies.communicators.Work`:
 
-1. local SGD (from ``state.local_sgd_from``): nothing is sent; pending residuals go into the local step;
+1. local SGD (from ``state.config.local_sgd_from``): nothing is sent; pending residuals go into the local step;
 2. a sparse gradient: summed over ranks as stock DDP does;
 3. every factor is 1, no probe is asked for: the plain all-reduce, bit for bit what stock DDP does (residuals left
    by earlier compressed steps are carried in and dropped once the result is known finite; a method with momentum of
    its own, DGC, delivers it first); embedding tables whose step touched few rows go by those rows (the same sum),
    on a half step too (what the fp16 rung's cast gives and keeps);
 4. otherwise its segments (each layer, or the whole bucket) with their factors and methods (on a *half* step,
-   ``state.half``, the fp16 cast whatever the factor: the controller's 16-bit rung), the probes of the step's own
-   gradient when the controller asks for them, and how error feedback is applied; the communicator of the method's
-   pattern error-feeds and compresses the segments, launches the collectives and decodes the average into the bucket.
+   ``state.factors.half``, the fp16 cast whatever the factor: the controller's 16-bit rung), the probes of the step's
+   own gradient when the controller asks for them, and how error feedback is applied; the communicator of the
+   method's pattern error-feeds and compresses the segments, launches the collectives and decodes the average into
+   the bucket.
 
 On every path that sends a layer or a bucket dense (factor 1), a method with momentum of its own (DGC) first turns it
 into what it delivers there, its momentum and accumulation (``Compressor.deliver_``), its new state committed with the
@@ -41,7 +42,7 @@ from torch.futures import Future
 
 from lightning_gravac.compressors.base import Pattern, sq_norm
 from lightning_gravac.feedback import FeedMode
-from lightning_gravac.state import HALF, CompressionState
+from lightning_gravac.state import HALF, CompressionState, Factors
 from lightning_gravac.strategies.communicators import Segment, Work, communicator_for
 
 
@@ -61,23 +62,24 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         work = Work(state, buffer, [], names, grads, local_sgd=True)
         return communicator_for(work).send(work)
 
-    # A half step sends every parameter in fp16, a factor of 2 (the controller's 16-bit rung).
-    cfs = [HALF if state.half else state.cf_of(name) for name in names]
+    # One decision for the whole bucket. A half step sends every parameter in fp16, a factor of 2 (the 16-bit rung).
+    factors = state.factors
+    cfs = [HALF if factors.half else state.cf_of(name) for name in names]
     dense = all(cf == 1.0 for cf in cfs)
     params = bucket.parameters() if feedback.follows_average else []
     feedback.direction_(names, grads, state.step)  # what an adaptation sends instead (Adam's direction once frozen)
-    if not state.probe_cfs:
+    if not factors.probe_cfs:
         if dense:
             return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step))
         # A half step of a bucket with embedding tables, by their rows where few were touched (`RowsReduced`: the
         # fp16 rung's sum, its rounding not kept), where no SGD momentum moved into the hook has to follow the cast.
-        if state.half and not feedback.follows_average and state.rows.holds_table(names):
+        if factors.half and not feedback.follows_average and state.rows.holds_table(names):
             return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step), half=True)
 
     start = time.perf_counter()
     feedback.local_(names, grads, params)  # this rank's momentum: what is compressed is the update direction
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
-    fresh, measuring = _fresh_gains(state, names, grads, buffer)
+    fresh, measuring = _fresh_gains(state, factors, names, grads, buffer)
     start += measuring  # not compression's cost: the controller weighs what sending a factor costs, measuring aside
     # Per layer, the residual is added into the gradient in place, in the bucket, and the new residual is written over
     # the old one once the step is known finite (`communicators.land`): error feedback keeps one buffer a parameter.
@@ -87,11 +89,11 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     if state.error_feedback:
         mode = "copy"
         if state.granularity == "layer" and not dense:
-            rounds = state.compressor.communication is Pattern.ROUNDS and not state.half
+            rounds = state.compressor.communication is Pattern.ROUNDS and not factors.half
             mode = "recycle" if rounds else "in_place"
         if mode == "copy":
             feedback.carry_(names, grads)
-    segments = _segments(state, names, grads, cfs, buffer)
+    segments = _segments(state, factors, names, grads, cfs, buffer)
     work = Work(state, buffer, segments, names, grads, mode, dense, fresh, start)
     sent_dense = [(s.key, s.tensor) for s in segments if dense or s.compressor is state.identity]
     work.delivered = state.compressor.deliver_(sent_dense, work.probe_cfs, step=state.step)
@@ -125,13 +127,13 @@ def _plain(
 
 
 def _segments(
-    state: CompressionState, names: list[str], grads: list[Tensor], cfs: list[float], buffer: Tensor
+    state: CompressionState, factors: Factors, names: list[str], grads: list[Tensor], cfs: list[float], buffer: Tensor
 ) -> list[Segment]:
     """The bucket's units of compression: each layer at its factor (a factor of 1 sends it unchanged), or the whole
     bucket at the global factor (per-layer factors need layer granularity)."""
-    method = state.cast if state.half else state.compressor
+    method = state.cast if factors.half else state.compressor
     if state.granularity == "bucket":
-        return [Segment(_bucket_key(names), buffer, cfs[0] if state.half else state.cf, method, buffer)]
+        return [Segment(_bucket_key(names), buffer, cfs[0] if factors.half else factors.cf, method, buffer)]
     return [
         Segment(name, grad, cf, state.identity if cf == 1.0 else method, grad)
         for name, grad, cf in zip(names, grads, cfs, strict=True)
@@ -139,23 +141,23 @@ def _segments(
 
 
 def _fresh_gains(
-    state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor
+    state: CompressionState, factors: Factors, names: list[str], grads: list[Tensor], buffer: Tensor
 ) -> tuple[tuple[Tensor, Tensor] | None, float]:
     """The probes of the step's own gradient when the controller asks for them, and the seconds they took."""
-    if not (state.probe_cfs and state.gain_of == "gradient"):
+    if not (factors.probe_cfs and factors.gain_of == "gradient"):
         return None, 0.0
     started = time.perf_counter()
-    fresh = _fresh_probes(state, names, grads, buffer)
+    fresh = _fresh_probes(state, factors.probe_cfs, names, grads, buffer)
     return fresh, time.perf_counter() - started
 
 
 def _fresh_probes(
-    state: CompressionState, names: list[str], grads: list[Tensor], buffer: Tensor
+    state: CompressionState, probe_cfs: tuple[float, ...], names: list[str], grads: list[Tensor], buffer: Tensor
 ) -> tuple[Tensor, Tensor]:
     """``(sum ||C_cf(grad)||^2 at the probe factors, ||grad||^2)`` of this rank's own gradient, unit by unit as it
     is compressed (each layer, or the whole bucket)."""
     units = _units(state, names, grads, buffer)
-    probes = [state.compressor.probe(t, state.probe_cfs, key=key, step=state.step) for key, t in units]
+    probes = [state.compressor.probe(t, probe_cfs, key=key, step=state.step) for key, t in units]
     return torch.stack(probes).sum(0), sq_norm(buffer)
 
 

@@ -3,6 +3,7 @@ its parts (the package's docstring lists them) and hands each the values it need
 
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytorch_lightning as pl
@@ -27,7 +28,7 @@ from lightning_gravac.callbacks.gravac.state import CHECKPOINT_ORDER, Carried
 from lightning_gravac.callbacks.gravac.window import Interval, Reduce, Window
 from lightning_gravac.compressors.base import validate_cf
 from lightning_gravac.feedback.momentum import MomentumCorrection
-from lightning_gravac.state import HALF, CompressionState, GainOf, StepStats
+from lightning_gravac.state import HALF, CompressionState, Factors, GainOf, StepStats
 
 
 class GraVAC(Controller):
@@ -246,18 +247,18 @@ class GraVAC(Controller):
             self._probe_link(trainer, fresh)
             if fresh:
                 self.cf = self.choose()
-                self._hand_over(self.state)
+                self.apply(self.state)
                 say_choice(self.cost, self.cf, None, self.rungs, self.window.steps)
         self._hold_for_adam()
         # The fp16 rung of an Adam fit is known from here on: a resumed run's next step may be a half one.
-        self._hand_over(self.state)
+        self.apply(self.state)
 
     def _hold_for_adam(self) -> None:
         """Under an Adam-like optimizer held dense or fp16: the factor of the first step (a resumed run's too), and
         what the user gets, said once a fit (unless Adam's moments move after the warm-up: said by the base class)."""
         if self.holds_for_adam:
             self.cf = self.choose()
-            self._hand_over(self.state)
+            self.apply(self.state)
             if self.state.feedback.sends_from is None:
                 method, rows = self.state.compressor.name, bool(self.state.rows.rows)
                 rank_zero_warn(hold_warning(self.adam, self.rungs, method, rows, self.rule.models_cost, self.fp16_rung))
@@ -301,15 +302,11 @@ class GraVAC(Controller):
         # Else said by `_hold_for_adam` at the end of fit start, once the probes have told whether fp16 can be sent.
 
     @override
-    def apply(self, state: CompressionState) -> None:
-        super().apply(state)
-        if self.holds_for_adam:  # dense or fp16 (chosen by `choose`): no gains to measure
-            state.cf, state.probe_cfs = self.cf, ()
-            state.half = self.cf == HALF and self.fp16_rung
-            return
-        state.probe_cfs = self.probe_cfs if self._probing(state) else ()
-        state.gain_of = self.probes.gain_of
-        state.half = self.cf == HALF and self.fp16_rung
+    def decide(self, state: CompressionState) -> Factors:
+        # Held dense or fp16 for Adam (chosen by `choose`): no gains to measure.
+        probe_cfs = self.probe_cfs if not self.holds_for_adam and self._probing(state) else ()
+        half = self.cf == HALF and self.fp16_rung
+        return replace(super().decide(state), probe_cfs=probe_cfs, gain_of=self.probes.gain_of, half=half)
 
     def _probing(self, state: CompressionState) -> bool:
         """Whether the next step measures the gains: every step of the first window; then one step in the probes'
@@ -417,7 +414,7 @@ class GraVAC(Controller):
         if self.window.interval == "epoch" and self.window.advance():
             self._end_window(self._reduce(trainer))
             self.cf = self.choose()
-            self._hand_over(self.state)
+            self.apply(self.state)
 
     def choose(self) -> float:
         """The factor to send next step: decided from values every rank holds identically."""

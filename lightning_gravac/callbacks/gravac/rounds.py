@@ -108,4 +108,4 @@ class Rounds(Carried):
             )
         else:
             outer.configure(config, state.compressor, False)
-        state.local_sgd_from = self.start
+        state.config.local_sgd_from = self.start

@@ -40,7 +40,8 @@ class InRounds(Communicator):
         basis = torch.stack(list(norms.values())).sum()
         dense_sq = torch.stack([norms[s.key] for s in dense]).sum() if dense else basis.new_zeros(())
         flat = torch.cat([t.view(-1) for t in payload] + [s.tensor.reshape(-1).float() / world for s in dense])
-        sent_bytes = flat.numel() * flat.element_size() + Header.numel(len(state.probe_cfs), work.fresh is not None) * 8
+        header_numel = Header.numel(len(state.factors.probe_cfs), work.fresh is not None)
+        sent_bytes = flat.numel() * flat.element_size() + header_numel * 8
         encode_s = time.perf_counter() - work.start
         launched = time.perf_counter()
 

@@ -67,7 +67,7 @@ class Work:
     @property
     def probe_cfs(self) -> tuple[float, ...]:
         """The factors the header's probes are of, when measured here (not from the step's own gradient)."""
-        return () if self.fresh is not None else self.state.probe_cfs
+        return () if self.fresh is not None else self.state.factors.probe_cfs
 
     @property
     def method(self) -> Compressor:
