@@ -52,7 +52,7 @@ class Controller(Callback):
     The controller owns the decision (:attr:`decided`, whose ``cf`` is :attr:`cf`) and the state reads it: the hook's
     :attr:`~lightning_gravac.CompressionState.factors` is this very object, handed over by :meth:`apply`, except while
     a hold sends the steps whole in its place. The decision lives here rather than in the state because it outlives
-    what the hook sends: the divergence guard's hold and an Adam warm-up replace it and give it back, a checkpoint
+    what the hook sends: the divergence guard's hold and a warm-up replace it and give it back, a checkpoint
     carries it, and it exists before any state does (a controller is built before its trainer) and stays with the
     controller when it is attached to another.
 
