@@ -91,6 +91,8 @@ class OuterUpdate(Adaptation):
         self.residual: Staged
         self.began: Staged
         self.landed: Staged
+        # Changes of parameters, not gradients: a gradient scaler leaves them alone; the divergence guard drops the
+        # residual and the outer momentum, and the round goes on.
         self.add_state("anchor", "anchor", reset=False)
         self.add_state("velocity", "velocity")
         self.add_state("residual", "residual")
@@ -312,16 +314,6 @@ class OuterUpdate(Adaptation):
     def _set_anchor(self) -> None:
         for name, p in self._params.items():
             self.anchor.kept[name] = p.detach().clone()
-
-    @override
-    def rescale_(self, factor: float) -> None:
-        """Changes of parameters are not in gradient units: a gradient scaler's factor leaves them alone."""
-
-    @override
-    def reset(self) -> None:
-        """The divergence guard: the residual and the outer momentum are dropped; the round goes on."""
-        self.residual.clear()
-        self.velocity.clear()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -26,8 +26,8 @@ LENGTHS = (4, 8, 16)
 MIN_ROUNDS = 8
 #: The share of a step's computation a round's communication may add a step.
 WITHIN_LIMIT = 0.1
-#: The outer update's factor: QSGD's 4-bit codes from fp32.
-OUTER_CF = 8.0
+#: The outer update's factor: ``LocalSteps``' own default, QSGD's 4-bit codes from fp32.
+OUTER_CF: float = LocalSteps.cf
 
 
 def round_seconds(link: Link, cost: CostModel, cf: float = OUTER_CF) -> float:
