@@ -21,9 +21,9 @@ import pytorch_lightning
 import torch
 from torch import Tensor
 
+from lightning_gravac.adaptations.adam import AdamMoments
+from lightning_gravac.adaptations.residuals import ErrorFeedback
 from lightning_gravac.compressors import get_compressor
-from lightning_gravac.feedback.adam import AdamMoments
-from lightning_gravac.feedback.residuals import ErrorFeedback
 from lightning_gravac.zoo.gpt import ByteGPT, Windows, read_bytes
 
 ROWS = {

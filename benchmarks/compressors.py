@@ -43,9 +43,9 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_gravac.adaptations import ErrorFeedback
+from lightning_gravac.adaptations.residuals import encode
 from lightning_gravac.compressors import get_compressor, list_compressors
-from lightning_gravac.feedback import ErrorFeedback
-from lightning_gravac.feedback.residuals import encode
 
 SPARSIFIERS = ("topk", "dgc", "redsync", "sidco", "threshold", "randomk")
 #: Methods whose work depends on a weight's shape, given the gradient as a ``[rows, 5000]`` matrix (a 1-D tensor is
@@ -72,8 +72,8 @@ def _pipeline(name: str, cf: float, grad: torch.Tensor) -> Callable[[], None]:
         start = time.perf_counter()
         # As the strategy does: error feedback for biased methods that keep no residual of their own (DGC keeps its
         # accumulation instead; unbiased methods and signSGD go without), through the hook's own `encode`.
-        feedback = "recycle" if compressor.error_feedback_default else "off"
-        encoded = encode(compressor, work, cf, key="g", feedback=feedback, memory=memory, out=wire)
+        residual_mode = "recycle" if compressor.error_feedback_default else "off"
+        encoded = encode(compressor, work, cf, key="g", residual_mode=residual_mode, memory=memory, out=wire)
         payload = encoded.payload
         compressor.sent_sq_norm(payload)  # the header's ||C(g)||^2, which the hook sends beside every payload
         if encoded.residual is not None:

@@ -25,10 +25,10 @@ import json
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_gravac.adaptations import ErrorFeedback
+from lightning_gravac.adaptations.residuals import encode
 from lightning_gravac.compressors import get_compressor
 from lightning_gravac.compressors.base import sq_norm
-from lightning_gravac.feedback import ErrorFeedback
-from lightning_gravac.feedback.residuals import encode
 from lightning_gravac.zoo import BagOfWordsRegression, TeacherRegression, bag_of_words_dataset, teacher_dataset
 
 LADDER = (20.0, 160.0, 1000.0)
@@ -75,7 +75,7 @@ def run(cf: float, args: argparse.Namespace, trace: bool) -> dict:
                         fresh_sq += sq_norm(grad)
                         fresh_kept += compressor.probe(grad, LADDER, key=name, step=step)
                     encoded = encode(
-                        compressor, grad, cf, key=name, step=step, feedback="recycle", memory=memories[rank],
+                        compressor, grad, cf, key=name, step=step, residual_mode="recycle", memory=memories[rank],
                         probe_cfs=LADDER if probing else (),
                     )  # fmt: skip
                     if encoded.probes is not None:  # of the error-fed gradient

@@ -8,7 +8,7 @@ its momentum ``u`` there. Unmasked, that ``u`` would still have added ``m / (1 -
     R = sum |v_sent| / (sum |v_sent| + m / (1 - m) sum |u_sent|)
 
 of what heavy-ball momentum delivers (under a constant gradient, an entry sent every ``T`` steps gives exactly
-:func:`~lightning_gravac.feedback.momentum.masking_retention` of ``T``). Measured on rank 0 at every compressed
+:func:`~lightning_gravac.adaptations.momentum.masking_retention` of ``T``). Measured on rank 0 at every compressed
 bucket, from the error-fed values and the momentum where the new residual is 0, with the matrix's task settings
 (2 CPU ranks, scale 0.25). Not a timing: it may run beside other work.
 """
@@ -21,8 +21,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_gravac.feedback.momentum import MomentumCorrection
-from lightning_gravac.feedback.residuals import ErrorFeedback
+from lightning_gravac.adaptations.momentum import MomentumCorrection
+from lightning_gravac.adaptations.residuals import ErrorFeedback
 from lightning_gravac.launch import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))

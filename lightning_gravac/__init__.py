@@ -6,9 +6,9 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_gravac.adaptations import ErrorFeedback, LocalSteps
     from lightning_gravac.callbacks import Accordion, Controller, DivergenceGuard, GraVAC, RunSummary, Static
     from lightning_gravac.compressors import Compressor, Payload, get_compressor, list_compressors
-    from lightning_gravac.feedback import ErrorFeedback, LocalSteps
     from lightning_gravac.strategies import CompressionState, GraVACStrategy, StepStats
 
 __version__ = "0.1.0"
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "lightning_gravac.callbacks": ("Accordion", "Controller", "DivergenceGuard", "GraVAC", "RunSummary", "Static"),
     "lightning_gravac.compressors": ("Compressor", "Payload", "get_compressor", "list_compressors"),
-    "lightning_gravac.feedback": ("ErrorFeedback", "LocalSteps"),
+    "lightning_gravac.adaptations": ("ErrorFeedback", "LocalSteps"),
     "lightning_gravac.strategies": ("CompressionState", "GraVACStrategy", "StepStats"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_gravac.adaptations import Carry
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.compressors.cast import FP16
 from lightning_gravac.compressors.none import NoCompression
-from lightning_gravac.feedback import Feedback
 from lightning_gravac.tables import RowTables
 
 Granularity = Literal["layer", "bucket"]
@@ -201,11 +201,11 @@ SAVED = {"saved": True}
 
 @dataclass
 class Carried:
-    """What the hook carries from step to step: residuals and moved moments (written by ``feedback/``'s code alone),
-    and the step's bookkeeping. A checkpoint saves the feedback part rank by rank (``strategies/checkpoint.py``) and
+    """What the hook carries from step to step: residuals and moved moments (written by ``adaptations/``'s code alone),
+    and the step's bookkeeping. A checkpoint saves the carry rank by rank (``strategies/checkpoint.py``) and
     the fields declared ``SAVED`` once."""
 
-    feedback: Feedback = field(default_factory=Feedback)
+    carry: Carry = field(default_factory=Carry)
     step: int = field(default=0, metadata=SAVED)  # steps that communicated: advanced by `end_step` only (seeds draws)
     grad_scale: float | None = field(default=None, metadata=SAVED)  # the mixed-precision scale the residuals are in
     # The training epoch the compressor was last told of (`begin_step`): not saved, a resumed fit tells it again.
@@ -314,7 +314,7 @@ class CompressionState:
         granularity: ``"layer"`` or ``"bucket"``.
         cf: the factor before any controller decides.
         local_sgd_from: the step from which gradients stay local; ``None``: never.
-        feedback: the feedback part (a fresh one by default).
+        carry: what the hook carries from step to step (a fresh one by default).
     """
 
     compressor: _Of[Compressor] = _Of("config")
@@ -332,7 +332,7 @@ class CompressionState:
     world_size: _Of[int] = _Of("binding")
     param_names: _Of[dict[int, str]] = _Of("binding")
     rows: _Of[RowTables] = _Of("binding")
-    feedback: _Of[Feedback] = _Of("carried")
+    carry: _Of[Carry] = _Of("carried")
     step: _Of[int] = _Of("carried")
     grad_scale: _Of[float | None] = _Of("carried")
     epoch: _Of[int] = _Of("carried")
@@ -345,12 +345,12 @@ class CompressionState:
         *,
         cf: float = DENSE,
         local_sgd_from: int | None = None,
-        feedback: Feedback | None = None,
+        carry: Carry | None = None,
     ) -> None:
         self.config = Config(compressor, error_feedback, granularity, local_sgd_from)
         self.factors = Factors(cf=cf)
         self.binding = Binding()
-        self.carried = Carried(Feedback() if feedback is None else feedback)
+        self.carried = Carried(Carry() if carry is None else carry)
         self.scratch = Scratch()
 
     def decide(self, factors: Factors) -> None:
@@ -375,13 +375,13 @@ class CompressionState:
     def reset(self) -> None:
         """Drop what compression accumulated across steps in gradient units: the residuals, the moved momentum and the
         method's own accumulations (the divergence guard's remedy: they hold what exploded)."""
-        self.feedback.reset()
+        self.carry.reset()
         self.compressor.reset()
 
     def rescale_(self, factor: float) -> None:
         """The gradients' scale changed by ``factor`` (a mixed-precision scaler): what is kept in gradient units, the
         residuals and the method's own accumulations, follows it."""
-        self.feedback.rescale_(factor)
+        self.carry.rescale_(factor)
         self.compressor.rescale_(factor)
 
     def follow_scale(self, scale: float) -> None:

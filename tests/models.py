@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gravac import Controller, GraVAC, StepStats
-from lightning_gravac.feedback import MomentumCorrection
+from lightning_gravac.adaptations import MomentumCorrection
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
 
@@ -92,9 +92,9 @@ class Snapshot(Callback):
         self.taken = {
             "controller": controller.state_dict(),
             "step": state.step,
-            "residuals": state.feedback.residuals.state_dict(),
+            "residuals": state.carry.residuals.state_dict(),
             "compressor": state.compressor.state_dict(),
-            "momentum": state.feedback.get(MomentumCorrection).state_dict(),
+            "momentum": state.carry.get(MomentumCorrection).state_dict(),
         }
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

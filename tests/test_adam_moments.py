@@ -9,7 +9,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_gravac import GraVACStrategy, RunSummary
-from lightning_gravac.feedback.adam import WARMUP_UNKNOWN_BUDGET, AdamMoments, warmup_steps
+from lightning_gravac.adaptations.adam import WARMUP_UNKNOWN_BUDGET, AdamMoments, warmup_steps
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import TeacherRegression
 
@@ -117,7 +117,7 @@ def _fit(rank, world_size, ckpt_dir, max_steps, method):
         return {
             "cf": [r["gravac/cf"] for r in summary.history],
             "weights": weights(model),
-            "frozen_from": state.feedback.get(AdamMoments).frozen_from,
+            "frozen_from": state.carry.get(AdamMoments).frozen_from,
             "method": state.compressor.name,
             "held": held,
         }
@@ -172,7 +172,7 @@ def _default(rank, world_size):
     model = _AdamW(width=64)
     trainer.fit(model, loader())
     state = trainer.strategy.compression_state
-    return state.compressor.name, state.feedback.get(AdamMoments).frozen_from, weights(model)
+    return state.compressor.name, state.carry.get(AdamMoments).frozen_from, weights(model)
 
 
 @pytest.mark.distributed

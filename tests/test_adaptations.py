@@ -1,12 +1,12 @@
-"""The protocol of an optimizer adaptation: a part declares its state once, and the feedback part, the guard's reset,
-the gradient scale and the checkpoint (on any number of ranks) follow from the declaration."""
+"""The protocol of an optimizer adaptation: a part declares its state once, and the `Carry` that holds it, the guard's
+reset, the gradient scale and the checkpoint (on any number of ranks) follow from the declaration."""
 
 import torch
 from torch import Tensor
 
 from lightning_gravac import get_compressor
-from lightning_gravac.feedback import AdamMoments, Feedback, MomentumCorrection, OuterUpdate, Setup, Staged, adaptation
-from lightning_gravac.feedback.adaptation import Adaptation, register_adaptation
+from lightning_gravac.adaptations import AdamMoments, Carry, MomentumCorrection, OuterUpdate, Setup, Staged, adaptation
+from lightning_gravac.adaptations.adaptation import Adaptation, register_adaptation
 from lightning_gravac.state import CompressionState
 from lightning_gravac.strategies.checkpoint import restore_compression, saved_compression
 
@@ -34,39 +34,39 @@ class _Trace(Adaptation):
 
 
 def test_the_registered_parts_are_sgd_momentum_adams_moments_and_the_outer_update_in_that_order():
-    assert [type(p) for p in Feedback().adaptations] == [MomentumCorrection, AdamMoments, OuterUpdate]
+    assert [type(p) for p in Carry().adaptations] == [MomentumCorrection, AdamMoments, OuterUpdate]
 
 
 def test_a_part_is_one_class_and_one_registration(monkeypatch):
     monkeypatch.setattr(adaptation, "_REGISTRY", list(adaptation._REGISTRY))
     register_adaptation(_Trace)
-    feedback = Feedback()
-    trace = feedback.get(_Trace)
-    feedback.local_(["w"], [torch.ones(3)], [])
-    feedback.settle(["w"], {}, finite=False)  # a non-finite step keeps nothing
+    carry = Carry()
+    trace = carry.get(_Trace)
+    carry.local_(["w"], [torch.ones(3)], [])
+    carry.settle(["w"], {}, finite=False)  # a non-finite step keeps nothing
     assert trace.sums.kept == {}
     for _ in range(2):
-        feedback.local_(["w"], [torch.ones(3)], [])
-        feedback.settle(["w"], {}, finite=True)
+        carry.local_(["w"], [torch.ones(3)], [])
+        carry.settle(["w"], {}, finite=True)
     assert torch.equal(trace.sums.kept["w"], torch.full((3,), 2.0))
-    feedback.rescale_(0.5)  # declared in gradient units
+    carry.rescale_(0.5)  # declared in gradient units
     assert torch.equal(trace.sums.kept["w"], torch.ones(3))
-    (key, saved_sum), *_ = feedback.state_dict()["trace"].items()
+    (key, saved_sum), *_ = carry.state_dict()["trace"].items()
     assert key == "s/w" and torch.equal(saved_sum, torch.ones(3))
     # The checkpoint: saved stacked by rank (one here), restored on as many ranks and on another number.
-    state = CompressionState(get_compressor("topk"), error_feedback=True, feedback=feedback)
+    state = CompressionState(get_compressor("topk"), error_feedback=True, carry=carry)
     saved = saved_compression(state, world_size=1)
     assert saved["trace"]["s/w"].shape == (1, 3)
     saved["trace"]["s/w"] = torch.stack([torch.ones(3), torch.full((3,), 3.0)])
     saved["world_size"] = 2
     restore_compression(state, saved, world_size=1, rank=0, device=torch.device("cpu"))
     assert torch.equal(trace.sums.kept["w"], torch.full((3,), 2.0))  # the mean of the saved ranks
-    feedback.reset()  # declared dropped by the divergence guard
-    assert trace.sums.kept == {} and feedback.state_dict()["trace"] == {}
+    carry.reset()  # declared dropped by the divergence guard
+    assert trace.sums.kept == {} and carry.state_dict()["trace"] == {}
 
 
 def test_a_checkpoint_without_a_parts_entry_restores_it_empty():
-    feedback = Feedback()
-    feedback.load_state_dict({"residuals": {}})
-    assert feedback.get(MomentumCorrection).state_dict() == {} and feedback.get(AdamMoments).frozen_from is None
+    carry = Carry()
+    carry.load_state_dict({"residuals": {}})
+    assert carry.get(MomentumCorrection).state_dict() == {} and carry.get(AdamMoments).frozen_from is None
     assert Setup([], {}).sparse == frozenset()

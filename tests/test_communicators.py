@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_gravac.adaptations import ErrorFeedback
+from lightning_gravac.adaptations.residuals import encode
 from lightning_gravac.compressors import get_compressor
 from lightning_gravac.compressors.powersgd import PowerSGD
-from lightning_gravac.feedback import ErrorFeedback
-from lightning_gravac.feedback.residuals import encode
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.state import GATHER, REDUCE, CompressionState, Factors
 from lightning_gravac.strategies.communicators import (
@@ -52,20 +52,20 @@ def _one(rank: int, world: int, name: str, cf: float, dense: tuple[bool, bool] =
     for step, dense_now in enumerate(dense):  # the second step error-feeds the first one's residuals
         buffer, names, grads = _bucket(rank, step)
         inputs = {n: g.clone() for n, g in zip(names, grads, strict=True)}
-        memory = state.feedback.residuals
+        memory = state.carry.residuals
         fed = {n: inputs[n] + memory.get(n) if n in memory else inputs[n].clone() for n in names}
         method = state.identity if dense_now else state.compressor
         segments = [Segment(n, g, 1.0 if dense_now else cf, method, g) for n, g in zip(names, grads, strict=True)]
         if dense_now:  # as the hook does: the residuals added in place, sent in full
             for n, g in zip(names, grads, strict=True):
-                state.feedback.residuals.compensate_(n, g)
+                state.carry.residuals.compensate_(n, g)
         work = Work(state, buffer, segments, names, grads, "copy" if dense_now else "recycle", dense_now)
         communicator = communicator_for(work)
         result = communicator.send(work).wait()
         state.carried.step += 1
         out.append({
             "communicator": type(communicator).__name__, "result": result.clone(), "fed": fed,
-            "residuals": {n: state.feedback.residuals.get(n).clone() for n in names if n in state.feedback.residuals},
+            "residuals": {n: state.carry.residuals.get(n).clone() for n in names if n in state.carry.residuals},
             "records": list(state.scratch.records),
         })  # fmt: skip
         state.scratch.records.clear()
@@ -140,15 +140,17 @@ def test_encode_error_feeds_compresses_and_leaves_the_residual_the_same_way_in_e
     grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     old = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
     outcomes = {}
-    for feedback in ("recycle", "copy", "off"):
+    for residual_mode in ("recycle", "copy", "off"):
         compressor = get_compressor(name, warmup_epochs=0) if name == "dgc" else get_compressor(name)
         memory = ErrorFeedback()
         memory.set("w", old.clone())
-        tensor = grad.clone() if feedback == "recycle" else grad + old if feedback == "copy" else grad.clone()
+        tensor = grad.clone() if residual_mode == "recycle" else grad + old if residual_mode == "copy" else grad.clone()
         given = tensor.clone()
-        encoded = encode(compressor, tensor, 8.0, key="w", step=3, feedback=feedback, memory=memory, probe_cfs=(4.0,))
+        encoded = encode(
+            compressor, tensor, 8.0, key="w", step=3, residual_mode=residual_mode, memory=memory, probe_cfs=(4.0,)
+        )
         assert torch.equal(tensor, given), "the tensor given is left as it is"
-        outcomes[feedback] = encoded
+        outcomes[residual_mode] = encoded
     recycle, copy, off = outcomes["recycle"], outcomes["copy"], outcomes["off"]
     assert all(torch.equal(a, b) for a, b in zip(recycle.payload.wire, copy.payload.wire, strict=True))
     assert torch.equal(recycle.basis, copy.basis) and torch.equal(recycle.probes, copy.probes)

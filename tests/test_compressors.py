@@ -6,12 +6,12 @@ import warnings
 import pytest
 import torch
 
+from lightning_gravac.adaptations import ErrorFeedback
 from lightning_gravac.compressors import get_compressor, list_compressors, sparse_k, validate_cf
 from lightning_gravac.compressors.base import Payload, sq_norm
 from lightning_gravac.compressors.packing import Layout, pack_bits, unpack_bits
 from lightning_gravac.compressors.select import above, distinct_indices, exact_topk, fill_to_k
 from lightning_gravac.compressors.sparse import Sparsifier
-from lightning_gravac.feedback import ErrorFeedback
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gravac import GraVAC, GraVACStrategy, RunSummary, Static, StepStats, get_compressor
+from lightning_gravac.adaptations import MomentumCorrection
 from lightning_gravac.callbacks.gravac.ladder import ladder_factors
 from lightning_gravac.callbacks.gravac.prediction import best_predicted
-from lightning_gravac.feedback import MomentumCorrection
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
@@ -522,10 +522,10 @@ def _with_moved_momentum(method, momentum: float, masking: bool = True, nesterov
     from lightning_gravac import CompressionState
 
     state = CompressionState(get_compressor(method) if isinstance(method, str) else method, error_feedback=True)
-    state.feedback.get(MomentumCorrection).masking = masking
+    state.carry.get(MomentumCorrection).masking = masking
     w = nn.Parameter(torch.zeros(4))
     optimizer = torch.optim.SGD([w], lr=0.1, momentum=momentum, nesterov=nesterov)
-    state.feedback.get(MomentumCorrection).take_from_optimizer(optimizer, {id(w): "w"})
+    state.carry.get(MomentumCorrection).take_from_optimizer(optimizer, {id(w): "w"})
     return state
 
 
@@ -554,7 +554,7 @@ def test_default_weighs_the_momentum_that_masking_drops_at_each_factor():
         c = _default_on_a_link(2e-7, gain, state, **kwargs)
         assert c.masking_weight(10) == 1.0 and c.sent[-1] == 10, (
             state.compressor,
-            state.feedback.get(MomentumCorrection).masking,
+            state.carry.get(MomentumCorrection).masking,
             kwargs,
         )
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_gravac import DivergenceGuard, Static, StepStats, get_compressor
-from lightning_gravac.feedback import MomentumCorrection
+from lightning_gravac.adaptations import MomentumCorrection
 from lightning_gravac.state import GATHER, BucketRecord, CompressionState
 
 
@@ -100,9 +100,9 @@ def test_the_controller_sends_dense_while_the_guard_holds_then_decides_again_and
     controller, state, step = _guarded_static("topk", cooldown=2)
 
     assert [step(1.0) for _ in range(4)] == [10, 10, 10, 10]
-    state.feedback.residuals.set("w", torch.ones(3))
+    state.carry.residuals.set("w", torch.ones(3))
     assert step(40.0) == 1.0  # exploded: dense, and the residual that exploded is dropped
-    assert len(state.feedback.residuals) == 0 and controller.last_metrics["gravac/guarded"] == 1.0
+    assert len(state.carry.residuals) == 0 and controller.last_metrics["gravac/guarded"] == 1.0
     saved = controller.state_dict()
     assert [step(1.0), step(1.0)] == [1.0, 10]  # the cooldown, then the controller's own factor again
     assert controller.last_metrics["gravac/guarded"] == 0.0
@@ -156,7 +156,7 @@ def test_a_trigger_drops_the_momentum_moved_into_the_hook_and_the_buffers_are_in
     _, state, step = _guarded_static("topk", cooldown=2)
     for norm in (1.0, 1.0, 1.0):
         step(norm)
-    moved = state.feedback.get(MomentumCorrection)
+    moved = state.carry.get(MomentumCorrection)
     moved.load_state_dict({"u/w": torch.full((3,), 1e6), "local/w": torch.tensor(True)})
     assert not moved.in_sync(["w"])
     step(50.0)

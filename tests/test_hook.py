@@ -84,7 +84,7 @@ def _compare(rank, world, compressor, cf, granularity, bucket_cap_mb, param_cf=N
     state = CompressionState(get_compressor(compressor), error_feedback=True, granularity=granularity, cf=cf)
     state.decide(replace(state.factors, param_cf=param_cf or {}))
     model, reference, ddp = _hooked(state, bucket_cap_mb)
-    memory = state.feedback.residuals
+    memory = state.carry.residuals
     residuals: dict[str, torch.Tensor] = {}
     results = []
     for step in range(3):
@@ -317,7 +317,7 @@ def test_dgc_delivers_its_momentum_and_accumulation_on_every_path_a_factor_of_1_
 def _low_rank_steps(rank, world, cf):
     state = CompressionState(get_compressor("powersgd"), error_feedback=True, cf=cf)
     model, reference, ddp = _hooked(state)
-    memory = state.feedback.residuals
+    memory = state.carry.residuals
     method = get_compressor("powersgd")  # the reference's own warm starts
     residuals: dict[str, torch.Tensor] = {}
     results = []
@@ -439,7 +439,7 @@ def _half_steps(rank, world, granularity):
         got = dict(model.named_parameters())
         out.append({
             "equal": all(torch.equal(got[n].grad, expected[n]) for n in names),
-            "residuals": all(torch.equal(state.feedback.residuals.get(n), residuals[n]) for n in names),
+            "residuals": all(torch.equal(state.carry.residuals.get(n), residuals[n]) for n in names),
             "achieved_cf": stats.achieved_cf,
             "wires": {key: wire.data_ptr() for key, wire in state.scratch.wires.items()},
         })  # fmt: skip
@@ -455,7 +455,7 @@ def _residual_bytes(rank, world, method):
     for step, half in enumerate((False, False, False, True, False, False)):
         state.decide(replace(state.factors, half=half))
         _backward_both(ddp, reference, step, rank)
-        held.append(state.feedback.residuals.nbytes())
+        held.append(state.carry.residuals.nbytes())
     return held, sum(p.numel() * p.element_size() for p in model.parameters())
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_gravac.adaptations.residuals import ErrorFeedback, encode
 from lightning_gravac.compressors import get_compressor, kernels
 from lightning_gravac.compressors.base import sq_norm
 from lightning_gravac.compressors.kernels import library
 from lightning_gravac.compressors.select import Blocks, exact_lowest, exact_topk, seeded_generator
-from lightning_gravac.feedback.residuals import ErrorFeedback, encode
 
 _COMPILER = shlex.split(sysconfig.get_config_var("CC") or "cc")[0]
 
@@ -243,12 +243,12 @@ def test_the_error_fed_norm_is_the_basis_the_eager_path_finds(name, eager):
     g = g.view(600, 500) if name in ("onebit", "powersgd") else g
     memory = ErrorFeedback()
     memory.set("w", _student(300_000, seed=12).view_as(g))
-    fast = encode(get_compressor(name), g, 100, key="w", feedback="recycle", memory=memory)
+    fast = encode(get_compressor(name), g, 100, key="w", residual_mode="recycle", memory=memory)
     fed = g + _student(300_000, seed=12).view_as(g)
     assert float(fast.basis) == pytest.approx(float(fed.double().square().sum()), rel=1e-12)  # the kernel's, exact
     memory.set("w", _student(300_000, seed=12).view_as(g))
     eager()
-    slow = encode(get_compressor(name), g, 100, key="w", feedback="recycle", memory=memory)
+    slow = encode(get_compressor(name), g, 100, key="w", residual_mode="recycle", memory=memory)
     assert float(fast.basis) == pytest.approx(float(slow.basis), rel=1e-6)
     assert torch.equal(fast.residual, slow.residual) or name in ("natural", "onebit", "powersgd")
 

@@ -12,9 +12,9 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_gravac import GraVAC, GraVACStrategy, LocalSteps, Static
+from lightning_gravac.adaptations import OuterUpdate, Setup
 from lightning_gravac.callbacks.gravac.rounds import choose_length
 from lightning_gravac.compressors import get_compressor
-from lightning_gravac.feedback import OuterUpdate, Setup
 from lightning_gravac.launch import run_distributed
 
 from models import LinkOf, loader, trainer_kwargs
@@ -241,7 +241,7 @@ def test_local_steps_arguments_are_checked():
     assert strategy.outer.config == LocalSteps(every=8)
     assert GraVACStrategy("topk", local_steps=8).compression_state.error_feedback
     assert not GraVACStrategy("topk").outer, "inactive without local steps"
-    assert isinstance(strategy.compression_state.feedback.get(OuterUpdate), OuterUpdate)
+    assert isinstance(strategy.compression_state.carry.get(OuterUpdate), OuterUpdate)
     assert pickle.loads(pickle.dumps(strategy)).outer.config == LocalSteps(every=8), "ddp_spawn pickles it"
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gravac import GraVACStrategy, Static
-from lightning_gravac.feedback.momentum import MomentumCorrection
+from lightning_gravac.adaptations.momentum import MomentumCorrection
 from lightning_gravac.launch import run_distributed
 
 from models import Cycling, FaultyRegression, Regression, loader, regression_data, trainer_kwargs, weights
@@ -34,7 +34,7 @@ def _cf1_vs_stock(rank, world_size, sgd, granularity):
     stock, _ = _fit(DDPStrategy(), [], 12, **sgd)
     ours, trainer = _fit(GraVACStrategy("topk", granularity=granularity), [Static(cf=1)], 12, **sgd)
     group = trainer.optimizers[0].param_groups[0]
-    settings = trainer.strategy.compression_state.feedback.get(MomentumCorrection).settings
+    settings = trainer.strategy.compression_state.carry.get(MomentumCorrection).settings
     moved = (group["momentum"], group["weight_decay"], len(settings))
     return weights(stock), weights(ours), moved
 
@@ -175,10 +175,10 @@ def _corrected_run(rank, world, masking):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 4))
     state = CompressionState(get_compressor("topk"), error_feedback=True, granularity="layer", cf=8)
-    state.feedback.get(MomentumCorrection).masking = masking
+    state.carry.get(MomentumCorrection).masking = masking
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     names = {id(p): n for n, p in model.named_parameters()}
-    state.feedback.get(MomentumCorrection).take_from_optimizer(optimizer, names)
+    state.carry.get(MomentumCorrection).take_from_optimizer(optimizer, names)
     ddp = DistributedDataParallel(model)
     state.bind(model)
     ddp.register_comm_hook(state, gravac_hook)
@@ -230,8 +230,8 @@ def test_corrected_topk_is_delayed_heavy_ball_and_masking_restarts_sent_entries(
 
 
 def test_masking_is_on_as_published_unless_turned_off():
-    assert GraVACStrategy("topk").compression_state.feedback.get(MomentumCorrection).masking is True
-    unmasked = GraVACStrategy("topk", momentum_masking=False).compression_state.feedback
+    assert GraVACStrategy("topk").compression_state.carry.get(MomentumCorrection).masking is True
+    unmasked = GraVACStrategy("topk", momentum_masking=False).compression_state.carry
     assert unmasked.get(MomentumCorrection).masking is False
 
 
@@ -259,7 +259,7 @@ def _masked_mass(momentum: float, nesterov: bool, sent_at, steps: int, n: int, b
 @pytest.mark.parametrize("momentum", [0.5, 0.9])
 @pytest.mark.parametrize("wait", [2, 10, 40])
 def test_masking_retention_is_what_the_hooks_masked_momentum_delivers_against_dense(wait, momentum, nesterov):
-    from lightning_gravac.feedback.momentum import masking_retention
+    from lightning_gravac.adaptations.momentum import masking_retention
 
     # Sent every `wait` steps, over whole periods: exactly the periodic formula (dense applies 1 / (1 - m) a step in
     # steady state, with Nesterov too).
@@ -278,7 +278,7 @@ def test_masking_retention_is_what_the_hooks_masked_momentum_delivers_against_de
 
 
 def test_masking_retention_limits():
-    from lightning_gravac.feedback.momentum import masking_retention
+    from lightning_gravac.adaptations.momentum import masking_retention
 
     assert masking_retention(10, 0.0) == 1.0 and masking_retention(1, 0.9) == 1.0  # no momentum; the dense path
     assert masking_retention(10, 1.0) == masking_retention(10, 0.999)

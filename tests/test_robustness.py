@@ -15,7 +15,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 
 from lightning_gravac import GraVACStrategy, RunSummary, Static
-from lightning_gravac.feedback import MomentumCorrection
+from lightning_gravac.adaptations import MomentumCorrection
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.strategies.checkpoint import gather_rows
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
@@ -51,7 +51,7 @@ class Residuals(pl.Callback):
         self.compressor_steps: list[dict[str, torch.Tensor]] = []  # a method's own accumulations (DGC's u and v)
 
     def _take(self, trainer) -> None:
-        self.steps.append(trainer.strategy.compression_state.feedback.residuals.state_dict())
+        self.steps.append(trainer.strategy.compression_state.carry.residuals.state_dict())
         self.compressor_steps.append(trainer.strategy.compressor.state_dict())
 
     def on_train_batch_end(self, trainer, *args) -> None:
@@ -216,7 +216,7 @@ def _unused_and_frozen(rank, world_size):
     strategy = GraVACStrategy("topk", find_unused_parameters=True)
     trainer = pl.Trainer(strategy=strategy, callbacks=[Static(cf=10)], max_steps=20, **trainer_kwargs(world_size))
     trainer.fit(model, loader())
-    return {"weights": weights(model), "residuals": sorted(strategy.compression_state.feedback.residuals)}
+    return {"weights": weights(model), "residuals": sorted(strategy.compression_state.carry.residuals)}
 
 
 def test_unused_and_frozen_parameters():
@@ -241,7 +241,7 @@ def _sparse_gradients(rank, world_size):
         trainer.fit(model, bag_loader())
         out[name] = {**weights(model), "moved": not torch.equal(model.bag.weight, before)}
         if name == "cf 4":  # the head's momentum went into the hook, the embedding's stayed in the optimizer
-            out["moved momentum"] = sorted(trainer.strategy.compression_state.feedback.get(MomentumCorrection).settings)
+            out["moved momentum"] = sorted(trainer.strategy.compression_state.carry.get(MomentumCorrection).settings)
         if name == "cf 1":  # the sparse bucket is sent as it is: its bytes count as dense's
             metrics = callbacks[0].last_metrics
             out["cf 1 traffic"] = (metrics["gravac/bytes_sent"], metrics["gravac/bytes_dense"])
@@ -252,7 +252,7 @@ def _sparse_gradients(rank, world_size):
                              **trainer_kwargs(world_size))  # fmt: skip
         trainer.fit(SparseBag(one_group=True), bag_loader())
     out["warned"] = [str(w.message) for w in caught if "sparse embedding" in str(w.message)]
-    out["one group moved"] = sorted(trainer.strategy.compression_state.feedback.get(MomentumCorrection).settings)
+    out["one group moved"] = sorted(trainer.strategy.compression_state.carry.get(MomentumCorrection).settings)
     return out
 
 
@@ -319,7 +319,7 @@ class ResidualsAtStart(pl.Callback):
         self.residuals: dict[str, torch.Tensor] = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.residuals = trainer.strategy.compression_state.feedback.residuals.state_dict()
+        self.residuals = trainer.strategy.compression_state.carry.residuals.state_dict()
 
 
 def _resume_on(rank, world_size, ckpt):
@@ -381,7 +381,7 @@ def _zeroed_nan_step(rank, world_size, strategy):
     trainer.fit(model, loader())
     buffers = {}
     if strategy != "stock":
-        buffers = trainer.strategy.compression_state.feedback.get(MomentumCorrection).state_dict()
+        buffers = trainer.strategy.compression_state.carry.get(MomentumCorrection).state_dict()
     return {"weights": moved, "zeroed": guard.zeroed, "buffers": buffers}
 
 

@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gravac import Accordion, Controller, GraVAC, GraVACStrategy, RunSummary, Static, list_compressors
+from lightning_gravac.adaptations import MomentumCorrection
 from lightning_gravac.compressors import DGC
-from lightning_gravac.feedback import MomentumCorrection
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import BagOfWordsRegression, TeacherRegression, teacher_dataset
 
@@ -376,7 +376,7 @@ def _method_by_optimizer(rank, world_size, momentum, strategy_args, controller, 
         "method": strategy.compressor.name,
         "error_feedback": strategy.compression_state.error_feedback,
         "optimizer_momentum": group["momentum"],
-        "moved": bool(strategy.compression_state.feedback.get(MomentumCorrection)),
+        "moved": bool(strategy.compression_state.carry.get(MomentumCorrection)),
         "ladder": chosen.ladder.factors if isinstance(chosen, GraVAC) else None,
     }
 

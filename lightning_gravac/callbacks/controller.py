@@ -11,8 +11,8 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning import Callback
 from typing_extensions import override
 
+from lightning_gravac.adaptations import scales_per_coordinate
 from lightning_gravac.callbacks.guard import DivergenceGuard
-from lightning_gravac.feedback import scales_per_coordinate
 from lightning_gravac.state import CompressionState, Factors, StepStats
 
 
@@ -133,25 +133,25 @@ class Controller(Callback):
         self.adaptive_optimizer = scales_per_coordinate(optimizers) and not self.state.compressor.near_lossless
         if self.adaptive_optimizer:
             # When the optimizer's moments move into the hook (after a warm-up) is their part's decision.
-            self.state.feedback.on_fit_start(trainer, self.moves_adam, type(self).__name__, self.state.compressor.name)
+            self.state.carry.on_fit_start(trainer, self.moves_adam, type(self).__name__, self.state.compressor.name)
             self._on_adaptive_optimizer()
         self.apply(self.state)
 
     @property
     def moves_adam(self) -> bool:
         """Whether, under an optimizer whose moments can move into the comm hook after a warm-up (an adaptation of
-        :mod:`lightning_gravac.feedback`), this controller has them move: a controller that compresses does; one held
+        :mod:`lightning_gravac.adaptations`), this controller has them move: a controller that compresses does; one held
         at factor 1 leaves the optimizer as it is."""
         return self.max_cf[1] > 1
 
     def moments_moved(self) -> bool:
         """Whether the next step sends the optimizer's moved moment (the warm-up is over)."""
-        return self._state is not None and self._state.feedback.sends_moved(self._state.step)
+        return self._state is not None and self._state.carry.sends_moved(self._state.step)
 
     def _on_adaptive_optimizer(self) -> None:
         """The optimizer divides each coordinate by a running second moment (RMSprop, Adagrad and the like): say what
         compression measured there. A controller that holds dense instead overrides this."""
-        if self.state.feedback.sends_from is not None:
+        if self.state.carry.sends_from is not None:
             return  # its moments move after the warm-up: said when that was decided
         rank_zero_warn(
             f"{type(self).__name__}: the optimizer scales each coordinate by a running second moment, "
@@ -194,7 +194,7 @@ class Controller(Callback):
             return
         self.last_metrics = self.metrics(stats)  # of the step that produced `stats`, before the next decision
         self.metrics_step = self.state.step
-        if self.guard is not None and self.state.feedback.sends_from == self.state.step - 1:
+        if self.guard is not None and self.state.carry.sends_from == self.state.step - 1:
             self.guard.restart()  # the first step that sent a moved moment: a new quantity's norms from here on
         guarded = self._guarded(stats, trainer, outputs)
         if guarded == "free":  # a step the guard sent dense is not the controller's to observe
@@ -261,7 +261,7 @@ class Controller(Callback):
         self.decided = factors = self.decide(state)
         if self.guard is not None and self.guard.holding > 0:
             factors = factors.dense()
-        if state.feedback.warming_up(state.step) and not factors.half:
+        if state.carry.warming_up(state.step) and not factors.half:
             factors = factors.dense()
         state.decide(factors)
 

@@ -3,7 +3,7 @@ restored on any number of ranks.
 
 What differs between ranks (the residuals, a method's own accumulation, an adaptation's ``per_rank`` state) is saved
 stacked by rank; on as many ranks it restores bit for bit, on another number each rank starts from the mean of the
-saved ones (:meth:`~lightning_gravac.feedback.Adaptation.reshard`), which keeps the update the ranks owed in sum.
+saved ones (:meth:`~lightning_gravac.adaptations.Adaptation.reshard`), which keeps the update the ranks owed in sum.
 """
 
 from typing import Any
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from lightning_gravac.feedback import Adaptation
+from lightning_gravac.adaptations import Adaptation
 from lightning_gravac.state import CompressionState
 
 #: Where the strategy keeps the step counter and every rank's residuals in a Lightning checkpoint.
@@ -53,15 +53,15 @@ def saved_compression(state: CompressionState, world_size: int) -> dict[str, Any
     """The compression's checkpoint entry: every rank's residuals, method state and per-rank adaptation state
     stacked by rank, the rest once. Every rank calls it (a collective), rank 0 writes it."""
     ranks = world_size if dist.is_initialized() else 1
-    feedback = state.feedback.state_dict()
+    carry = state.carry.state_dict()
     saved: dict[str, Any] = {
         **state.carried.saved(),  # the step count and the units the residuals are in (fp16 scaling)
         "world_size": world_size,
-        "residuals": gather_rows(feedback["residuals"], ranks),
+        "residuals": gather_rows(carry["residuals"], ranks),
         "compressor": gather_rows(state.compressor.state_dict(), ranks),
     }
-    for part in state.feedback.adaptations:
-        saved[part.name] = gather_rows(feedback[part.name], ranks) if part.per_rank else feedback[part.name]
+    for part in state.carry.adaptations:
+        saved[part.name] = gather_rows(carry[part.name], ranks) if part.per_rank else carry[part.name]
     return saved
 
 
@@ -85,7 +85,7 @@ def restore_compression(
 
     state.compressor.load_state_dict(dict(mine(saved.get("compressor", {}))))
     restored: dict[str, dict[str, Any]] = {"residuals": mine(residuals)}
-    for part in state.feedback.adaptations:
+    for part in state.carry.adaptations:
         entry = saved.get(part.name, {})
         restored[part.name] = mine(entry, part.reshard) if part.per_rank else entry
-    state.feedback.load_state_dict(restored)
+    state.carry.load_state_dict(restored)

@@ -16,8 +16,8 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_gravac._validation import choice
+from lightning_gravac.adaptations.adam import adam_groups_supported, why_moments_stay
 from lightning_gravac.compressors.base import Compressor, get_compressor
-from lightning_gravac.feedback.adam import adam_groups_supported, why_moments_stay
 from lightning_gravac.state import CompressionState
 from lightning_gravac.tables import EMBEDDING_SHARE, embedding_share, sparse_parameters
 
@@ -104,7 +104,7 @@ def _method_for_adam(
 ) -> None:
     """Adam's first moment as scaled signs with error feedback once its second is frozen, where Top-K's few entries a
     step left the moment behind; only where the moments can move (no sparse gradient, supported Adam flags,
-    :func:`~lightning_gravac.feedback.adam.why_moments_stay`)."""
+    :func:`~lightning_gravac.adaptations.adam.why_moments_stay`)."""
     if (module is not None and sparse_parameters(module)) or not optimizers:
         return
     if not all(adam_groups_supported(opt) for opt in optimizers):

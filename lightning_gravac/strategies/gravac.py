@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gravac._validation import whole
+from lightning_gravac.adaptations import LocalSteps, MomentumCorrection, OuterUpdate, Setup
 from lightning_gravac.callbacks.controller import largest_trainable
 from lightning_gravac.compressors.base import Compressor
-from lightning_gravac.feedback import LocalSteps, MomentumCorrection, OuterUpdate, Setup
 from lightning_gravac.state import GATHER, REDUCE, BucketRecord, CompressionState, Granularity
 from lightning_gravac.strategies.checkpoint import CHECKPOINT_KEY, restore_compression, saved_compression
 from lightning_gravac.strategies.default_controller import allow_rounds, attach_controller
@@ -125,7 +125,7 @@ class GraVACStrategy(DDPStrategy):
         )
         if rounds:
             self.outer.configure(rounds, compressor, self.compression_state.error_feedback)
-        self.compression_state.feedback.get(MomentumCorrection).masking = momentum_masking is not False
+        self.compression_state.carry.get(MomentumCorrection).masking = momentum_masking is not False
         self.compression_state.rows.enabled = embedding_rows
         if model_averaging_period is not None:
             self._ddp_comm_state = local_sgd
@@ -138,7 +138,7 @@ class GraVACStrategy(DDPStrategy):
     @property
     def outer(self) -> OuterUpdate:
         """Local steps' rounds and outer update (inactive without ``local_steps``)."""
-        return self.compression_state.feedback.get(OuterUpdate)
+        return self.compression_state.carry.get(OuterUpdate)
 
     @override
     def setup_environment(self) -> None:
@@ -177,7 +177,7 @@ class GraVACStrategy(DDPStrategy):
             # A sparse gradient (`nn.Embedding(sparse=True)`) is sent as it is: its parameters keep their state.
             sparse = sparse_parameters(module) if module is not None else set()
             dense = {i: name for i, name in state.param_names.items() if i not in sparse}
-            state.feedback.take_from(Setup(self.optimizers, dense, module, in_trainer, frozenset(sparse)))
+            state.carry.take_from(Setup(self.optimizers, dense, module, in_trainer, frozenset(sparse)))
 
     def _hook_can_hold_optimizer_state(self) -> bool:
         """Whether the optimizer's state (SGD's momentum, Adam's first moment) may move into the hook: asked for
@@ -218,7 +218,7 @@ class GraVACStrategy(DDPStrategy):
         if scaler is not None and scaler.is_enabled():
             # On CUDA, reading the scale is one small device sync a step (written for CUDA, tested on CPU).
             self.compression_state.follow_scale(float(scaler.get_scale()))
-        self.compression_state.feedback.begin_batch()
+        self.compression_state.carry.begin_batch()
 
     @override
     def optimizer_step(
@@ -228,7 +228,7 @@ class GraVACStrategy(DDPStrategy):
         model: "pl.LightningModule | torch.nn.Module | None" = None,
         **kwargs: Any,
     ) -> Any:
-        with self.compression_state.feedback.stepping(optimizer):
+        with self.compression_state.carry.stepping(optimizer):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
@@ -244,7 +244,7 @@ class GraVACStrategy(DDPStrategy):
         state = super().optimizer_state(optimizer)
         raw = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
         if state and "param_groups" in state:
-            return self.compression_state.feedback.saved_groups(raw, state)
+            return self.compression_state.carry.saved_groups(raw, state)
         return state
 
     @override

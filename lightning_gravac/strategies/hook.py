@@ -1,8 +1,8 @@
 """The DDP communication hook: which path a bucket takes, and what it carries in.
 
 Every bucket leaves through a communicator (:func:`~lightning_gravac.strategies.communicators.communicator_for`),
-and every communicator ends in the same ``settle``, which hands the outcome to the feedback part
-(:class:`~lightning_gravac.feedback.Feedback`, which stores or drops residuals and moved momentum). The hook decides the
+and every communicator ends in the same ``settle``, which hands the outcome to the carry
+(:class:`~lightning_gravac.adaptations.Carry`, which stores or drops residuals and moved momentum). The hook decides the
 path and prepares the bucket as a :class:`~lightning_gravac.strategies.communicators.Work`:
 
 1. local SGD (from ``state.config.local_sgd_from``): nothing is sent; pending residuals go into the local step;
@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_gravac.adaptations import ResidualMode
 from lightning_gravac.compressors.base import Pattern, sq_norm
-from lightning_gravac.feedback import FeedMode
 from lightning_gravac.state import HALF, CompressionState, Factors
 from lightning_gravac.strategies.communicators import Segment, Work, communicator_for
 
@@ -55,10 +55,10 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
         return communicator_for(sparse).send(sparse)
     names = [state.param_names[id(p)] for p in bucket.parameters()]
     grads = bucket.gradients()
-    feedback = state.feedback
+    carry = state.carry
     if local:
         if state.error_feedback:  # what compression still owed goes into the local step
-            feedback.flush_(names, grads)
+            carry.flush_(names, grads)
         work = Work(state, buffer, [], names, grads, local_sgd=True)
         return communicator_for(work).send(work)
 
@@ -66,18 +66,18 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     factors = state.factors
     cfs = [HALF if factors.half else state.cf_of(name) for name in names]
     dense = all(cf == 1.0 for cf in cfs)
-    params = bucket.parameters() if feedback.follows_average else []
-    feedback.direction_(names, grads, state.step)  # what an adaptation sends instead (Adam's direction once frozen)
+    params = bucket.parameters() if carry.follows_average else []
+    carry.direction_(names, grads, state.step)  # what an adaptation sends instead (Adam's direction once frozen)
     if not factors.probe_cfs:
         if dense:
             return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step))
         # A half step of a bucket with embedding tables, by their rows where few were touched (`RowsReduced`: the
         # fp16 rung's sum, its rounding not kept), where no SGD momentum moved into the hook has to follow the cast.
-        if factors.half and not feedback.follows_average and state.rows.holds_table(names):
+        if factors.half and not carry.follows_average and state.rows.holds_table(names):
             return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step), half=True)
 
     start = time.perf_counter()
-    feedback.local_(names, grads, params)  # this rank's momentum: what is compressed is the update direction
+    carry.local_(names, grads, params)  # this rank's momentum: what is compressed is the update direction
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
     fresh, measuring = _fresh_gains(state, factors, names, grads, buffer)
     start += measuring  # not compression's cost: the controller weighs what sending a factor costs, measuring aside
@@ -85,16 +85,16 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
     # the old one once the step is known finite (`communicators.land`): error feedback keeps one buffer a parameter.
     # PowerSGD's rounds write the residual before the step is known finite: the memory recycles a second buffer there.
     # Dense steps and whole buckets add it in place and copy the new residual.
-    mode: FeedMode = "off"
+    residual_mode: ResidualMode = "off"
     if state.error_feedback:
-        mode = "copy"
+        residual_mode = "copy"
         if state.granularity == "layer" and not dense:
             rounds = state.compressor.communication is Pattern.ROUNDS and not factors.half
-            mode = "recycle" if rounds else "in_place"
-        if mode == "copy":
-            feedback.carry_(names, grads)
+            residual_mode = "recycle" if rounds else "in_place"
+        if residual_mode == "copy":
+            carry.compensate_(names, grads)
     segments = _segments(state, factors, names, grads, cfs, buffer)
-    work = Work(state, buffer, segments, names, grads, mode, dense, fresh, start)
+    work = Work(state, buffer, segments, names, grads, residual_mode, dense, fresh, start)
     sent_dense = [(s.key, s.tensor) for s in segments if dense or s.compressor is state.identity]
     work.delivered = state.compressor.deliver_(sent_dense, work.probe_cfs, step=state.step)
     return communicator_for(work).send(work)
@@ -113,16 +113,16 @@ def _plain(
     ``rows`` by the rows their step touched. With buffers in sync and no residual pending, the moved momentum applies
     after it, bit for bit as the optimizer's would; else each rank's momentum moves first and the pending residuals
     are carried in, sent in full. A method with momentum of its own delivers it (DGC)."""
-    feedback = state.feedback
-    carried = state.error_feedback and feedback.owes(names)
-    exact = feedback.exact(names) and not carried
+    carry = state.carry
+    carried = state.error_feedback and carry.owes(names)
+    exact = carry.exact(names) and not carried
     work = Work(state, buffer, [], names, grads, plain=True, params=params, exact=exact, rows=rows, half=half)
     if not half:  # a half step sends the cast, as the rung's own path does, not what a method delivers dense
         work.delivered = state.compressor.deliver_(_units(state, names, grads, buffer), step=state.step)
     if not exact:
-        feedback.local_(names, grads, params)
+        carry.local_(names, grads, params)
         if state.error_feedback:
-            work.pending = dict.fromkeys(feedback.carry_(names, grads))
+            work.pending = dict.fromkeys(carry.compensate_(names, grads))
     return communicator_for(work).send(work)
 
 

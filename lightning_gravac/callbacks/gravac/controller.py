@@ -15,6 +15,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, fraction, nonnegative, whole
+from lightning_gravac.adaptations.momentum import MomentumCorrection
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Tally, moved_in_step
 from lightning_gravac.callbacks.gravac.hold import AdamPolicy, held_factor, hold_warning, rung_allowed
@@ -27,7 +28,6 @@ from lightning_gravac.callbacks.gravac.search import SEARCH_DEFAULTS, SEARCHES, 
 from lightning_gravac.callbacks.gravac.state import CHECKPOINT_ORDER, Carried
 from lightning_gravac.callbacks.gravac.window import Interval, Reduce, Window
 from lightning_gravac.compressors.base import validate_cf
-from lightning_gravac.feedback.momentum import MomentumCorrection
 from lightning_gravac.state import HALF, CompressionState, Factors, GainOf, StepStats
 
 
@@ -259,7 +259,7 @@ class GraVAC(Controller):
         if self.holds_for_adam:
             self.cf = self.choose()
             self.apply(self.state)
-            if self.state.feedback.sends_from is None:
+            if self.state.carry.sends_from is None:
                 method, rows = self.state.compressor.name, bool(self.state.rows.rows)
                 rank_zero_warn(hold_warning(self.adam, self.rungs, method, rows, self.rule.models_cost, self.fp16_rung))
 
@@ -315,7 +315,7 @@ class GraVAC(Controller):
         probes = self.window.windows == 0 or (self.probes.due(self.window.steps) and self.gains_can_matter())
         if self.moments_moved():
             fixed = state.compressor.fixed_cf is not None
-            probes = not fixed and (probes or state.step == state.feedback.sends_from)
+            probes = not fixed and (probes or state.step == state.carry.sends_from)
         return probes
 
     @override
@@ -451,7 +451,7 @@ class GraVAC(Controller):
         state = self.compression_state
         if state is None or not self.weigh_masking or cf in (DENSE, *self.rungs):
             return 1.0
-        return masking_weight(state.compressor, state.feedback.get(MomentumCorrection), cf, self.grad_dtype)
+        return masking_weight(state.compressor, state.carry.get(MomentumCorrection), cf, self.grad_dtype)
 
     def weighed_progress(self, cf: float) -> float:
         """The share of a dense step's progress a step at ``cf`` makes: ``kept(cf) ** gain_power x masking weight``."""

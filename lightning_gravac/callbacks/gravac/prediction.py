@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info
 
+from lightning_gravac.adaptations.momentum import MomentumCorrection, SGDMomentum, masking_retention
 from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, regime, saves_enough
 from lightning_gravac.callbacks.gravac.ladder import Ladder
 from lightning_gravac.compressors.base import Compressor
-from lightning_gravac.feedback.momentum import MomentumCorrection, SGDMomentum, masking_retention
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def kept(gain: float, biased: bool) -> float:
 
 def masking_weight(method: Compressor, momentum: MomentumCorrection, cf: float, dtype: torch.dtype) -> float:
     """The share of dense momentum's step that momentum factor masking leaves a step of ``method`` sent at ``cf``
-    (:func:`~lightning_gravac.feedback.momentum.masking_retention` at the method's mean wait between two sends of an
+    (:func:`~lightning_gravac.adaptations.momentum.masking_retention` at the method's mean wait between two sends of an
     entry of ``dtype``), the least over the optimizer's momentum settings (``momentum``'s, or the method's own); 1
     where nothing is masked. Only from settings every rank holds alike."""
     wait = method.masked_wait(cf, dtype)

@@ -1,5 +1,5 @@
 """The default's choice between sending every step and local steps: rounds of ``H`` inner steps with nothing sent,
-then the parameter change in QSGD's 4-bit codes averaged (``lightning_gravac.feedback.local_steps``).
+then the parameter change in QSGD's 4-bit codes averaged (``lightning_gravac.adaptations.local_steps``).
 
 Local steps are chosen when the cost model predicts that they save at least a tenth of the every-step choice's step
 (:data:`~.cost.MIN_SAVING`) and the run's budget holds enough rounds. ``H`` is the shortest round whose communication
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from lightning_utilities.core.rank_zero import rank_zero_info
 
+from lightning_gravac.adaptations.local_steps import LocalSteps, OuterUpdate
 from lightning_gravac.callbacks.gravac.cost import CostModel, Link, moved_bytes, saves_enough
 from lightning_gravac.callbacks.gravac.state import Carried, carried
-from lightning_gravac.feedback.local_steps import LocalSteps, OuterUpdate
 from lightning_gravac.state import CompressionState, ring_share
 
 #: Round lengths the default picks from, shortest first.
@@ -99,7 +99,7 @@ class Rounds(Carried):
         """Local steps from :attr:`start` on, rounds of :attr:`every`, said on rank 0 (``fresh``: from the next step,
         the round starting from the parameters as they are; else resumed, the round's state restored by the
         strategy)."""
-        config, outer = LocalSteps(every=self.every, cf=OUTER_CF), state.feedback.get(OuterUpdate)
+        config, outer = LocalSteps(every=self.every, cf=OUTER_CF), state.carry.get(OuterUpdate)
         if fresh:
             outer.start(config, state.compressor, False, state.step)
             rank_zero_info(

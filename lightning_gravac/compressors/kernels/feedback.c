@@ -1,5 +1,5 @@
 /*
- * Error feedback's sum of a gradient and its residual (feedback/residuals.py; also the squared norm of fp32 on CPU,
+ * Error feedback's sum of a gradient and its residual (adaptations/residuals.py; also the squared norm of fp32 on CPU,
  * compressors/base.py's sq_norm) and DGC's accumulation (compressors/dgc.py), each with the norm it is asked for
  * found in the same pass.
  */

@@ -24,7 +24,7 @@ A layer or bucket sent dense under a method with momentum of its own (DGC) holds
 
 Each compressed communicator builds the bucket's :class:`Header` (this rank's norms, summed over ranks by a
 collective). Every communicator ends in :func:`settle` (:mod:`.settle`): a finite step commits the method's state and
-the feedback part stores the pending residuals and momentum; a non-finite one (some rank's gradient was not) discards
+the carry stores the pending residuals and momentum; a non-finite one (some rank's gradient was not) discards
 them (and a compressed bucket is poisoned with NaN); the bucket's :class:`~lightning_gravac.state.BucketRecord` is
 recorded, with the :class:`~lightning_gravac.state.Collective` the bucket took.
 

@@ -148,7 +148,7 @@ def _settle_plain(work: Work, result: Tensor, bytes_sent: int) -> Tensor:
     some rank's gradient was not finite is read off the result itself (one sum of the bucket), and only when something
     depends on it: residuals carried in (a finite step has delivered them, a non-finite one keeps them), momentum
     buffers or the method's own delivered state. Without any, plain steps pay nothing."""
-    moved = work.state.feedback.follows_average
+    moved = work.state.carry.follows_average
     finite = not (work.pending or moved or work.delivered) or all_finite(result)
     averaged = views_like(result, work.buffer, work.grads) if moved else None
     return settle(work, bytes_sent, REDUCE, finite=finite, averaged=averaged, lossless=True)

@@ -96,9 +96,9 @@ def _error_feed(work: Work) -> dict[str, Tensor | None]:
     """With recycled error feedback, each segment's tensor replaced by its error-fed gradient, in the memory's buffer
     that becomes the residual; returns ``||x||^2`` of each where the sum's kernel found it (else ``None``, or no
     entry without error feedback)."""
-    if work.mode != "recycle":
+    if work.residual_mode != "recycle":
         return {}
-    fed = [work.state.feedback.error_fed_sq(s.key, s.tensor) for s in work.segments]
+    fed = [work.state.carry.error_fed_sq(s.key, s.tensor) for s in work.segments]
     work.segments = [replace(s, tensor=x) for s, (x, _) in zip(work.segments, fed, strict=True)]
     return {s.key: sq for s, (_, sq) in zip(work.segments, fed, strict=True)}
 

@@ -9,9 +9,9 @@ from torch import Tensor
 from torch.futures import Future
 from typing_extensions import override
 
+from lightning_gravac.adaptations import ErrorFeedback, encode
 from lightning_gravac.compressors.base import Payload
 from lightning_gravac.compressors.packing import Layout
-from lightning_gravac.feedback import ErrorFeedback, encode
 from lightning_gravac.state import GATHER, gathers
 from lightning_gravac.strategies.communicators.communicator import Communicator
 from lightning_gravac.strategies.communicators.header import Header
@@ -38,8 +38,8 @@ class OneRound(Communicator):
         for s, out in zip(work.segments, outs, strict=True):
             delivered = work.delivered.get(s.key)  # probed as it was delivered: the tensor holds it, not the input
             encoded = encode(
-                s.compressor, s.tensor, s.cf, key=s.key, step=state.step, feedback=work.mode,
-                memory=state.feedback.residuals, probe_cfs=probe_cfs if delivered is None else (),
+                s.compressor, s.tensor, s.cf, key=s.key, step=state.step, residual_mode=work.residual_mode,
+                memory=state.carry.residuals, probe_cfs=probe_cfs if delivered is None else (),
                 prober=state.compressor, out=out,
             )  # fmt: skip
             work.payloads.append(encoded.payload)

@@ -47,11 +47,11 @@ def reduce_with_header(
 
 def land(work: Work, norms: Tensor) -> Header:
     """The summed header of an arrived bucket, before its decoded average overwrites the bucket: on a finite step the
-    residuals of the segments error-fed in place are taken into the feedback part (over the ones they replace); on
+    residuals of the segments error-fed in place are taken into the carry (over the ones they replace); on
     a non-finite one they are dropped and the stored residuals stay as they were."""
     header = Header.unpack(norms, work.fresh is not None)
     if math.isfinite(header.basis):
-        work.pending.update(work.state.feedback.absorb(work.deferred))
+        work.pending.update(work.state.carry.absorb(work.deferred))
     work.deferred = []
     return header
 
@@ -78,7 +78,7 @@ def settle(
     averaged: list[Tensor] | None = None,
     lossless: bool = False,
 ) -> Tensor:
-    """Every bucket's end: commit the method's state and hand the outcome to the feedback part (which stores or drops
+    """Every bucket's end: commit the method's state and hand the outcome to the carry (which stores or drops
     the pending residuals and momentum), then record the bucket's statistics.
 
     A compressed bucket's ``header`` says whether every rank's gradient was finite; a non-finite step poisons the
@@ -95,7 +95,7 @@ def settle(
         state.compressor.commit(keys)
     else:
         state.compressor.discard(keys)
-    state.feedback.settle(work.names, work.pending, finite, averaged, work.params, work.exact)
+    state.carry.settle(work.names, work.pending, finite, averaged, work.params, work.exact)
     if header is not None and not finite:
         work.buffer.fill_(math.nan)
     dense = work.dense_bytes if bytes_dense is None else bytes_dense

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from lightning_gravac.adaptations import ResidualMode
 from lightning_gravac.compressors.base import Compressor, Payload
-from lightning_gravac.feedback import FeedMode
 from lightning_gravac.state import CompressionState
 
 
@@ -15,7 +15,7 @@ class Segment:
     """One unit of compression: a layer's gradient, or the whole bucket."""
 
     key: str
-    tensor: Tensor  # what is compressed: the gradient (error-fed on the way, by `Work.mode`), or the bucket
+    tensor: Tensor  # what is compressed: the gradient (error-fed on the way, by `Work.residual_mode`), or the bucket
     cf: float
     compressor: Compressor
     out: Tensor  # where the averaged result goes: a view into the bucket buffer
@@ -35,7 +35,7 @@ class Work:
     segments: list[Segment]
     names: list[str]  # the bucket's parameters
     grads: list[Tensor]  # their gradients: views into `buffer`
-    mode: FeedMode = "off"  # how each segment is error-fed (`encode`)
+    residual_mode: ResidualMode = "off"  # how each segment's residual is added and kept (`encode`)
     dense_probed: bool = False  # every factor is 1: sent dense while the controller probes (`DenseProbed`)
     fresh: tuple[Tensor, Tensor] | None = None  # the probes of the step's own gradient and its ||grad||^2
     start: float = field(default_factory=time.perf_counter)
@@ -43,7 +43,7 @@ class Work:
     wire: Tensor | None = None  # the recycled buffer that holds every segment's payload in order (summed casts)
     header: Tensor | None = None
     pending: dict[str, Tensor | None] = field(default_factory=dict)
-    # Segments error-fed in place (``feedback="in_place"``) whose residual is taken once the step is known finite,
+    # Segments error-fed in place (``residual_mode="in_place"``) whose residual is taken once the step is known finite,
     # before the decoded average overwrites them (`land`): (key, error-fed tensor, its method, its payload).
     deferred: list[tuple[str, Tensor, Compressor, Payload]] = field(default_factory=list)
     # A bucket sent as stock DDP sends it (`Plain`): its parameters when momentum is moved into the hook, and whether

@@ -11,7 +11,7 @@ from torch import Tensor
 from lightning_gravac.compressors import kernels
 from lightning_gravac.compressors.base import Compressor, Payload, sq_norm
 
-FeedMode = Literal["in_place", "recycle", "copy", "off"]
+ResidualMode = Literal["in_place", "recycle", "copy", "off"]
 
 
 class ErrorFeedback:
@@ -159,9 +159,9 @@ class Encoded:
         residual: ``x - decompress(payload)``, the next residual, not stored yet (the caller stores it once the step
             is known finite); ``None`` without error feedback, when the method sends ``x`` unchanged, or when it is
             left in ``error_fed``.
-        error_fed: with ``feedback="in_place"``, ``x`` itself (the input, error-fed in place) when the method leaves a
-            residual: the caller makes it the residual with :meth:`ErrorFeedback.absorb` once the step is known
-            finite, before anything overwrites ``x``; else ``None``.
+        error_fed: with ``residual_mode="in_place"``, ``x`` itself (the input, error-fed in place) when the method
+            leaves a residual: the caller makes it the residual with :meth:`ErrorFeedback.absorb` once the step is
+            known finite, before anything overwrites ``x``; else ``None``.
     """
 
     payload: Payload
@@ -178,7 +178,7 @@ def encode(
     *,
     key: str = "",
     step: int = 0,
-    feedback: FeedMode = "off",
+    residual_mode: ResidualMode = "off",
     memory: ErrorFeedback | None = None,
     probe_cfs: Sequence[float] = (),
     prober: Compressor | None = None,
@@ -186,7 +186,7 @@ def encode(
 ) -> Encoded:
     """Error feedback, compression and the new residual of one tensor, in that order.
 
-    ``feedback`` says where the error-fed ``x`` comes from and where its residual goes:
+    ``residual_mode`` says where the error-fed ``x`` comes from and where its residual goes:
 
     - ``"recycle"``: ``x = tensor + memory's residual of key``, in a buffer ``memory`` recycles, which then becomes
       the new residual in place (no copy, no allocation; ``tensor`` is left as it is);
@@ -204,12 +204,12 @@ def encode(
     (:meth:`~lightning_gravac.compressors.base.Compressor.compress_into`); other methods ignore it.
     """
     fed_sq = None  # ||x||^2, found with the error feedback's sum where a kernel made it
-    if feedback in ("recycle", "in_place") and memory is None:
-        raise ValueError(f"encode(feedback={feedback!r}) needs the `memory` whose residual is added.")
-    if feedback == "recycle":
+    if residual_mode in ("recycle", "in_place") and memory is None:
+        raise ValueError(f"encode(residual_mode={residual_mode!r}) needs the `memory` whose residual is added.")
+    if residual_mode == "recycle":
         assert memory is not None
         x, fed_sq = memory.error_fed_sq(key, tensor)
-    elif feedback == "in_place":
+    elif residual_mode == "in_place":
         assert memory is not None
         x, fed_sq = tensor, memory.error_fed_in_place_(key, tensor)
     else:
@@ -228,10 +228,10 @@ def encode(
             probes = prober.probe(x, probe_cfs, key=key, step=step)
     basis = payload.basis if payload.basis is not None else fed_sq if fed_sq is not None else sq_norm(x)
     residual = None
-    if feedback == "recycle" and not compressor.passthrough:
+    if residual_mode == "recycle" and not compressor.passthrough:
         compressor.residual_(x, payload)  # the recycled buffer becomes the residual in place
         residual = x
-    elif feedback == "copy" and not compressor.passthrough:
+    elif residual_mode == "copy" and not compressor.passthrough:
         residual = ErrorFeedback.residual_of(compressor, x, payload)
-    error_fed = x if feedback == "in_place" and not compressor.passthrough else None
+    error_fed = x if residual_mode == "in_place" and not compressor.passthrough else None
     return Encoded(payload, basis, probes, residual, error_fed)

@@ -27,9 +27,9 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_gravac.adaptations.adaptation import Adaptation, Setup, register_adaptation
 from lightning_gravac.compressors.base import Compressor, Pattern, Payload, all_finite
 from lightning_gravac.compressors.packing import Layout
-from lightning_gravac.feedback.adaptation import Adaptation, Setup, register_adaptation
 from lightning_gravac.staged import Staged
 
 

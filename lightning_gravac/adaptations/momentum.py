@@ -29,8 +29,8 @@ from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_gravac.adaptations.adaptation import Adaptation, Setup, register_adaptation
 from lightning_gravac.compressors.base import all_finite
-from lightning_gravac.feedback.adaptation import Adaptation, Setup, register_adaptation
 from lightning_gravac.staged import Staged
 
 

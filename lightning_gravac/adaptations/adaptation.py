@@ -1,8 +1,8 @@
 """The protocol of an optimizer adaptation: state the optimizer would keep, carried by the comm hook instead so that
-compression acts on it (SGD momentum, Adam's moments), and the registry of adaptations :class:`Feedback` holds.
+compression acts on it (SGD momentum, Adam's moments), and the registry of adaptations :class:`Carry` holds.
 
 An adaptation is one file: a subclass of :class:`Adaptation` decorated with :func:`register_adaptation`, imported once
-in ``lightning_gravac/feedback/__init__.py``. Its state is declared once (:meth:`Adaptation.add_state`): a dict of
+in ``lightning_gravac/adaptations/__init__.py``. Its state is declared once (:meth:`Adaptation.add_state`): a dict of
 tensors by parameter name, in gradient units or not, dropped by the divergence guard or not; reset, rescale,
 ``state_dict`` and a checkpoint's reshard onto another number of ranks follow from the declaration.
 
@@ -184,7 +184,7 @@ _A = TypeVar("_A", bound=type[Adaptation])
 
 
 def register_adaptation(cls: _A) -> _A:
-    """Class decorator: every :class:`Feedback` holds an instance of ``cls`` (in registration order).
+    """Class decorator: every :class:`Carry` holds an instance of ``cls`` (in registration order).
 
     Raises:
         ValueError: if an adaptation of the same :attr:`~Adaptation.name` is registered.

@@ -7,16 +7,17 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from lightning_gravac.adaptations.adaptation import Adaptation, Setup, adaptations
+from lightning_gravac.adaptations.residuals import ErrorFeedback
 from lightning_gravac.compressors.base import Compressor, Payload
-from lightning_gravac.feedback.adaptation import Adaptation, Setup, adaptations
-from lightning_gravac.feedback.residuals import ErrorFeedback
 
 _A = TypeVar("_A", bound=Adaptation)
 
 
-class Feedback:
-    """Error feedback's residuals and the optimizer adaptations (:mod:`~lightning_gravac.feedback.adaptation`): the
-    SGD momentum moved into the hook, Adam's moved first moment, and any other registered.
+class Carry:
+    """What a rank carries from one step to the next because it compresses: error feedback's residuals and the
+    optimizer adaptations (:mod:`~lightning_gravac.adaptations.adaptation`): the SGD momentum moved into the hook,
+    Adam's moved first moment, and any other registered.
 
     The comm hook's communicators hand each bucket's outcome to :meth:`settle`, the strategy tells it of the training
     loop's events (:meth:`begin_batch`, :meth:`stepping`, :meth:`rescale_`) and checkpoints, and the divergence guard
@@ -86,7 +87,7 @@ class Feedback:
         for part in self.adaptations:
             part.before_compression_(names, grads, params)
 
-    def carry_(self, names: list[str], grads: list[Tensor]) -> list[str]:
+    def compensate_(self, names: list[str], grads: list[Tensor]) -> list[str]:
         """Add every pending residual into its gradient, in place; the names that had one. They stay stored until
         :meth:`settle` knows the step finite (a dense step that sends them in full drops them then)."""
         return [name for name, grad in zip(names, grads, strict=True) if self.residuals.compensate_(name, grad)]
@@ -94,7 +95,7 @@ class Feedback:
     def flush_(self, names: list[str], grads: list[Tensor]) -> None:
         """Add every pending residual into its gradient and drop it: a step that keeps the gradient local (local SGD)
         takes what compression still owed."""
-        for name in self.carry_(names, grads):
+        for name in self.compensate_(names, grads):
             self.residuals.discard(name)
 
     def error_fed_sq(self, key: str, grad: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -30,7 +30,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_gravac.feedback.adaptation import Adaptation, Setup, register_adaptation
+from lightning_gravac.adaptations.adaptation import Adaptation, Setup, register_adaptation
 from lightning_gravac.tables import EMBEDDING_SHARE, embedding_share
 
 #: Flags of a parameter group under which the optimizer's update is not the one reproduced here.
