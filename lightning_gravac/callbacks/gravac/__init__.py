@@ -2,7 +2,7 @@
 the values they need: the factors and the sequential search's walk along them (:class:`Ladder`, with the run's
 :class:`Budget`, ``ladder.py``), the gains the hook probes (:class:`Probes`, ``probes.py``), the steps and windows
 (:class:`Window`, ``window.py``) and the cost model of a step (:class:`CostModel`, ``cost.py``). Each declares the
-fields a checkpoint carries (``state.py``). The decision rules (``search.py``), the model search's predictions
+fields a checkpoint holds (``checkpoint.py``). The decision rules (``search.py``), the model search's predictions
 (``prediction.py``) and what it sends for Adam (``hold.py``) hold no state; the link probe (``link_probe.py``) times
 all-reduces at fit start. No part knows the controller."""
 

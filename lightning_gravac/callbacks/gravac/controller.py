@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_gravac._validation import choice, fraction, nonnegative, whole
 from lightning_gravac.adaptations.momentum import MomentumCorrection
 from lightning_gravac.callbacks.controller import Controller
+from lightning_gravac.callbacks.gravac.checkpoint import CHECKPOINT_ORDER, Checkpointed
 from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Tally, moved_in_step
 from lightning_gravac.callbacks.gravac.hold import AdamPolicy, held_factor, hold_warning, rung_allowed
 from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_MIN, Budget, Ladder, Policy
@@ -25,7 +26,6 @@ from lightning_gravac.callbacks.gravac.prediction import Decision, kept, masking
 from lightning_gravac.callbacks.gravac.probes import Probes
 from lightning_gravac.callbacks.gravac.rounds import Rounds
 from lightning_gravac.callbacks.gravac.search import SEARCH_DEFAULTS, SEARCHES, Search
-from lightning_gravac.callbacks.gravac.state import CHECKPOINT_ORDER, Carried
 from lightning_gravac.callbacks.gravac.window import Interval, Reduce, Window
 from lightning_gravac.compressors.base import validate_cf
 from lightning_gravac.state import HALF, CompressionState, Factors, GainOf, StepStats
@@ -156,7 +156,7 @@ class GraVAC(Controller):
         #: Whether the default runs local steps, from when (the strategy allows it for its zero-argument default).
         self.rounds = Rounds()
 
-        # What a fit measures, not carried in checkpoints: the largest all-reduce the link probe timed, this rank's
+        # What a fit measures, not checkpointed: the largest all-reduce the link probe timed, this rank's
         # seconds of a fit's first step (the cost model's `first_step` is the slowest rank's), its samples in the step
         # under way and the step's start.
         self._probe_bytes, self.first_step_local, self.batch_size, self._step_start = PROBE_BYTES[1], 0.0, 1, 0.0
@@ -472,12 +472,12 @@ class GraVAC(Controller):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The factor and the guard (the base class's), then each part's carried fields by name. Lightning writes rank
-        0's: the partial window's times and samples (rank-local) feed a MAX and a sum over ranks, decided alike."""
-        parts: tuple[Carried, ...] = (self.ladder, self.probes, self.window, self.cost)
-        carried = {key: value for part in parts for key, value in part.state_dict().items()}
+        """The factor and the guard (the base class's), then each part's checkpointed fields by name. Lightning writes
+        rank 0's: the partial window's times and samples (rank-local) feed a MAX and a sum over ranks, decided alike."""
+        parts: tuple[Checkpointed, ...] = (self.ladder, self.probes, self.window, self.cost)
+        checkpointed = {key: value for part in parts for key, value in part.state_dict().items()}
         rounds = self.rounds.state_dict() if self.rounds.every else {}  # a run without local steps saves as it did
-        return {**super().state_dict(), **{key: carried[key] for key in CHECKPOINT_ORDER}, **rounds}
+        return {**super().state_dict(), **{key: checkpointed[key] for key in CHECKPOINT_ORDER}, **rounds}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ collective moves."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_gravac.callbacks.gravac.state import Carried, carried
+from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpointed
 from lightning_gravac.state import DENSE, HALF, StepStats, gathers, ring_share
 
 #: The least share of a dense step a lossy step must be predicted to save to be sent: below it the saving is within
@@ -145,17 +145,17 @@ def _link(saved: dict[str, float] | None) -> Link | None:
 
 
 @dataclass(kw_only=True)
-class CostModel(Carried):
+class CostModel(Checkpointed):
     """What a step costs, as far as GraVAC has measured it: the link probed at fit start, the model of a step fitted at
     each window's end, what compressing and the fp16 rung's casts cost, and the bytes a step moves. Every value is the
     same on every rank, so every rank predicts alike.
 
     Attributes:
-        link: the step's cost model fitted at the last window's end; ``None`` before the first (carried).
-        compress_cost: the seconds a step the method's selection and encoding cost when compressing (carried).
-        cast_cost: the seconds of the fp16 rung's casts a step (carried).
-        payload_fixed: the bytes a compressed step sends beyond ``dense / cf`` (headers, minimum entries) (carried).
-        buckets: the buckets a step all-reduces: a message each (carried).
+        link: the step's cost model fitted at the last window's end; ``None`` before the first (checkpointed).
+        compress_cost: the seconds a step the method's selection and encoding cost when compressing (checkpointed).
+        cast_cost: the seconds of the fp16 rung's casts a step (checkpointed).
+        payload_fixed: the bytes a compressed step sends beyond ``dense / cf`` (headers, minimum entries; checkpointed).
+        buckets: the buckets a step all-reduces: a message each (checkpointed).
         probed: the fit-start probe's ``(seconds a message, seconds a moved byte)``; ``None``: not run.
         half_per_byte: seconds a moved byte of an fp16 all-reduce (probed at fit start); ``None``: the rung is unknown.
         world_size: the ranks that share the link (set at setup).
@@ -164,11 +164,11 @@ class CostModel(Carried):
             decides from (model search on a probed link; ``None`` before it).
     """
 
-    link: Link | None = field(default=None, metadata=carried(restore=_link))
-    compress_cost: float = field(default=0.0, metadata=carried(added=True))
-    cast_cost: float = field(default=0.0, metadata=carried(added=True))
-    payload_fixed: float = field(default=0.0, metadata=carried(added=True))
-    buckets: int = field(default=1, metadata=carried(added=True))
+    link: Link | None = field(default=None, metadata=checkpointed(restore=_link))
+    compress_cost: float = field(default=0.0, metadata=checkpointed(added=True))
+    cast_cost: float = field(default=0.0, metadata=checkpointed(added=True))
+    payload_fixed: float = field(default=0.0, metadata=checkpointed(added=True))
+    buckets: int = field(default=1, metadata=checkpointed(added=True))
     probed: tuple[float, float] | None = None
     half_per_byte: float | None = None
     world_size: int = 1

@@ -9,8 +9,8 @@ from typing import Literal
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info
 
+from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpointed
 from lightning_gravac.callbacks.gravac.cost import DENSE
-from lightning_gravac.callbacks.gravac.state import Carried, carried
 from lightning_gravac.compressors.base import Compressor
 
 Policy = Literal["exponential", "geometric"]
@@ -34,7 +34,7 @@ def ladder_factors(cf_min: float, cf_max: float, policy: Policy) -> tuple[float,
 
 
 @dataclass(kw_only=True)
-class Ladder(Carried):
+class Ladder(Checkpointed):
     """The factors GraVAC searches, from ``cf_min`` to ``cf_max``, and the sequential search's walk along them.
 
     Attributes:
@@ -49,9 +49,9 @@ class Ladder(Carried):
             less those the run's budget leaves out (:meth:`fit_to_budget`).
     """
 
-    cf_min: float = field(metadata=carried())
-    candidate: float = field(metadata=carried())
-    scale: float = field(default=2.0, metadata=carried())
+    cf_min: float = field(metadata=checkpointed())
+    candidate: float = field(metadata=checkpointed())
+    scale: float = field(default=2.0, metadata=checkpointed())
     cf_max: float
     policy: Policy
     default_bounds: dict[str, bool]

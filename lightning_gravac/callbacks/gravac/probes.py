@@ -3,7 +3,7 @@
 from dataclasses import Field, dataclass, field
 from typing import Any
 
-from lightning_gravac.callbacks.gravac.state import Carried, carried
+from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpointed
 from lightning_gravac.state import GainOf
 
 
@@ -12,7 +12,7 @@ def _sums(saved: dict[float, list[float]]) -> dict[float, tuple[float, float]]:
 
 
 @dataclass(kw_only=True)
-class Probes(Carried):
+class Probes(Checkpointed):
     """What the hook's probes measured: the gain of each factor probed, smoothed over the steps, and when it probes.
 
     Attributes:
@@ -27,12 +27,12 @@ class Probes(Carried):
             value.
     """
 
-    gains: dict[float, float] = field(default_factory=dict, metadata=carried(restore=dict))
-    last_probe: int = field(default=0, metadata=carried(added=True))
-    probe_interval: int = field(metadata=carried(added=True))
-    gain_of: GainOf = field(metadata=carried(added=True))
+    gains: dict[float, float] = field(default_factory=dict, metadata=checkpointed(restore=dict))
+    last_probe: int = field(default=0, metadata=checkpointed(added=True))
+    probe_interval: int = field(metadata=checkpointed(added=True))
+    gain_of: GainOf = field(metadata=checkpointed(added=True))
     gain_sums: dict[float, tuple[float, float]] = field(
-        default_factory=dict, metadata=carried(added=True, restore=_sums)
+        default_factory=dict, metadata=checkpointed(added=True, restore=_sums)
     )
     probe_every: int
     probe_backoff: int

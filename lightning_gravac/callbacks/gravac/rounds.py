@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from lightning_utilities.core.rank_zero import rank_zero_info
 
 from lightning_gravac.adaptations.local_steps import LocalSteps, OuterUpdate
+from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpointed
 from lightning_gravac.callbacks.gravac.cost import CostModel, Link, moved_bytes, saves_enough
-from lightning_gravac.callbacks.gravac.state import Carried, carried
 from lightning_gravac.state import CompressionState, ring_share
 
 #: Round lengths the default picks from, shortest first.
@@ -58,18 +58,18 @@ def choose_length(compute: float, every_step: float, round_s: float, whole_s: fl
 
 
 @dataclass(kw_only=True)
-class Rounds(Carried):
+class Rounds(Checkpointed):
     """Whether and from when the default runs local steps.
 
     Attributes:
         allowed: the fit may switch (the zero-argument default under SGD with QSGD, one optimizer).
-        every: the round length chosen; 0 while every step is sent (carried).
-        start: the step from which local steps run (carried).
+        every: the round length chosen; 0 while every step is sent (checkpointed).
+        start: the step from which local steps run (checkpointed).
     """
 
     allowed: bool = False
-    every: int = field(default=0, metadata=carried(added=True))
-    start: int = field(default=0, metadata=carried(added=True))
+    every: int = field(default=0, metadata=checkpointed(added=True))
+    start: int = field(default=0, metadata=checkpointed(added=True))
     why: str = ""  # the prediction that chose them, said once
 
     def consider(self, cost: CostModel, every_step_cf: float, rungs: tuple[float, ...], steps_done: int,

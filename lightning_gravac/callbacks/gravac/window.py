@@ -8,8 +8,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpointed
 from lightning_gravac.callbacks.gravac.cost import Measured, Tally
-from lightning_gravac.callbacks.gravac.state import Carried, carried
 
 #: ``values`` reduced over the compression's ranks by an operation (MAX, SUM), the same on every rank.
 Reduce = Callable[[torch.Tensor, dist.ReduceOp.RedOpType], torch.Tensor]
@@ -37,7 +37,7 @@ class Closed:
 
 
 @dataclass(kw_only=True)
-class Window(Carried):
+class Window(Checkpointed):
     """GraVAC's steps and windows: the steps of a window are tallied by the factor sent; its end gives each factor's
     throughput, and the search decides. Every rank holds the same values but for the current window's times and
     samples (``tally``), which the window's end reduces over ranks.
@@ -53,12 +53,12 @@ class Window(Carried):
         interval: the unit of ``length``, ``"step"`` or ``"epoch"``.
     """
 
-    settled: float | None = field(default=None, metadata=carried())
-    throughput: dict[float, float] = field(default_factory=dict, metadata=carried(restore=dict))
-    windows: int = field(default=0, metadata=carried())
-    progress: int = field(default=0, metadata=carried())
-    steps: int = field(default=0, metadata=carried(added=True))
-    tally: dict[float, Tally] = field(default_factory=dict, metadata=carried(restore=_tallies))
+    settled: float | None = field(default=None, metadata=checkpointed())
+    throughput: dict[float, float] = field(default_factory=dict, metadata=checkpointed(restore=dict))
+    windows: int = field(default=0, metadata=checkpointed())
+    progress: int = field(default=0, metadata=checkpointed())
+    steps: int = field(default=0, metadata=checkpointed(added=True))
+    tally: dict[float, Tally] = field(default_factory=dict, metadata=checkpointed(restore=_tallies))
     length: int
     first: int
     interval: Interval = field(default="step")

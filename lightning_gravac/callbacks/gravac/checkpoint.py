@@ -1,11 +1,12 @@
-"""GraVAC's checkpoint: each of its parts declares the fields it carries (:func:`carried`), and :class:`Carried` saves
-and restores them by name. The controller writes every part's fields into one flat dict, in :data:`CHECKPOINT_ORDER`."""
+"""GraVAC's checkpoint: each of its parts declares the fields checkpoints hold (:func:`checkpointed`), and
+:class:`Checkpointed` saves and restores them by name. The controller writes every part's fields into one flat dict, in
+:data:`CHECKPOINT_ORDER`."""
 
 from collections.abc import Callable
 from dataclasses import MISSING, Field, asdict, fields, is_dataclass
 from typing import Any
 
-#: The carried fields in the order checkpoints hold them, which the first version set: a checkpoint's bytes stay theirs.
+#: The checkpointed fields in the order checkpoints hold them, which the first version set: their bytes stay the same.
 CHECKPOINT_ORDER = (
     "cf_min", "candidate", "scale", "settled", "gains", "throughput", "link", "windows", "progress", "steps",
     "last_probe", "probe_interval", "tally", "gain_of", "gain_sums", "compress_cost", "cast_cost", "payload_fixed",
@@ -13,16 +14,16 @@ CHECKPOINT_ORDER = (
 )  # fmt: skip
 
 
-def carried(*, added: bool = False, restore: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+def checkpointed(*, added: bool = False, restore: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """The metadata of a part's field (a dataclass field) that checkpoints carry under its name:
-    ``field(default=0, metadata=carried())``.
+    ``field(default=0, metadata=checkpointed())``.
 
     Args:
         added: checkpoints of earlier versions lack it: loading one of them gives it its fresh value
-            (:meth:`Carried.fresh`); a field that every version saved must be there.
-        restore: the value from what :meth:`Carried.state_dict` saved (plain dicts and lists); ``None``: as saved.
+            (:meth:`Checkpointed.fresh`); a field that every version saved must be there.
+        restore: the value from what :meth:`Checkpointed.state_dict` saved (plain dicts and lists); ``None``: as saved.
     """
-    return {"carried": True, "added": added, "restore": restore}
+    return {"checkpointed": True, "added": added, "restore": restore}
 
 
 def _plain(value: Any) -> Any:
@@ -36,24 +37,24 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class Carried:
-    """A part of GraVAC, a dataclass whose :func:`carried` fields checkpoints hold."""
+class Checkpointed:
+    """A part of GraVAC, a dataclass whose :func:`checkpointed` fields checkpoints hold."""
 
-    def _carried(self) -> list[Field[Any]]:
+    def _checkpointed(self) -> list[Field[Any]]:
         part: Any = self
-        return [f for f in fields(part) if f.metadata.get("carried")]
+        return [f for f in fields(part) if f.metadata.get("checkpointed")]
 
     def state_dict(self) -> dict[str, Any]:
-        """Each carried field by its name, as plain values."""
-        return {f.name: _plain(getattr(self, f.name)) for f in self._carried()}
+        """Each checkpointed field by its name, as plain values."""
+        return {f.name: _plain(getattr(self, f.name)) for f in self._checkpointed()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Restore the carried fields from ``saved`` (a checkpoint's flat dict, which holds other parts' too).
+        """Restore the checkpointed fields from ``saved`` (a checkpoint's flat dict, which holds other parts' too).
 
         Raises:
             KeyError: for a field that every version saved, missing from ``saved``.
         """
-        for f in self._carried():
+        for f in self._checkpointed():
             if f.name in saved:
                 restore = f.metadata["restore"]
                 setattr(self, f.name, saved[f.name] if restore is None else restore(saved[f.name]))
