@@ -1,5 +1,6 @@
 """Accordion: light compression in critical regimes, heavy elsewhere (Agarwal et al., MLSys 2021)."""
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -56,7 +57,6 @@ class Accordion(Controller):
         self.eta = fraction(eta, "eta")
         self.window = whole(window, "window")
         self.interval = choice(interval, "interval", ("epoch", "step"))
-        self.layer_cf: dict[str, float] = {}  # the decisions; a layer not in it is compressed at low_cf
         self.compressible: list[str] = []  # parameters with ndim > 1
         self.previous_norms: dict[str, float] = {}
         self.lr_dropped = False
@@ -69,10 +69,19 @@ class Accordion(Controller):
     def max_cf(self) -> tuple[str, float]:
         return "high_cf", self.high_cf
 
+    @property
+    def layer_cf(self) -> Mapping[str, float]:
+        """Every layer's factor, by name: the decision's own (:attr:`decided`); a layer not in it goes at ``low_cf``."""
+        return self.decided.param_cf
+
+    @layer_cf.setter
+    def layer_cf(self, layer_cf: Mapping[str, float]) -> None:
+        # A new mapping each time, never written in place: the hook reads the one it was handed until the next.
+        self.decided = replace(self.decided, param_cf=dict(layer_cf))
+
     @override
     def decide(self, state: CompressionState) -> Factors:
-        # A copy: the layers' factors handed over stay as they are until the next hand-over.
-        return replace(super().decide(state), param_cf=dict(self.layer_cf))
+        return replace(super().decide(state), param_cf=self.layer_cf)
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -91,7 +100,7 @@ class Accordion(Controller):
         lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
         if lr is not None and self._last_lr is not None and lr < self._last_lr:
             self.lr_dropped = True
-            self.layer_cf.update(dict.fromkeys(self.compressible, self.low_cf))
+            self.layer_cf = {**self.layer_cf, **dict.fromkeys(self.compressible, self.low_cf)}
             self.apply(self.state)
         self._last_lr = lr
 
@@ -129,13 +138,15 @@ class Accordion(Controller):
 
     def check(self, norms: dict[str, float]) -> None:
         """Decide every layer's factor from the norms of its gradient summed over the interval that just ended."""
+        layer_cf = dict(self.layer_cf)
         for name, norm in norms.items():
             previous = self.previous_norms.get(name)
             if self.lr_dropped or previous is None or previous == 0:
                 critical = True  # the first interval, and the one after a learning-rate drop, start light
             else:
                 critical = abs(previous - norm) / previous >= self.eta
-            self.layer_cf[name] = self.low_cf if critical else self.high_cf
+            layer_cf[name] = self.low_cf if critical else self.high_cf
+        self.layer_cf = layer_cf
         self.previous_norms = dict(norms)
         self.lr_dropped = False
 
