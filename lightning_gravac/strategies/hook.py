@@ -43,7 +43,7 @@ from torch.futures import Future
 from lightning_gravac.adaptations import ResidualMode
 from lightning_gravac.compressors.base import Pattern, sq_norm
 from lightning_gravac.state import HALF, CompressionState, Factors
-from lightning_gravac.strategies.communicators import Segment, Work, communicator_for
+from lightning_gravac.strategies.communicators import PlainSend, Segment, Work, communicator_for
 
 
 def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tensor]:
@@ -116,7 +116,7 @@ def _plain(
     carry = state.carry
     carried = state.error_feedback and carry.owes(names)
     exact = carry.exact(names) and not carried
-    work = Work(state, buffer, [], names, grads, plain=True, params=params, exact=exact, rows=rows, half=half)
+    work = Work(state, buffer, [], names, grads, plain=PlainSend(params, exact, rows, half))
     if not half:  # a half step sends the cast, as the rung's own path does, not what a method delivers dense
         work.delivered = state.compressor.deliver_(_units(state, names, grads, buffer), step=state.step)
     if not exact:

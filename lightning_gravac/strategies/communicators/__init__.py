@@ -41,7 +41,7 @@ from lightning_gravac.strategies.communicators.header import Header
 from lightning_gravac.strategies.communicators.in_rounds import InRounds
 from lightning_gravac.strategies.communicators.one_round import Gathered, OneRound, Summed
 from lightning_gravac.strategies.communicators.settle import land, reduce_with_header, settle
-from lightning_gravac.strategies.communicators.work import Segment, Work
+from lightning_gravac.strategies.communicators.work import PlainSend, Segment, Work
 
 _BY_PATTERN: dict[Pattern, Communicator] = {
     Pattern.GATHER: Gathered(),
@@ -59,8 +59,8 @@ def communicator_for(work: Work) -> Communicator:
         return _LOCAL_SGD
     if work.buffer.is_sparse:
         return _SPARSE
-    if work.plain:
-        return _ROWS if work.rows or work.half else _PLAIN
+    if work.plain is not None:
+        return _ROWS if work.plain.rows or work.plain.half else _PLAIN
     if work.dense_probed:
         return _DENSE_PROBED
     if work.method.communication is Pattern.ROUNDS:
@@ -79,6 +79,7 @@ __all__ = [
     "LocalSGD",
     "OneRound",
     "Plain",
+    "PlainSend",
     "RowsReduced",
     "Segment",
     "SparseReduced",

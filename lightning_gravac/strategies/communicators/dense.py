@@ -46,8 +46,8 @@ class DenseProbed(Communicator):
 
 class Plain(Communicator):
     """The bucket all-reduced as stock DDP does, bit for bit: every factor 1, nothing probed. Residuals carried in are
-    sent in full; the moved momentum applies after the all-reduce (``work.exact``) or moved before it; a method's own
-    momentum was delivered into the bucket before it (``work.delivered``)."""
+    sent in full; the moved momentum applies after the all-reduce (``work.plain.exact``) or moved before it; a
+    method's own momentum was delivered into the bucket before it (``work.delivered``)."""
 
     @override
     def send(self, work: Work) -> Future[Tensor]:
@@ -76,7 +76,9 @@ class RowsReduced(Communicator):
 
     @override
     def send(self, work: Work) -> Future[Tensor]:
-        state, tables = work.state, _tables_of(work)
+        state, plain = work.state, work.plain
+        assert plain is not None  # `communicator_for` sends only plain buckets here
+        tables = [(i, state.rows.rows[work.names[i]]) for i in plain.rows]  # (position, rows) of each table by rows
         chosen: dict[int, Tensor] = {}  # a table's position -> the rows it sends
         mask_bytes = 0
         if tables:  # else a half step whose tables all go whole this time
@@ -112,7 +114,7 @@ class RowsReduced(Communicator):
                     grad.copy_(values)
             return work.buffer
 
-        if work.half:
+        if plain.half:
             return _half_rows(work, flat, scatter, mask_bytes)
         # Divided before summing as `Plain` does: bit for bit what the whole bucket would have given.
         flat.mul_(1.0 / state.world_size)
@@ -136,11 +138,6 @@ def _half_rows(work: Work, flat: Tensor, scatter: Callable[[Tensor], Tensor], ma
     work.header = Header.pack(sq_norm(flat), [sq_norm(wire.to(flat.dtype))], [], None)
     wire.div_(state.world_size)
     return reduce_with_header(work, wire, lambda: scatter(wire), extra_bytes=mask_bytes)
-
-
-def _tables_of(work: Work) -> list[tuple[int, int]]:
-    """``(position, rows)`` of each table of ``work`` sent by its rows."""
-    return [(i, work.state.rows.rows[work.names[i]]) for i in work.rows]
 
 
 def _settle_plain(work: Work, result: Tensor, bytes_sent: int) -> Tensor:

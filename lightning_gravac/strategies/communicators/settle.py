@@ -95,7 +95,10 @@ def settle(
         state.compressor.commit(keys)
     else:
         state.compressor.discard(keys)
-    state.carry.settle(work.names, work.pending, finite, averaged, work.params, work.exact)
+    if work.plain is None:
+        state.carry.settle(work.names, work.pending, finite)
+    else:
+        state.carry.settle(work.names, work.pending, finite, averaged, work.plain.params, work.plain.exact)
     if header is not None and not finite:
         work.buffer.fill_(math.nan)
     dense = work.dense_bytes if bytes_dense is None else bytes_dense

@@ -21,6 +21,23 @@ class Segment:
     out: Tensor  # where the averaged result goes: a view into the bucket buffer
 
 
+@dataclass(frozen=True)
+class PlainSend:
+    """How a bucket sent as stock DDP sends it goes (`Plain`, or `RowsReduced` with ``rows`` or ``half``).
+
+    Attributes:
+        params: its parameters, when SGD momentum is moved into the hook.
+        exact: that momentum applies after the all-reduce (buffers in sync, nothing carried in).
+        rows: the positions in the bucket's ``names`` of the embedding tables sent by their touched rows.
+        half: it goes in fp16 (a half step).
+    """
+
+    params: list[Tensor] = field(default_factory=list)
+    exact: bool = False
+    rows: list[int] = field(default_factory=list)
+    half: bool = False
+
+
 @dataclass
 class Work:
     """One bucket on its way through a communicator.
@@ -46,15 +63,7 @@ class Work:
     # Segments error-fed in place (``residual_mode="in_place"``) whose residual is taken once the step is known finite,
     # before the decoded average overwrites them (`land`): (key, error-fed tensor, its method, its payload).
     deferred: list[tuple[str, Tensor, Compressor, Payload]] = field(default_factory=list)
-    # A bucket sent as stock DDP sends it (`Plain`): its parameters when momentum is moved into the hook, and whether
-    # that momentum applies after the all-reduce (buffers in sync, nothing carried in).
-    plain: bool = False
-    params: list[Tensor] = field(default_factory=list)
-    exact: bool = False
-    # Of a plain bucket: the positions in `names` of the embedding tables sent by their touched rows (`RowsReduced`),
-    # and whether it goes in fp16 (a half step).
-    rows: list[int] = field(default_factory=list)
-    half: bool = False
+    plain: PlainSend | None = None  # a bucket sent as stock DDP sends it; `None`: any other path
     local_sgd: bool = False  # local SGD: nothing is sent (`LocalSGD`)
     # The units sent dense that hold what their method delivers there (DGC's momentum and accumulation), by key, with
     # the probes of it (`Compressor.deliver_`); the method's state of those keys is pending until `settle`.
