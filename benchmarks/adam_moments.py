@@ -69,7 +69,7 @@ def run(row: str, steps: int, warmup: int, seed: int) -> float:
             if send == "moments" and step >= warmup:
                 if rank > 0:  # what one process's hook leaves to apply: one record of the parameters moved
                     moments.drop_moved()
-                moments.local_([names[id(p)] for p in params], grads)
+                moments.own_moment_([names[id(p)] for p in params], grads)
             if compressing:
                 for i, g in enumerate(grads):
                     g.add_(residuals[rank][i])

@@ -55,7 +55,7 @@ from lightning_gravac.zoo import BagOfWordsRegression, bag_of_words_dataset
 _INSIDE = "GRAVAC_BANDWIDTH_NETNS"
 
 #: The model search without the default's link probe and gain weighing (its first form, measured in BENCHMARKS.md).
-UNPROBED: dict[str, Any] = {"gain_power": 1.0, "link_probe": False}
+UNPROBED: dict[str, Any] = {"gain_power": 1.0, "time_link": False}
 UNPROBED_ERROR_FED: dict[str, Any] = {**UNPROBED, "gain_of": "error_fed"}
 
 

@@ -350,7 +350,7 @@ def regression_data(n: int, seed: int) -> TensorDataset:
 
 
 class LinkOf(GraVAC):
-    """The default controller (model search) on a scripted link of ``bits_per_second``: the fit-start probe, a step's
+    """The default controller (model search) on a scripted link of ``bits_per_second``: the fit-start timing, a step's
     seconds (``compute`` plus the bytes sent) and compression (free) are modelled: its decisions are deterministic."""
 
     def __init__(self, bits_per_second: float, compute: float = 0.01, **kwargs: Any) -> None:

@@ -52,7 +52,7 @@ def _fit(rank, world_size, optimizer, controller, compressor):
         "held-fp16": [GraVAC(adam="fp16")],  # held all the run: dense or fp16, said with a warning
         "slow-link": [_Link(half_ratio=1.0)],  # bytes dominate, an fp16 byte costs an fp32 one's: fp16
         "dear-fp16": [_Link(half_ratio=4.0)],  # an fp16 sum at 4x an fp32 byte (gloo on a fast link): dense
-        "no-probe": [GraVAC(link_probe=False, adam="fp16")],  # the link unknown: fp16 cannot be shown to pay, dense
+        "no-probe": [GraVAC(time_link=False, adam="fp16")],  # the link unknown: fp16 cannot be shown to pay, dense
     }[controller]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -118,7 +118,7 @@ def test_the_fp16_rung_of_an_adam_fit_does_not_outlive_it():
     assert asked.fp16_rung
     held = GraVAC(adam="dense", fp16_rung=True)  # asked to hold dense under Adam: the rung is not used for the hold
     held.compression_state, held.adaptive_optimizer = controller.compression_state, True
-    held.cost.probed = (0.0, 1e-6)
+    held.cost.timed = (0.0, 1e-6)
     held.check_rung(module)
     held.cost.half_per_byte = 1e-7  # fp16 modelled far cheaper than fp32: the hold still sends dense
     assert held.rungs and held.choose() == 1.0

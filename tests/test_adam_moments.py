@@ -47,7 +47,7 @@ def test_moved_moments_step_as_adam_with_its_second_moment_held(optimizer):
     for step, g in enumerate(grads):
         grad = g.clone()
         if moments.active(step):  # one rank: what the hook sends is what arrives
-            moments.local_(["w"], [grad])
+            moments.own_moment_(["w"], [grad])
         param.grad = grad
         hidden = moments.step_()
         opt.step()
@@ -73,7 +73,7 @@ def test_the_learning_rate_is_read_from_a_restored_optimizers_groups():
     opt.param_groups[0]["lr"] = 0.5  # as a scheduler then does
     moments.frozen_from, before = 0, param.detach().clone()
     grad = torch.ones(4)
-    moments.local_(["w"], [grad])
+    moments.own_moment_(["w"], [grad])
     param.grad = grad
     moments.restore(moments.step_())
     # m = 0.9 x 0.1 + 0.1 x 1 = 0.19 = 1 - 0.9^2, its bias correction: the step is the new rate (1.0 if the stale one).

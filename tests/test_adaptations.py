@@ -42,11 +42,11 @@ def test_a_part_is_one_class_and_one_registration(monkeypatch):
     register_adaptation(_Trace)
     carry = Carry()
     trace = carry.get(_Trace)
-    carry.local_(["w"], [torch.ones(3)], [])
+    carry.before_compression_(["w"], [torch.ones(3)], [])
     carry.settle(["w"], {}, finite=False)  # a non-finite step keeps nothing
     assert trace.sums.kept == {}
     for _ in range(2):
-        carry.local_(["w"], [torch.ones(3)], [])
+        carry.before_compression_(["w"], [torch.ones(3)], [])
         carry.settle(["w"], {}, finite=True)
     assert torch.equal(trace.sums.kept["w"], torch.full((3,), 2.0))
     carry.rescale_(0.5)  # declared in gradient units

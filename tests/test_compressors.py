@@ -141,7 +141,7 @@ def test_sparse_k_accounting(cf, dtype, index_bytes, k):
 def test_randomk_indices_agree_for_same_seed_step_key_and_differ_otherwise():
     a, b = get_compressor("randomk", seed=3), get_compressor("randomk", seed=3)
     g1, g2 = _grad(seed=1), _grad(seed=2)  # different data, as on two ranks
-    idx = lambda c, g, **kw: c.compress(g, cf=10, **kw).local[0]  # noqa: E731
+    idx = lambda c, g, **kw: c.compress(g, cf=10, **kw).derived[0]  # noqa: E731
     assert torch.equal(idx(a, g1, key="w", step=4), idx(b, g2, key="w", step=4))
     assert not torch.equal(idx(a, g1, key="w", step=4), idx(a, g1, key="w", step=5))
     assert not torch.equal(idx(a, g1, key="w", step=4), idx(a, g1, key="v", step=4))

@@ -189,7 +189,7 @@ def _uneven_batches(rank, batches=64):
 def _gravac_vs_dense(rank, world_size, search):
     data = teacher_dataset()
     out = {}
-    # "default": no controller, so the strategy installs the zero-argument GraVAC() (the model search, link probed,
+    # "default": no controller, so the strategy installs the zero-argument GraVAC() (the model search, link timed,
     # steps timed: its choices follow the machine's speed). "model": the model search on a modelled link and clock.
     gravac: list[pl.Callback] = []
     if search == "model":
@@ -210,7 +210,7 @@ def _gravac_vs_dense(rank, world_size, search):
         controller = next(c for c in trainer.callbacks if isinstance(c, (GraVAC, Static)))
         gravac = controller if isinstance(controller, GraVAC) else None
         out[name] = {"loss": loss, "cf": [r["gravac/cf"] for r in summary.history],
-                     "probed": gravac.cost.probed if gravac else None, "gains": gravac.probes.gains if gravac else None,
+                     "probed": gravac.cost.timed if gravac else None, "gains": gravac.probes.gains if gravac else None,
                      "link": repr(gravac.cost.link if gravac else None),
                      "throughput": gravac.window.throughput if gravac else None}  # fmt: skip
     return out
@@ -224,7 +224,7 @@ def test_ranks_on_different_data_decide_alike_and_gravac_learns_like_dense(searc
     ranks = run_distributed(_gravac_vs_dense, search=search)
     mine, theirs = ranks[0]["gravac"], ranks[1]["gravac"]
     assert mine["cf"] == theirs["cf"], "ranks took different decisions"
-    # Every input of a decision is the same on every rank: the link probe's costs, the gains, the fitted step model,
+    # Every input of a decision is the same on every rank: the link timer's costs, the gains, the fitted step model,
     # and the throughputs the sequential search settles on (samples summed over ranks, not N x this rank's batch).
     assert (mine["probed"], mine["gains"], mine["link"]) == (theirs["probed"], theirs["gains"], theirs["link"])
     assert mine["throughput"] and mine["throughput"] == theirs["throughput"]
@@ -404,7 +404,7 @@ def test_the_model_search_sends_fp16_where_no_factor_keeps_enough_and_bytes_cost
     state = CompressionState(get_compressor("topk"), error_feedback=True)
     # Every factor keeps 0.1% of the gradient (below the 0.02 floor): dense, or the whole gradient in fp16.
     poor = _model_search({**dict.fromkeys((10, 20, 40, 160, 1000), 0.001), 2.0: 1.0}, window=3, fp16_rung=True)
-    poor.cost.cast_cost, poor.cost.half_per_byte = 0.5, 1e-5  # as the fit-start probe would have measured them
+    poor.cost.cast_cost, poor.cost.half_per_byte = 0.5, 1e-5  # as the fit-start timing would have measured them
     poor.run(6, state)
     # Dense: 1 s + 10 s of bytes. fp16: 1 s + 5 s + 0.5 s of casts.
     assert poor.cf == 2.0 and state.half and state.cf == 2.0
@@ -492,7 +492,7 @@ def _default_on_a_link(per_byte: float, gain: dict[float, float], state=None, **
     c.cost.world_size = 2
     c.compression_state = state
     c.budget.steps = budget_steps  # what fit start reads from the trainer
-    c.cost.probed = (0.0, per_byte)  # what the fit-start probe would have measured
+    c.cost.timed = (0.0, per_byte)  # what the fit-start timing would have measured
     c.cost.cast_cost, c.cost.half_per_byte = 0.01, per_byte  # the fp16 rung: casts 10 ms a step, bytes as fp32's
     return c.run(4)  # the first window (3 steps), then one step at the factor it chose
 
@@ -631,7 +631,7 @@ def test_the_paper_is_one_argument_away_and_dgc_keeps_the_error_fed_gain_by_defa
         paper.probes.probe_every,
         paper.probes.gain_of,
         paper.gain_power,
-        paper.link_probe,
+        paper.time_link,
     ) == (
         0.7,
         500,
@@ -653,7 +653,7 @@ def test_the_paper_is_one_argument_away_and_dgc_keeps_the_error_fed_gain_by_defa
         25,
         3,
     )
-    assert (default.probes.gain_of, default.gain_power, default.link_probe) == ("gradient", pytest.approx(1 / 3), True)
+    assert (default.probes.gain_of, default.gain_power, default.time_link) == ("gradient", pytest.approx(1 / 3), True)
     trainer = SimpleNamespace(strategy=GraVACStrategy("dgc"), world_size=1)
     default.setup(trainer, TeacherRegression(width=256), "fit")  # no error: DGC has no gain of the gradient alone
     assert default.probes.gain_of == "error_fed"
@@ -774,7 +774,7 @@ def _resumable(search: str) -> tuple[Scripted, dict]:
                  **run["kwargs"])  # fmt: skip
     c.cost.world_size = 2
     if search == "model":
-        c.cost.probed, c.cost.half_per_byte = (0.0, link["per_byte"]), link["per_byte"]
+        c.cost.timed, c.cost.half_per_byte = (0.0, link["per_byte"]), link["per_byte"]
     return c, link
 
 

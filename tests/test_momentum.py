@@ -113,14 +113,14 @@ def test_buffers_are_pending_until_the_step_is_known_finite_and_round_trip():
     assert correction.take_from_optimizer(optimizer, {id(p): "w"}) == ["w"]
     assert optimizer.param_groups[0]["momentum"] == 0 and optimizer.param_groups[0]["weight_decay"] == 0
     grad = torch.tensor([1.0, 2.0, 3.0])
-    correction.local_(["w"], [grad], [p])
+    correction.own_direction_(["w"], [grad], [p])
     assert torch.equal(grad, torch.tensor([1.5, 2.5, 3.5]))  # first step: the buffer is g + wd p
     correction.buffers.discard(["w"])  # a non-finite step: nothing kept
     assert correction.state_dict() == {}
-    correction.local_(["w"], [grad.clone()], [p])
+    correction.own_direction_(["w"], [grad.clone()], [p])
     correction.buffers.commit(["w"])
     grad2 = torch.zeros(3)
-    correction.local_(["w"], [grad2], [p])  # u = 0.9 u + (0 + 0.5 p)
+    correction.own_direction_(["w"], [grad2], [p])  # u = 0.9 u + (0 + 0.5 p)
     assert torch.allclose(grad2, 0.9 * torch.tensor([2.0, 3.0, 4.0]) + 0.5)
     saved = correction.state_dict()
     assert not correction.in_sync(["w"]) and bool(saved["local/w"])
@@ -245,7 +245,7 @@ def _masked_mass(momentum: float, nesterov: bool, sent_at, steps: int, n: int, b
     residual, mass = torch.zeros(n), torch.zeros(n)
     for step in range(steps):
         direction = torch.ones(n)
-        moved.local_(["w"], [direction], [w])
+        moved.own_direction_(["w"], [direction], [w])
         if step >= burn_in:
             mass += direction
         fed, now = residual + direction, sent_at(step)

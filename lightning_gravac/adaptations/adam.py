@@ -103,7 +103,7 @@ class AdamMoments(Adaptation):
 
     Which parameters are moved is fixed at setup (:meth:`take_from`); when is decided at fit start
     (:meth:`on_fit_start`) and checkpointed with the strategy, the same on every rank. Until then every step is sent
-    whole (:attr:`sends_from`). The hook calls :meth:`local_` on every step from ``frozen_from`` on, the strategy
+    whole (:attr:`sends_from`). The hook calls :meth:`own_moment_` on every step from ``frozen_from`` on, the strategy
     :meth:`step_` inside the optimizer's step.
     """
 
@@ -179,9 +179,9 @@ class AdamMoments(Adaptation):
         """Adam's step direction in place of each moved gradient once the second moment is frozen (what is sent, on
         any path)."""
         if self.active(step):
-            self.local_(names, grads)
+            self.own_moment_(names, grads)
 
-    def local_(self, names: list[str], grads: list[Tensor]) -> None:
+    def own_moment_(self, names: list[str], grads: list[Tensor]) -> None:
         """In the hook, before compression: each moved parameter's gradient becomes this rank's first moment, in
         place. A parameter the optimizer has not stepped yet (no second moment to hold) keeps its gradient and is
         stepped by the optimizer; which those are is the same on every rank (so is the optimizer's state)."""

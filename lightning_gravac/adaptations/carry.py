@@ -82,7 +82,7 @@ class Carry:
         """Whether a residual is pending for any of ``names``."""
         return any(name in self.residuals for name in names)
 
-    def local_(self, names: list[str], grads: list[Tensor], params: list[Tensor]) -> None:
+    def before_compression_(self, names: list[str], grads: list[Tensor], params: list[Tensor]) -> None:
         """Before compression: each gradient with moved momentum becomes this rank's update direction, in place."""
         for part in self.adaptations:
             part.before_compression_(names, grads, params)

@@ -99,8 +99,8 @@ class MomentumCorrection(Adaptation):
         self.masking = masking
         self.settings: dict[str, SGDMomentum] = {}
         self.buffers: Staged
-        self.add_state("buffers", "u", gradient_units=True)  # each rank's own once a step compressed: `_local`
-        self._local: set[str] = set()  # parameters whose buffers differ between ranks
+        self.add_state("buffers", "u", gradient_units=True)  # each rank's own once a step compressed: `_own`
+        self._own: set[str] = set()  # parameters whose buffers differ between ranks
         self._optimizers: list[tuple[torch.optim.Optimizer, dict[int, str]]] = []  # those momentum was taken from
         # In-sync buffers whose update waits for the gradient the optimizer will see (a non-finite dense step).
         self._deferred: list[tuple[str, Tensor]] = []
@@ -214,7 +214,7 @@ class MomentumCorrection(Adaptation):
 
     def in_sync(self, names: Iterable[str]) -> bool:
         """Whether the buffers of ``names`` are identical on every rank (the exact dense path applies)."""
-        return not any(name in self._local for name in names)
+        return not any(name in self._own for name in names)
 
     @override
     def exact(self, names: Sequence[str]) -> bool:
@@ -227,10 +227,10 @@ class MomentumCorrection(Adaptation):
     @override
     def before_compression_(self, names: list[str], grads: list[Tensor], params: list[Tensor]) -> None:
         if self:
-            self.local_(names, grads, params)
+            self.own_direction_(names, grads, params)
 
-    def local_(self, names: list[str], grads: list[Tensor], params: list[Tensor]) -> None:
-        """Before compression: each gradient becomes this rank's update direction, in place; buffers go local.
+    def own_direction_(self, names: list[str], grads: list[Tensor], params: list[Tensor]) -> None:
+        """Before compression: each gradient becomes this rank's update direction, in place, from its own buffers.
 
         The new buffers are written into recycled spares (no allocation once running) and kept pending."""
         for name, grad, param in zip(names, grads, params, strict=True):
@@ -248,7 +248,7 @@ class MomentumCorrection(Adaptation):
             else:
                 grad.copy_(new)
             self.buffers.stage(name, new)
-            self._local.add(name)
+            self._own.add(name)
 
     def after_dense_(self, names: list[str], averaged: list[Tensor], params: list[Tensor]) -> None:
         """After the all-reduce of plain gradients, with buffers in sync and the step known finite: the averaged
@@ -331,14 +331,14 @@ class MomentumCorrection(Adaptation):
             pending = self.buffers.pending.get(name)
             if pending is not None and not self.settings[name].nesterov:
                 pending.copy_(avg)
-                self._local.discard(name)
+                self._own.discard(name)
 
     @override
     def reset(self) -> None:
         """Drop every buffer (the divergence guard: they hold the accumulation that exploded). With none on any rank
         the buffers are in sync again: the next dense step starts them afresh, as ``torch.optim.SGD`` starts its own."""
         super().reset()
-        self._local = set()
+        self._own = set()
         self._deferred.clear()
 
     @override
@@ -346,11 +346,11 @@ class MomentumCorrection(Adaptation):
         """This rank's buffers (``u/<name>``) and whether each is local to it (``local/<name>``)."""
         out = super().state_dict()
         kept = self.buffers.kept
-        out.update({f"local/{n}": torch.tensor(n in self._local, device=t.device) for n, t in kept.items()})
+        out.update({f"local/{n}": torch.tensor(n in self._own, device=t.device) for n, t in kept.items()})
         return out
 
     @override
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         super().load_state_dict(state)
-        self._local = {k[6:] for k, t in state.items() if k.startswith("local/") and bool(t)}
+        self._own = {k[6:] for k, t in state.items() if k.startswith("local/") and bool(t)}
         self._deferred.clear()

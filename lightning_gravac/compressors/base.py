@@ -32,7 +32,7 @@ class Payload:
             dtype and the compression factor only, so every rank sends the same number of bytes.
         shape: shape of the tensor that was compressed.
         dtype: dtype of the tensor that was compressed.
-        local: tensors needed to decode that never cross the network, because every rank can derive them
+        derived: tensors needed to decode that never cross the network, because every rank can derive them
             (Random-K's indices come from a shared seed).
         basis: ``||x||^2`` (float64) of what the method selected from, when that is not the tensor it was given
             (DGC selects from its own accumulation); ``None`` means the input. Gains are relative to it.
@@ -44,7 +44,7 @@ class Payload:
     wire: tuple[Tensor, ...]
     shape: torch.Size
     dtype: torch.dtype
-    local: tuple[Tensor, ...] = ()
+    derived: tuple[Tensor, ...] = ()
     basis: Tensor | None = None
     sent: Tensor | None = None
 
@@ -55,7 +55,7 @@ class Payload:
 
     def with_wire(self, wire: Sequence[Tensor]) -> "Payload":
         """The same payload with other wire tensors: another rank's, unpacked from a gathered buffer."""
-        return Payload(tuple(wire), self.shape, self.dtype, self.local, self.basis)
+        return Payload(tuple(wire), self.shape, self.dtype, self.derived, self.basis)
 
 
 class Pattern(Enum):

@@ -80,7 +80,7 @@ class PowerSGD(Compressor, MultiRound):
     """Rank-``r`` approximation ``P Q^T`` of each weight's gradient matrix ``M`` (``[rows, rest]``), warm-started Q.
 
     Two all-reduces a bucket, the module's steps, which :class:`~lightning_gravac.GraVACStrategy`'s hook runs for
-    this method. Error feedback (on by default) keeps ``M - P Q_local^T``, the part of this rank's gradient outside
+    this method. Error feedback (on by default) keeps ``M - P Q_own^T``, the part of this rank's gradient outside
     the shared subspace. 1-D tensors (biases, norms) are sent dense. Factors travel in fp32.
 
     The rank follows ``cf``: the whole number nearest (by ratio) to ``rows * rest / (cf (rows + rest))``, at least 1

@@ -82,7 +82,7 @@ class QSGD(Compressor):
             packed = pack_bits(level.copysign_(buckets).add_(s).view(-1)[: flat.numel()], _bits(s))
         # `s` is derived from `cf` identically on every rank: it decodes locally and never crosses the network.
         levels = torch.tensor(s)
-        payload = Payload((packed, norms), tensor.shape, tensor.dtype, local=(levels,))
+        payload = Payload((packed, norms), tensor.shape, tensor.dtype, derived=(levels,))
         if flat.numel() >= self.bucket_size:  # a smaller tensor pays a whole bucket's norm: its size sets its factor
             note_clamped(self, cf, self.achieved_cf(payload))
         return payload
@@ -90,7 +90,7 @@ class QSGD(Compressor):
     def decompress(self, payload: Payload) -> Tensor:
         packed, norms = payload.wire
         numel = payload.shape.numel()
-        s = int(payload.local[0])
+        s = int(payload.derived[0])
         out = torch.zeros(numel, dtype=torch.float32, device=packed.device)
         if kernels.usable(out) and packed.is_contiguous():  # (code - s) * step, as below, in one pass
             kernels.codes_add_(out, packed, _bits(s), s, (norms / s).float().contiguous(), self.bucket_size, 1.0)
@@ -106,20 +106,20 @@ class QSGD(Compressor):
         # fp32 payloads only: a 16-bit one decodes with one more rounding, which the closed form does not see.
         if not (payload.dtype == torch.float32 and kernels.usable(norms) and packed.is_contiguous()):
             return super().sent_sq_norm(payload)
-        s = int(payload.local[0])
+        s = int(payload.derived[0])
         levels = kernels.codes_sq(packed, payload.shape.numel(), _bits(s), s, self.bucket_size)
         steps = (norms / s).float().double()  # decoding's fp32 step
         return (levels.double() * steps.square()).sum()
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
         # Each rank's decoded values times `scale` (rounded), added in rank order; one pass a rank with the kernel.
-        s = int(stacked.local[0])
+        s = int(stacked.derived[0])
         for packed, norms in zip(*stacked.wire, strict=True):
             steps = (norms / s).float().contiguous()
             if kernels.usable(out) and packed.is_contiguous():
                 kernels.codes_add_(out, packed, _bits(s), s, steps, self.bucket_size, scale)
             else:
-                row = Payload((packed, norms), stacked.shape, stacked.dtype, local=stacked.local)
+                row = Payload((packed, norms), stacked.shape, stacked.dtype, derived=stacked.derived)
                 out.add_(self.decompress(row).view(-1).mul_(scale))
 
     def __repr__(self) -> str:

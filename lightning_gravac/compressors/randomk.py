@@ -47,23 +47,23 @@ class RandomK(Compressor):
         values = flat.index_select(0, indices)
         if self.unbiased:
             values = values * (flat.numel() / k)
-        return Payload((values,), tensor.shape, tensor.dtype, local=(indices,))
+        return Payload((values,), tensor.shape, tensor.dtype, derived=(indices,))
 
     def decompress(self, payload: Payload) -> Tensor:
-        (values,), (indices,) = payload.wire, payload.local
+        (values,), (indices,) = payload.wire, payload.derived
         out = torch.zeros(payload.shape.numel(), dtype=payload.dtype, device=values.device)
         out[indices] = values
         return out.view(payload.shape)
 
     def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
-        (values,), (indices,) = stacked.wire, stacked.local
+        (values,), (indices,) = stacked.wire, stacked.derived
         out.index_add_(0, indices.repeat(values.shape[0]), values.reshape(-1), alpha=scale)
 
     def residual_(self, tensor: Tensor, payload: Payload) -> None:
         if self.unbiased:
             super().residual_(tensor, payload)
         else:
-            tensor.view(-1).index_fill_(0, payload.local[0], 0)
+            tensor.view(-1).index_fill_(0, payload.derived[0], 0)
 
     def sent_sq_norm(self, payload: Payload) -> Tensor:
         return sq_norm(payload.wire[0])

@@ -14,7 +14,7 @@ from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import CompressionState
 
 
-def attach_controller(trainer: Any, method: Compressor, alone: bool, local: bool = False) -> bool:
+def attach_controller(trainer: Any, method: Compressor, alone: bool, local_steps: bool = False) -> bool:
     """Check that ``trainer`` has at most one controller, and add the default when it has none: GraVAC with its
     defaults, or a ``Static`` one where there is no factor to choose (one process, a method that sends the gradient
     unchanged, or one whose size its encoding fixes, local steps, whose steps send nothing). ``alone``: the trainer
@@ -37,7 +37,7 @@ def attach_controller(trainer: Any, method: Compressor, alone: bool, local: bool
         )
     if controllers:
         return False
-    default = Static(cf=1) if local else _default_controller(method, alone)
+    default = Static(cf=1) if local_steps else _default_controller(method, alone)
     rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
     # Before the checkpoint callbacks, which Lightning has already moved last: a checkpoint then holds the step's
     # decisions, and a `ModelCheckpoint(monitor="gravac/...")` sees the step's values.

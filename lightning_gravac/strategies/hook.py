@@ -77,7 +77,7 @@ def gravac_hook(state: CompressionState, bucket: dist.GradBucket) -> Future[Tens
             return _plain(state, buffer, names, grads, params, state.rows.in_bucket(names, state.step), half=True)
 
     start = time.perf_counter()
-    carry.local_(names, grads, params)  # this rank's momentum: what is compressed is the update direction
+    carry.before_compression_(names, grads, params)  # this rank's momentum: what is compressed is the update direction
     # The gain of the step's own gradient is measured before any residual is added to it (in place, below).
     fresh, measuring = _fresh_gains(state, factors, names, grads, buffer)
     start += measuring  # not compression's cost: the controller weighs what sending a factor costs, measuring aside
@@ -120,7 +120,7 @@ def _plain(
     if not half:  # a half step sends the cast, as the rung's own path does, not what a method delivers dense
         work.delivered = state.compressor.deliver_(_units(state, names, grads, buffer), step=state.step)
     if not exact:
-        carry.local_(names, grads, params)
+        carry.before_compression_(names, grads, params)
         if state.error_feedback:
             work.pending = dict.fromkeys(carry.compensate_(names, grads))
     return communicator_for(work).send(work)

@@ -21,7 +21,7 @@ from lightning_gravac.callbacks.gravac.checkpoint import CHECKPOINT_ORDER, Check
 from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Tally, moved_in_step
 from lightning_gravac.callbacks.gravac.hold import AdamPolicy, held_factor, hold_warning, rung_allowed
 from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_MIN, Budget, Ladder, Policy
-from lightning_gravac.callbacks.gravac.link_probe import PROBE_BYTES, LinkProbe
+from lightning_gravac.callbacks.gravac.link_timer import TIMED_BYTES, LinkTimer
 from lightning_gravac.callbacks.gravac.prediction import Decision, kept, masking_weight, progress_per_second, say_choice
 from lightning_gravac.callbacks.gravac.probes import Probes
 from lightning_gravac.callbacks.gravac.rounds import Rounds
@@ -61,7 +61,7 @@ class GraVAC(Controller):
             ``None``: ``"gradient"`` for the model search unless the method keeps an accumulation of its own (DGC),
             else ``"error_fed"``.
         gain_power: a factor's progress is weighed as ``gain ** gain_power``. ``None``: 1/3 (model), 1 (sequential).
-        link_probe: measure the link at fit start, before the first step. ``None``: on for the model search.
+        time_link: measure the link at fit start, before the first step. ``None``: on for the model search.
         adam: under an optimizer that divides each coordinate by a running second moment (Adam, AdamW, RMSprop,
             Adagrad) and a lossy method: ``"moment"`` holds the first tenth of an Adam or AdamW run as ``"fp16"`` does,
             then sends each rank's first moment compressed, the second frozen; ``"fp16"`` sends each step dense or
@@ -96,7 +96,7 @@ class GraVAC(Controller):
         first_window: int | None = None,
         gain_of: GainOf | None = None,
         gain_power: float | None = None,
-        link_probe: bool | None = None,
+        time_link: bool | None = None,
         adam: AdamPolicy = "moment",
         probe_backoff: int | None = None,
         fp16_rung: bool | None = None,
@@ -124,7 +124,7 @@ class GraVAC(Controller):
         gain_basis: GainOf = choice(defaults["gain_of"] if gain_of is None else gain_of, "gain_of",
                                     ("error_fed", "gradient"))  # fmt: skip
         self.gain_power = nonnegative(defaults["gain_power"] if gain_power is None else gain_power, "gain_power")
-        self.link_probe = bool(defaults["link_probe"] if link_probe is None else link_probe)
+        self.time_link = bool(defaults["time_link"] if time_link is None else time_link)
         self.adam = choice(adam, "adam", ("moment", "fp16", "dense", "compress"))
         probe_backoff = whole(defaults["probe_backoff"] if probe_backoff is None else probe_backoff,
                               "probe_backoff")  # fmt: skip
@@ -151,15 +151,15 @@ class GraVAC(Controller):
                              probe_backoff=probe_backoff, bias_corrected=self.rule.corrects_bias)  # fmt: skip
         #: The steps and windows so far, and the current window's tallies.
         self.window = Window(length=length, first=first, interval=interval)
-        #: What a step costs: the link probed at fit start, the model fitted to the windows' steps.
+        #: What a step costs: the link timed at fit start, the model fitted to the windows' steps.
         self.cost = CostModel()
         #: Whether the default runs local steps, from when (the strategy allows it for its zero-argument default).
         self.rounds = Rounds()
 
-        # What a fit measures, not checkpointed: the largest all-reduce the link probe timed, this rank's
+        # What a fit measures, not checkpointed: the largest all-reduce the link timer timed, this rank's
         # seconds of a fit's first step (the cost model's `first_step` is the slowest rank's), its samples in the step
         # under way and the step's start.
-        self._probe_bytes, self.first_step_local, self.batch_size, self._step_start = PROBE_BYTES[1], 0.0, 1, 0.0
+        self._timed_bytes, self.first_step_own, self.batch_size, self._step_start = TIMED_BYTES[1], 0.0, 1, 0.0
         #: Whether the next observed step is a fit's first, whose time is not tallied (set at fit start).
         self.warm_up = False
 
@@ -243,8 +243,8 @@ class GraVAC(Controller):
             self.budget.fit(self.ladder, self.state.compressor, self.grad_dtype, self.rungs)
         self.warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
         self.cost.first_step = None
-        if self.link_probe and trainer.world_size > 1:
-            self._probe_link(trainer, fresh)
+        if self.time_link and trainer.world_size > 1:
+            self._measure_at_start(trainer, fresh)
             if fresh:
                 self.cf = self.choose()
                 self.apply(self.state)
@@ -263,35 +263,35 @@ class GraVAC(Controller):
                 method, rows = self.state.compressor.name, bool(self.state.rows.rows)
                 rank_zero_warn(hold_warning(self.adam, self.rungs, method, rows, self.rule.models_cost, self.fp16_rung))
 
-    def _probe_link(self, trainer: "pl.Trainer", fresh: bool) -> None:
+    def _measure_at_start(self, trainer: "pl.Trainer", fresh: bool) -> None:
         """Measure the link (:meth:`measure_link`), said on rank 0, and with the fp16 rung what an fp16 step costs
         (:meth:`measure_half`); ``fresh``: not a resumed run."""
         cost = self.cost
-        cost.probed = self.measure_link(trainer)
+        cost.timed = self.measure_link(trainer)
         rank_zero_info(
-            f"GraVAC: link measured at fit start: {cost.probed[0] * 1e6:.0f} us a message, "
-            f"{8 / cost.probed[1] / 1e6 if cost.probed[1] > 0 else math.inf:.0f} Mbit/s."
+            f"GraVAC: link measured at fit start: {cost.timed[0] * 1e6:.0f} us a message, "
+            f"{8 / cost.timed[1] / 1e6 if cost.timed[1] > 0 else math.inf:.0f} Mbit/s."
         )
         if self.fp16_rung:
             cost.take_half(*self.measure_half(trainer), fresh)
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the compression group's all-reduce, the same on every rank
-        (:meth:`LinkProbe.message_and_byte`). A subclass may return a model (tests)."""
-        probe = self._link_probe(trainer)
-        measured = probe.message_and_byte()
-        self._probe_bytes = probe.largest
+        (:meth:`LinkTimer.message_and_byte`). A subclass may return a model (tests)."""
+        timer = self._link_timer(trainer)
+        measured = timer.message_and_byte()
+        self._timed_bytes = timer.largest
         return measured
 
     def measure_half(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``, the same on every
-        rank (:meth:`LinkProbe.half`). A subclass may return a model (tests)."""
-        latency = self.cost.probed[0] if self.cost.probed is not None else 0.0
-        return self._link_probe(trainer).half(self.state.cast, latency, self._probe_bytes)
+        rank (:meth:`LinkTimer.half`). A subclass may return a model (tests)."""
+        latency = self.cost.timed[0] if self.cost.timed is not None else 0.0
+        return self._link_timer(trainer).half(self.state.cast, latency, self._timed_bytes)
 
-    def _link_probe(self, trainer: "pl.Trainer") -> LinkProbe:
-        """A probe of the compression group, its slowest-rank values reduced as every decision input is."""
-        return LinkProbe(
+    def _link_timer(self, trainer: "pl.Trainer") -> LinkTimer:
+        """A timer of the compression group, its slowest-rank values reduced as every decision input is."""
+        return LinkTimer(
             trainer, self.state.process_group, lambda values: self._all_reduce(trainer, values, dist.ReduceOp.MAX)
         )
 
@@ -362,7 +362,7 @@ class GraVAC(Controller):
         cost.take_step(stats, self.cf, compressed)
         seconds = self.step_seconds(stats)
         if cost.first_step is None:
-            self.first_step_local = seconds
+            self.first_step_own = seconds
         if self.warm_up:  # a fit's first step allocates, builds DDP's buckets, warms caches: not a step's cost
             self.warm_up = False
             return bool(gains)
@@ -381,10 +381,10 @@ class GraVAC(Controller):
         space the probes, and say a change of regime. ``reduce`` is ``None`` without a trainer (one process)."""
         window, cost = self.window, self.cost
         probed = probed and window.windows > 0  # the first window probes every step: no back-off from those
-        if cost.first_step is None and cost.link is None and cost.probed is not None:
+        if cost.first_step is None and cost.link is None and cost.timed is not None:
             # The first window's choice needs a step's computation: the slowest rank's first step, alike on every rank.
-            local = torch.tensor([self.first_step_local], dtype=torch.float64)
-            cost.first_step = (float((local if reduce is None else reduce(local, dist.ReduceOp.MAX))[0]), self.cf)
+            own = torch.tensor([self.first_step_own], dtype=torch.float64)
+            cost.first_step = (float((own if reduce is None else reduce(own, dist.ReduceOp.MAX))[0]), self.cf)
         if window.interval == "step" and window.advance():
             self._end_window(reduce)
         sent, self.cf = self.cf, self.choose()
@@ -491,7 +491,7 @@ class GraVAC(Controller):
             f"GraVAC(cf_min={ladder.cf_min:g}, cf_max={ladder.cf_max:g}, epsilon={self.epsilon}, "
             f"omega={self.omega}, window={window.length}, policy={ladder.policy!r}, search={self.search!r}, "
             f"probe_every={probes.probe_every}, first_window={window.first}, gain_of={probes.gain_of!r}, "
-            f"gain_power={self.gain_power:.3g}, link_probe={self.link_probe}, adam={self.adam!r}, "
+            f"gain_power={self.gain_power:.3g}, time_link={self.time_link}, adam={self.adam!r}, "
             f"probe_backoff={probes.probe_backoff}, fp16_rung={self.fp16_rung}, weigh_masking={self.weigh_masking}, "
             f"budget={self.budget.on})"
         )

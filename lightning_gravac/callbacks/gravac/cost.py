@@ -90,32 +90,32 @@ def fit_link(tallies: Measured) -> Link | None:
     return Link(other, mean_y / mean_x)
 
 
-def probed_link(probed: tuple[float, float] | None, buckets: int) -> Link | None:
-    """The cost model of the fit-start probe's ``(seconds a message, seconds a moved byte)`` (``None`` when it did not
+def timed_link(timed: tuple[float, float] | None, buckets: int) -> Link | None:
+    """The cost model of the fit-start timing's ``(seconds a message, seconds a moved byte)`` (``None`` when it did not
     run): a message a bucket and its seconds a moved byte; the rest of the step 0, for the caller to set once
     measured."""
-    if probed is None:
+    if timed is None:
         return None
-    latency, per_byte = probed
+    latency, per_byte = timed
     return Link(0.0, per_byte, latency * buckets)
 
 
-def fit_step(measured: Measured, compress_seconds: float, probed: Link | None) -> Link | None:
+def fit_step(measured: Measured, compress_seconds: float, timed: Link | None) -> Link | None:
     """The step's cost model from a window's steps (``measured``) and their seconds compressing: the link of the
-    fit-start probe when it ran (``probed``), else fitted to the measured communication times; the rest of the step as
+    fit-start timing when it ran (``timed``), else fitted to the measured communication times; the rest of the step as
     measured minus communication and compression. ``None`` for a window without steps, or without bytes to fit to."""
     steps = sum(m[0] for m in measured.values())
     if steps == 0:
         return None
-    if probed is None:
+    if timed is None:
         link = fit_link(measured)
         if link is not None:
             link.other_seconds = max(0.0, link.other_seconds - compress_seconds / steps)
         return link
-    comm = sum(n * probed.per_step + moved * probed.seconds_per_byte for n, _, _, moved in measured.values())
+    comm = sum(n * timed.per_step + moved * timed.seconds_per_byte for n, _, _, moved in measured.values())
     seconds = sum(m[1] for m in measured.values())
-    probed.other_seconds = max(0.0, (seconds - comm - compress_seconds) / steps)
-    return probed
+    timed.other_seconds = max(0.0, (seconds - comm - compress_seconds) / steps)
+    return timed
 
 
 def regime(cf: float, rungs: tuple[float, ...]) -> str:
@@ -146,7 +146,7 @@ def _link(saved: dict[str, float] | None) -> Link | None:
 
 @dataclass(kw_only=True)
 class CostModel(Checkpointed):
-    """What a step costs, as far as GraVAC has measured it: the link probed at fit start, the model of a step fitted at
+    """What a step costs, as far as GraVAC has measured it: the link timed at fit start, the model of a step fitted at
     each window's end, what compressing and the fp16 rung's casts cost, and the bytes a step moves. Every value is the
     same on every rank, so every rank predicts alike.
 
@@ -156,12 +156,12 @@ class CostModel(Checkpointed):
         cast_cost: the seconds of the fp16 rung's casts a step (checkpointed).
         payload_fixed: the bytes a compressed step sends beyond ``dense / cf`` (headers, minimum entries; checkpointed).
         buckets: the buckets a step all-reduces: a message each (checkpointed).
-        probed: the fit-start probe's ``(seconds a message, seconds a moved byte)``; ``None``: not run.
-        half_per_byte: seconds a moved byte of an fp16 all-reduce (probed at fit start); ``None``: the rung is unknown.
+        timed: the fit-start timing's ``(seconds a message, seconds a moved byte)``; ``None``: not run.
+        half_per_byte: seconds a moved byte of an fp16 all-reduce (timed at fit start); ``None``: the rung is unknown.
         world_size: the ranks that share the link (set at setup).
         bytes_dense: the last step's dense bytes; ``model_bytes``: the trainable parameters' (set at fit start).
         first_step: the slowest rank's seconds of a fit's first step and the factor it sent, which the first window
-            decides from (model search on a probed link; ``None`` before it).
+            decides from (model search on a timed link; ``None`` before it).
     """
 
     link: Link | None = field(default=None, metadata=checkpointed(restore=_link))
@@ -169,7 +169,7 @@ class CostModel(Checkpointed):
     cast_cost: float = field(default=0.0, metadata=checkpointed(added=True))
     payload_fixed: float = field(default=0.0, metadata=checkpointed(added=True))
     buckets: int = field(default=1, metadata=checkpointed(added=True))
-    probed: tuple[float, float] | None = None
+    timed: tuple[float, float] | None = None
     half_per_byte: float | None = None
     world_size: int = 1
     bytes_dense: int = 0
@@ -195,13 +195,13 @@ class CostModel(Checkpointed):
             extra = self.compress_cost
         return link.other_seconds + link.per_step + moved * per_byte + extra
 
-    def probed_link(self) -> Link | None:
-        """The cost model of the fit-start probe (:func:`probed_link`), ``None`` when it did not run."""
-        return probed_link(self.probed, self.buckets)
+    def timed_link(self) -> Link | None:
+        """The cost model of the fit-start timing (:func:`timed_link`), ``None`` when it did not run."""
+        return timed_link(self.timed, self.buckets)
 
     def known_link(self) -> Link | None:
-        """The step's cost model fitted at the last window's end, else the fit-start probe's; ``None`` before both."""
-        return self.link if self.link is not None else self.probed_link()
+        """The step's cost model fitted at the last window's end, else the fit-start timing's; ``None`` before both."""
+        return self.link if self.link is not None else self.timed_link()
 
     def seconds_by_factor(self, rungs: tuple[float, ...]) -> Callable[[float], float] | None:
         """A step's predicted seconds by factor on the link known so far, of :attr:`dense_bytes`; ``None`` while the
@@ -210,7 +210,7 @@ class CostModel(Checkpointed):
         return None if link is None else lambda cf: self.seconds(link, cf, dense_bytes, rungs)
 
     def take_half(self, half_per_byte: float, cast_cost: float, fresh: bool) -> None:
-        """What the fit-start probe measured of an fp16 step: its seconds a moved byte, and those of its casts, which a
+        """What the fit-start timing measured of an fp16 step: its seconds a moved byte, and those of its casts, which a
         resumed run (not ``fresh``) keeps, measured since on the steps it sent in fp16, unless it has none (a
         checkpoint of a run whose rung was off, or of a version that did not measure it)."""
         self.half_per_byte = half_per_byte
@@ -226,9 +226,9 @@ class CostModel(Checkpointed):
 
     def refit(self, measured: Measured, compress_seconds: float) -> None:
         """Fit the step's cost model to a window's steps (``measured``, and their ``compress_seconds``, the slowest
-        rank's): the link of the fit-start probe when it ran, else fitted to the measured communication; the rest of
+        rank's): the link of the fit-start timing when it ran, else fitted to the measured communication; the rest of
         the step as measured minus communication and compression. A window without a fit keeps the last."""
-        self.link = fit_step(measured, compress_seconds, self.probed_link()) or self.link
+        self.link = fit_step(measured, compress_seconds, self.timed_link()) or self.link
 
     def take_window(self, rows: list[tuple[float, int, int, float, float]], half: bool) -> None:
         """What compressing costs a step, from a window's rows ``(cf, steps, steps without probes, seconds compressing,

@@ -29,7 +29,7 @@ def held_factor(
 ) -> float | None:
     """The factor to send next step when Adam decides it, ``None`` when the search does. While ``holding`` an
     Adam-like optimizer: fp16 if the rung can be sent (``rungs``) and the cost model predicts it saves a tenth of a
-    dense step (before the first window ends, from the fit-start probe alone: the rest of the step is the same for
+    dense step (before the first window ends, from the fit-start timing alone: the rest of the step is the same for
     both), else dense. Once Adam's moments have ``moved`` under a method of one factor (``fixed_cf``, scaled signs):
     dense, fp16 or that factor, whichever the cost model predicts fastest, a lossy one only where it saves a tenth of
     a step; that factor while the link is unknown. Nothing to search: what a step keeps of the moment is carried by
@@ -76,4 +76,4 @@ def _why_no_half(policy: AdamPolicy, method: str, models_cost: bool, fp16_rung: 
             f"fp16 cannot be sent here (parameters not in fp32, or {method!r} keeps an accumulation of its own or "
             "sends one fixed factor)"
         )
-    return "the link was not measured (one rank, or `link_probe=False`), so fp16 cannot be shown to pay"
+    return "the link was not measured (one rank, or `time_link=False`), so fp16 cannot be shown to pay"

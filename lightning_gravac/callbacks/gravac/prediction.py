@@ -81,12 +81,12 @@ FIRST_STEP_EXTRA = 0.02
 
 
 def first_window_choice(cost: CostModel, mildest: float, rungs: tuple[float, ...]) -> float:
-    """Dense or ``mildest`` for a step of the first window, on the fit-start probe's link: before a step's
+    """Dense or ``mildest`` for a step of the first window, on the fit-start timing's link: before a step's
     computation is known, dense where its communication costs at most :data:`FIRST_STEP_EXTRA` more; then, with the
     rest of the step taken from the slowest rank's first step (``cost.first_step``: its seconds less the communication
     predicted for what it sent, compression counted as computation, which leans towards dense), ``mildest`` only where
     it saves :data:`MIN_SAVING` of a step."""
-    link, dense_bytes = cost.probed_link(), cost.dense_bytes
+    link, dense_bytes = cost.timed_link(), cost.dense_bytes
     if link is None or mildest == DENSE or not dense_bytes:
         return mildest
     if cost.first_step is None:
@@ -124,11 +124,11 @@ def say_choice(cost: CostModel, cf: float, previous: float | None, rungs: tuple[
         regime(cf, rungs), f"compressed at cf {cf:g}"
     )
     when = "first steps" if previous is None else f"after step {steps}"
-    if link is None or cost.probed is None or not dense_bytes:
+    if link is None or cost.timed is None or not dense_bytes:
         rank_zero_info(f"GraVAC: {when}: sending {sending}.")
         return
     why = (
-        f"the link measured {8 / cost.probed[1] / 1e6 if cost.probed[1] > 0 else math.inf:.0f} Mbit/s, so a "
+        f"the link measured {8 / cost.timed[1] / 1e6 if cost.timed[1] > 0 else math.inf:.0f} Mbit/s, so a "
         f"dense step is predicted at {1e3 * cost.seconds(link, DENSE, dense_bytes, rungs):.1f} ms"
     )
     if cf != DENSE:

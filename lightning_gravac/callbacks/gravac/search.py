@@ -17,9 +17,9 @@ Search = Literal["sequential", "model"]
 #: default (``docs/algorithms.md`` has each departure and the measurement behind it).
 SEARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "sequential": {"epsilon": 0.7, "window": 500, "probe_every": 1, "gain_of": "error_fed", "gain_power": 1.0,
-                   "link_probe": False, "probe_backoff": 1, "fp16_rung": False},
+                   "time_link": False, "probe_backoff": 1, "fp16_rung": False},
     "model": {"epsilon": 0.02, "window": 50, "probe_every": 25, "gain_of": "gradient", "gain_power": 1 / 3,
-              "link_probe": True, "probe_backoff": 8, "fp16_rung": False},
+              "time_link": True, "probe_backoff": 8, "fp16_rung": False},
 }  # fmt: skip
 
 
@@ -107,7 +107,7 @@ class Model(SearchRule):
     def choose(self, d: Decision) -> float:
         if d.cost.link is not None:
             return best_predicted(d)
-        if d.cost.probed is not None:
+        if d.cost.timed is not None:
             # The first window, on a measured link, while the gains are being measured: the first steps of training
             # are its most sensitive, so dense or the mildest eligible factor, whichever the link justifies.
             eligible = [cf for cf in d.ladder.factors if d.gains.get(cf, 1.0) >= d.epsilon and d.admits(cf)]

@@ -1,4 +1,4 @@
-"""GraVAC's link probe: timed all-reduces at fit start, so that the first decision knows what a dense step costs."""
+"""GraVAC's link timer: timed all-reduces at fit start, so that the first decision knows what a dense step costs."""
 
 import math
 import time
@@ -12,12 +12,12 @@ from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import HALF, ring_share
 
 #: The all-reduce that measures a message's cost, and the first that measures a byte's (it grows 4x until one takes
-#: ``PROBE_SECONDS`` or reaches the model's gradient bytes).
-PROBE_BYTES = (1024, 64 * 1024)
-PROBE_SECONDS = 0.02
+#: ``TIMED_SECONDS`` or reaches the model's gradient bytes).
+TIMED_BYTES = (1024, 64 * 1024)
+TIMED_SECONDS = 0.02
 
 
-class LinkProbe:
+class LinkTimer:
     """Times all-reduces of a process group on every rank; every result is the slowest rank's, the same everywhere.
 
     Runs from the training thread, before the first step (or between steps): no comm hook is in flight, and every
@@ -32,19 +32,19 @@ class LinkProbe:
         self.reduce_max = reduce_max
         self.numel = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
         #: The bytes of the largest all-reduce :meth:`message_and_byte` timed.
-        self.largest = PROBE_BYTES[1]
+        self.largest = TIMED_BYTES[1]
 
     def message_and_byte(self) -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the group's all-reduce.
 
         Times an all-reduce of 1 KB (the cost a message), then of 64 KB, 256 KB, 1 MB, ... (4x each time) until one
-        takes :data:`PROBE_SECONDS` or reaches the model's gradient bytes: a fast link is measured at the sizes it
+        takes :data:`TIMED_SECONDS` or reaches the model's gradient bytes: a fast link is measured at the sizes it
         will carry, a slow one stops early (100 Mbit/s: at 256 KB, in about 0.1 s). Each size is timed as the best of
         three after one to warm up, and every rank fits the same ``t = latency + moved x per_byte``,
         ``moved = 2 (N - 1) / N x bytes`` (a ring).
         """
         share = ring_share(self.world_size)
-        small = PROBE_BYTES[0]
+        small = TIMED_BYTES[0]
         t_small = self.timed(small, torch.float32)
         size, t_large = self.grown(torch.float32)
         self.largest = size
@@ -57,7 +57,7 @@ class LinkProbe:
         """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``: what sending a step
         whole in fp16 costs, measured rather than assumed (gloo reduces fp16 on the CPU element by element, so an
         fp16 sum is not always half an fp32 one's time). The all-reduce carries as many entries as the largest fp32
-        probe (``largest`` bytes; its cost a message is ``latency``); the casts are ``cast``'s compress, rounding
+        timing (``largest`` bytes; its cost a message is ``latency``); the casts are ``cast``'s compress, rounding
         residual and decode on the model's gradient size, best of three."""
         share = ring_share(self.world_size)
         size = max(2, largest // 2)
@@ -73,13 +73,13 @@ class LinkProbe:
         return per_byte, self.slowest(self.best_of_three(casts))
 
     def grown(self, dtype: torch.dtype) -> tuple[int, float]:
-        """``(bytes, seconds)`` of the all-reduce from 64 KB up, 4x a time, until one takes ``PROBE_SECONDS`` or
+        """``(bytes, seconds)`` of the all-reduce from 64 KB up, 4x a time, until one takes ``TIMED_SECONDS`` or
         carries the model's gradient (in ``dtype``)."""
         model_bytes = self.numel * torch.empty((), dtype=dtype).element_size()
-        size = PROBE_BYTES[1]
+        size = TIMED_BYTES[1]
         seconds = self.timed(size, dtype)
-        while seconds < PROBE_SECONDS and size < model_bytes:
-            size = min(4 * size, max(model_bytes, PROBE_BYTES[1]))
+        while seconds < TIMED_SECONDS and size < model_bytes:
+            size = min(4 * size, max(model_bytes, TIMED_BYTES[1]))
             seconds = self.timed(size, dtype)
         return size, seconds
 
