@@ -65,6 +65,9 @@ class SimulatedLink(GraVAC):
     def measure_half(self, trainer: pl.Trainer) -> tuple[float, float]:
         return 8 / 10e6, 0.0  # an fp16 byte costs an fp32 one's; the casts nothing
 
+    def measure_compression(self, trainer: pl.Trainer) -> float:
+        return 0.0
+
 
 class StopAfter(Callback):
     """Stop a fit after ``steps`` optimizer steps. With a large ``max_steps`` it gives a short test run a long budget:
@@ -368,6 +371,9 @@ class LinkOf(GraVAC):
 
     def measure_half(self, trainer: pl.Trainer) -> tuple[float, float]:
         return self.per_byte, 0.0
+
+    def measure_compression(self, trainer: pl.Trainer) -> float:
+        return 0.0
 
 
 class OneCycleRegression(pl.LightningModule):

@@ -27,10 +27,17 @@ class Scripted(GraVAC):
     By default a step takes 1 s of compute plus 1 s of dense communication divided by the factor.
     """
 
-    def __init__(self, gain_at, seconds_of=lambda cf: 1.0 + 1.0 / cf, comm_of=lambda cf: 0.0, **kwargs):
+    def __init__(
+        self,
+        gain_at,
+        seconds_of=lambda cf: 1.0 + 1.0 / cf,
+        comm_of=lambda cf: 0.0,
+        compress_of=lambda cf: 0.0,
+        **kwargs,
+    ):
         kwargs.setdefault("search", "sequential")  # the paper's search, unless a test asks for the model search
         super().__init__(**kwargs)
-        self.gain_at, self.seconds_of, self.comm_of = gain_at, seconds_of, comm_of
+        self.gain_at, self.seconds_of, self.comm_of, self.compress_of = gain_at, seconds_of, comm_of, compress_of
         self.sent: list[float] = []
 
     def step_seconds(self, stats: StepStats) -> float:
@@ -48,7 +55,7 @@ class Scripted(GraVAC):
             stats = StepStats(
                 bytes_sent=dense if self.cf == 1 else int(dense / self.cf), bytes_dense=dense, sq_norm=1.0,
                 sq_norm_sent=gain, buckets=1, probe_cfs=probes, probe_sq=[self.gain_at(c) for c in probes],
-                probe_basis=1.0, comm_s=self.comm_of(self.cf),
+                probe_basis=1.0, comm_s=self.comm_of(self.cf), compress_s=self.compress_of(self.cf),
             )  # fmt: skip
             self.observe(stats, None)
         return self
@@ -514,6 +521,63 @@ def test_default_sends_the_factor_of_highest_predicted_throughput_on_each_link()
         # where it saves a tenth of a step (cf 10: 0.11 s against dense's 0.2 s at 100 ns a byte), else dense (1 ns a
         # byte: 0.1001 s against 0.101 s).
         assert c.sent[:3] == ([10, 1.0, 1.0] if per_byte == 1e-9 else [10, 10, 10])
+
+
+def test_default_counts_what_compressing_costs_before_it_sends_compressed():
+    # A fast link (30 ns a byte: 30 ms a dense step's 1 MB) where compressing costs 50 ms a step, more than the bytes
+    # it saves: cf 10's step takes 0.1 + 0.003 + 0.05 s against dense's 0.13 s.
+    def seconds(cf: float) -> float:
+        return 0.1 + 1_000_000 / cf * 3e-8 + (0.0 if cf == 1 else 0.05)
+
+    def default(timed_compression: float) -> Scripted:
+        gain = {10: 0.5, 20: 0.35, 40: 0.25, 160: 0.1, 1000: 0.025}
+        c = Scripted(lambda cf: gain[cf], seconds, compress_of=lambda cf: 0.0 if cf == 1 else 0.05, search="model")
+        c.cost.world_size, c.budget.steps = 2, math.inf
+        c.cost.timed, c.cost.model_bytes = (0.0, 3e-8), 1_000_000
+        c.cost.take_compression(timed_compression, fresh=True)
+        c.cf = c.choose()  # as at fit start, once the link is timed
+        return c.run(5)
+
+    # Timed at fit start, compressing is counted from the first decision on: dense throughout.
+    assert default(0.05).sent == [1.0] * 5
+    # Untimed, the model predicts cf 10 at 0.103 s and sends it for the first window (3 steps), until the window's
+    # steps measure what compressing costs.
+    assert default(0.0).sent == [10, 10, 10, 1.0, 1.0]
+
+
+def test_compression_timing_leaves_the_method_state_and_a_resumed_run_keeps_what_it_measured(monkeypatch):
+    from lightning_gravac.callbacks.gravac.cost import CostModel
+    from lightning_gravac.callbacks.gravac.link_timer import LinkTimer
+    from lightning_gravac.compressors.topk import TopK
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=2, lightning_module=model
+    )
+    timer = LinkTimer(trainer, None, lambda values: values)  # type: ignore[arg-type]
+    for name in ("powersgd", "dgc", "qsgd", "topk"):
+        method = get_compressor(name)
+        method.setup(2)
+        seconds = timer.compression(method, 10.0, residual=True)
+        # What the timing compressed was discarded: committing its keys keeps nothing of it.
+        method.commit([f"timed/{n}" for n, _ in model.named_parameters()])
+        assert seconds > 0 and "timed/" not in repr(method.state_dict()), name
+    # A model larger than the timing's cap is timed on its first parameters, the last one's leading rows.
+    shapes = []
+
+    class Spy(TopK):
+        def compress(self, tensor, cf, *, key="", step=0):
+            shapes.append(tuple(tensor.shape))
+            return super().compress(tensor, cf, key=key, step=step)
+
+    monkeypatch.setattr("lightning_gravac.callbacks.gravac.link_timer.TIMED_ENTRIES", 100)
+    assert timer.compression(Spy(), 10.0, residual=False) > 0
+    assert shapes[:2] == [(12, 8), (4,)] and len(shapes) == 6  # 96 + 4 entries, three times
+    cost = CostModel(compress_cost=0.03)
+    cost.take_compression(0.01, fresh=False)
+    assert cost.compress_cost == 0.03  # measured on the steps a resumed run sent compressed
+    cost.take_compression(0.01, fresh=True)
+    assert cost.compress_cost == 0.01
 
 
 def _with_moved_momentum(method, momentum: float, masking: bool = True, nesterov: bool = False):

@@ -274,6 +274,8 @@ class GraVAC(Controller):
         )
         if self.fp16_rung:
             cost.take_half(*self.measure_half(trainer), fresh)
+        if not self.state.compressor.passthrough:
+            cost.take_compression(self.measure_compression(trainer), fresh)
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the compression group's all-reduce, the same on every rank
@@ -288,6 +290,12 @@ class GraVAC(Controller):
         rank (:meth:`LinkTimer.half`). A subclass may return a model (tests)."""
         latency = self.cost.timed[0] if self.cost.timed is not None else 0.0
         return self._link_timer(trainer).half(self.state.cast, latency, self._timed_bytes)
+
+    def measure_compression(self, trainer: "pl.Trainer") -> float:
+        """The seconds a compressed step's selection, encoding and decoding take at the ladder's mildest factor, the
+        same on every rank (:meth:`LinkTimer.compression`). A subclass may return a model (tests)."""
+        residual = self.state.error_feedback and not self.state.compressor.owns_feedback
+        return self._link_timer(trainer).compression(self.state.compressor, self.ladder.factors[0], residual)
 
     def _link_timer(self, trainer: "pl.Trainer") -> LinkTimer:
         """A timer of the compression group, its slowest-rank values reduced as every decision input is."""

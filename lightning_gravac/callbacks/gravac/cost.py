@@ -152,7 +152,8 @@ class CostModel(Checkpointed):
 
     Attributes:
         link: the step's cost model fitted at the last window's end; ``None`` before the first (checkpointed).
-        compress_cost: the seconds a step the method's selection and encoding cost when compressing (checkpointed).
+        compress_cost: the seconds a step the method's selection, encoding and decoding cost when compressing: timed at
+            fit start, then measured on the steps sent compressed (checkpointed).
         cast_cost: the seconds of the fp16 rung's casts a step (checkpointed).
         payload_fixed: the bytes a compressed step sends beyond ``dense / cf`` (headers, minimum entries; checkpointed).
         buckets: the buckets a step all-reduces: a message each (checkpointed).
@@ -216,6 +217,12 @@ class CostModel(Checkpointed):
         self.half_per_byte = half_per_byte
         if fresh or self.cast_cost <= 0:
             self.cast_cost = cast_cost
+
+    def take_compression(self, seconds: float, fresh: bool) -> None:
+        """What the fit-start timing measured of compressing a step, which a resumed run (not ``fresh``) keeps, measured
+        since on the steps it sent compressed, unless it has none."""
+        if fresh or self.compress_cost <= 0:
+            self.compress_cost = seconds
 
     def take_step(self, stats: StepStats, cf: float, compressed: bool) -> None:
         """What the step of ``stats``, sent at ``cf``, tells of the cost: its buckets and dense bytes, and

@@ -15,6 +15,8 @@ from lightning_gravac.state import HALF, ring_share
 #: ``TIMED_SECONDS`` or reaches the model's gradient bytes).
 TIMED_BYTES = (1024, 64 * 1024)
 TIMED_SECONDS = 0.02
+#: The most gradient entries the compression's timing stands noise in for (64 MB of fp32), however large the model.
+TIMED_ENTRIES = 1 << 24
 
 
 class LinkTimer:
@@ -30,7 +32,8 @@ class LinkTimer:
         """``reduce_max``: a MAX all-reduce over ``group`` (the controller's), called on every rank."""
         self.group, self.device, self.world_size = group, trainer.strategy.root_device, trainer.world_size
         self.reduce_max = reduce_max
-        self.numel = sum(p.numel() for p in trainer.lightning_module.parameters() if p.requires_grad)
+        self.trainable = [(n, p) for n, p in trainer.lightning_module.named_parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for _, p in self.trainable)
         #: The bytes of the largest all-reduce :meth:`message_and_byte` timed.
         self.largest = TIMED_BYTES[1]
 
@@ -71,6 +74,40 @@ class LinkTimer:
             cast.decode_(gradient, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
 
         return per_byte, self.slowest(self.best_of_three(casts))
+
+    def compression(self, compressor: Compressor, cf: float, residual: bool) -> float:
+        """The seconds a compressed step's selection, encoding and decoding take, measured rather than assumed: on a
+        fast link they, not the bytes, decide whether compressing pays. Each trainable parameter's gradient is stood in
+        for by seeded noise of its shape and dtype, compressed at ``cf`` (under keys of its own, its pending state
+        discarded: the run's state and random streams are left as they are), its sent norm taken as the header does,
+        its residual formed (``residual``: error feedback on), and every rank's payload decoded (one, for payloads
+        summed by the all-reduce); best of three, the slowest rank's. A model of more than :data:`TIMED_ENTRIES`
+        entries is timed on its first parameters (the last one's leading rows) and scaled to the whole."""
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        gradients, left = {}, TIMED_ENTRIES
+        for name, p in self.trainable:
+            if left <= 0:
+                break
+            shape = p.shape
+            if p.numel() > left and p.dim() > 0:
+                shape = torch.Size((max(1, left * shape[0] // p.numel()), *shape[1:]))
+            gradients[f"timed/{name}"] = torch.randn(shape, generator=generator).to(self.device, p.dtype)
+            left -= shape.numel()
+        timed = sum(g.numel() for g in gradients.values())
+        decoded = 1 if compressor.summable else self.world_size
+
+        def step() -> None:
+            for key, gradient in gradients.items():
+                payload = compressor.compress(gradient, cf, key=key)
+                compressor.sent_sq_norm(payload)
+                if residual:
+                    compressor.residual_(gradient.clone(), payload)
+                stacked = payload.with_wire([torch.stack([w] * decoded) for w in payload.wire])
+                out = torch.empty(gradient.numel(), device=self.device, dtype=gradient.dtype)
+                compressor.decode_(out, stacked, 1.0)
+            compressor.discard(list(gradients))
+
+        return self.slowest(self.best_of_three(step) * self.numel / max(1, timed))
 
     def grown(self, dtype: torch.dtype) -> tuple[int, float]:
         """``(bytes, seconds)`` of the all-reduce from 64 KB up, 4x a time, until one takes ``TIMED_SECONDS`` or

@@ -84,7 +84,7 @@ def first_window_choice(cost: CostModel, mildest: float, rungs: tuple[float, ...
     """Dense or ``mildest`` for a step of the first window, on the fit-start timing's link: before a step's
     computation is known, dense where its communication costs at most :data:`FIRST_STEP_EXTRA` more; then, with the
     rest of the step taken from the slowest rank's first step (``cost.first_step``: its seconds less the communication
-    predicted for what it sent, compression counted as computation, which leans towards dense), ``mildest`` only where
+    predicted for what it sent, and its compression as the fit-start timing measured it), ``mildest`` only where
     it saves :data:`MIN_SAVING` of a step."""
     link, dense_bytes = cost.timed_link(), cost.dense_bytes
     if link is None or mildest == DENSE or not dense_bytes:
