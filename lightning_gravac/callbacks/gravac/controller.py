@@ -295,7 +295,7 @@ class GraVAC(Controller):
         """The seconds a compressed step's selection, encoding and decoding take at the ladder's mildest factor, the
         same on every rank (:meth:`LinkTimer.compression`). A subclass may return a model (tests)."""
         residual = self.state.error_feedback and not self.state.compressor.owns_feedback
-        return self._link_timer(trainer).compression(self.state.compressor, self.ladder.factors[0], residual)
+        return self._link_timer(trainer).compression(self.state.compressor, self.ladder.cf_min, residual)
 
     def _link_timer(self, trainer: "pl.Trainer") -> LinkTimer:
         """A timer of the compression group, its slowest-rank values reduced as every decision input is."""

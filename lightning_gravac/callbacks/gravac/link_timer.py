@@ -88,6 +88,8 @@ class LinkTimer:
         for name, p in self.trainable:
             if left <= 0:
                 break
+            if p.numel() == 0:
+                continue
             shape = p.shape
             if p.numel() > left and p.dim() > 0:
                 shape = torch.Size((max(1, left * shape[0] // p.numel()), *shape[1:]))
