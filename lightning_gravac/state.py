@@ -64,6 +64,7 @@ class BucketRecord:
     comm_s: float = 0.0
     probe_sq: tuple[float, ...] = ()
     probe_basis: float = 0.0  # what the probes are relative to: ``sq_norm``, or ``||grad||^2`` for the fresh gradient
+    sq_norm_mean: float = 0.0  # on a step that probes: ``||result||^2`` of the bucket's average, else 0
     lossless: bool = False  # the dense all-reduce's sum, in whatever bytes it took (embedding tables by their rows)
 
 
@@ -90,6 +91,7 @@ class StepStats:
     probe_cfs: tuple[float, ...] = ()
     probe_sq: list[float] = field(default_factory=list)
     probe_basis: float = 0.0
+    sq_norm_mean: float = 0.0  # on a step that probes, ``||average||^2`` of the buckets with a header; else 0
     lossless_sent: int = 0  # of the buckets that sent the dense sum (`BucketRecord.lossless`)
     lossless_dense: int = 0
 
@@ -116,6 +118,20 @@ class StepStats:
         """``sum_ranks ||C(g)||^2 / sum_ranks ||g||^2`` for the error-fed gradient ``g``; 1.0 when dense."""
         return self.sq_norm_sent / self.sq_norm if self.sq_norm > 0 else 1.0
 
+    def variance_weight(self, world_size: int) -> float | None:
+        """How much a rank's unbiased code variance counts against the average's own noise:
+        ``sum_i ||x_i||^2 / ||sum_i x_i||^2``, between ``1/N`` (no noise between the ranks' batches: the code's
+        variance is averaged over the ``N`` ranks, the gradient is not) and 1 (the batches' noise dominates, as much
+        again as the code adds). ``||sum_i x_i||^2`` is taken from the average received, less what the code's variance
+        added to it (``(sent - basis) / N^2``, summed over ranks). ``None`` on a step without the average's norm."""
+        n = world_size
+        if self.sq_norm_mean <= 0 or self.sq_norm <= 0 or n < 2:
+            return None
+        signal = self.sq_norm_mean - (self.sq_norm_sent - self.sq_norm) / n**2
+        if signal <= 0:  # the noise buries the average: the code's variance counts in full
+            return 1.0
+        return min(1.0, max(1.0 / n, self.sq_norm / (n**2 * signal)))
+
     @property
     def achieved_cf(self) -> float:
         """Dense bytes / bytes sent."""
@@ -132,6 +148,7 @@ class StepStats:
             stats.sq_norm += r.sq_norm
             stats.sq_norm_sent += r.sq_norm_sent
             stats.probe_basis += r.probe_basis
+            stats.sq_norm_mean += r.sq_norm_mean
             stats.compress_s += r.compress_s
             stats.comm_s += r.comm_s
             stats.gathered += r.collective == GATHER

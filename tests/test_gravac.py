@@ -495,7 +495,9 @@ def _default_on_a_link(per_byte: float, gain: dict[float, float], state=None, **
         return 0.1 + 1_000_000 / cf * per_byte  # two ranks: a rank moves the payload, or the dense buffer once
 
     budget_steps = kwargs.pop("budget_steps", math.inf)
+    variance_weight = kwargs.pop("variance_weight", None)
     c = Scripted(lambda cf: gain[cf], seconds, search="model", **kwargs)
+    c.probes.variance_weight = variance_weight  # as the probe steps would have measured it
     c.cost.world_size = 2
     c.compression_state = state
     c.budget.steps = budget_steps  # what fit start reads from the trainer
@@ -578,6 +580,24 @@ def test_compression_timing_leaves_the_method_state_and_a_resumed_run_keeps_what
     assert cost.compress_cost == 0.03  # measured on the steps a resumed run sent compressed
     cost.take_compression(0.01, fresh=True)
     assert cost.compress_cost == 0.01
+
+
+def test_default_weighs_an_unbiased_code_variance_against_the_batches_noise():
+    from lightning_gravac.callbacks.gravac.prediction import kept
+
+    assert kept(3.0, biased=False) == pytest.approx(1 / 3) and kept(3.0, biased=False, variance_weight=0.5) == 0.5
+    assert kept(0.4, biased=True, variance_weight=0.5) == 0.4  # error feedback's kept energy: nothing to weigh
+    gain = {10: 1.2, 20: 2.0, 40: 3.6, 160: 40.0, 1000: 400.0}  # an unbiased code's: 1 + the variance it adds
+    # 1 us a byte: seconds 0.2, 0.15, 0.125, 0.10625, 0.101. kept^(1/3) / seconds, the variance in full: cf 10 4.71,
+    # 20 5.29, 40 5.21, 160 2.75: cf 20. At half weight (gradients that agree across the 2 ranks): 4.84, 5.83, 6.06,
+    # 3.44: cf 40.
+    full = _default_on_a_link(1e-6, gain, _with_moved_momentum("qsgd", 0.0))
+    assert full.kept(40) == pytest.approx(1 / 3.6) and full.sent[-1] == 20
+    halved = _default_on_a_link(1e-6, gain, _with_moved_momentum("qsgd", 0.0), variance_weight=(0.5, 1.0))
+    assert halved.kept(40) == pytest.approx(1 / 2.3) and halved.sent[-1] == 40
+    off = _default_on_a_link(1e-6, gain, _with_moved_momentum("qsgd", 0.0), variance_weight=(0.5, 1.0),
+                             weigh_noise=False)  # fmt: skip
+    assert off.kept(40) == pytest.approx(1 / 3.6) and off.sent[-1] == 20
 
 
 def _with_moved_momentum(method, momentum: float, masking: bool = True, nesterov: bool = False):

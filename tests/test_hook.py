@@ -234,6 +234,37 @@ def test_probe_gains_are_of_the_error_fed_or_of_the_step_own_gradient(granularit
     assert ranks[0] == ranks[1], "gains are sums over ranks: every rank must see the same"
 
 
+def _variance_weights(rank, world, cf):
+    """The weight of the code's variance the hook's statistics give on probe steps: ranks on one batch, then on their
+    own batches; and what the plain gradients give: ``sum_i ||g_i||^2 / ||sum_i g_i||^2``."""
+    state = CompressionState(get_compressor("qsgd"), error_feedback=False, cf=cf)
+    state.decide(replace(state.factors, probe_cfs=(8.0,), gain_of="gradient"))
+    _, reference, ddp = _hooked(state)
+    out = []
+    for same in (True, False):
+        _, grads = _backward_both(ddp, reference, 0, 0 if same else rank)
+        flat = torch.cat([g.reshape(-1) for g in grads]).double()
+        own, summed = flat.square().sum(), flat.clone()
+        dist.all_reduce(own)
+        dist.all_reduce(summed)
+        out.append((state.pop_stats().variance_weight(world), float(own / summed.square().sum())))
+    return out
+
+
+def test_hook_measures_how_much_the_code_variance_counts_against_the_batches_noise():
+    dense, coded = run_distributed(_variance_weights, cf=1.0), run_distributed(_variance_weights, cf=8.0)
+    for ranks in dense, coded:
+        assert ranks[0] == ranks[1], "the statistics are sums over ranks: every rank must see the same"
+    (same, one), (own, expected) = dense[0]
+    # Sent dense, the average's norm is exact. One batch on both ranks: nothing of the gradient differs between them,
+    # the weight is 1/N; each rank's own batch: the plain gradients' ratio, above 1/N.
+    assert one == 0.5 and same == pytest.approx(0.5, rel=1e-9)
+    assert 0.5 < expected < 1.0 and own == pytest.approx(expected, rel=1e-6)
+    # In 4-bit codes the average's norm is corrected by what the codes' variance added (one step's sample of it).
+    for got, truth in coded[0]:
+        assert got == pytest.approx(truth, abs=0.03)
+
+
 #: DGC's steps through every path a factor of 1 takes: (global factor, per-layer factors, probe factors).
 DGC_STEPS = [
     (50.0, {}, ()),  # compressed

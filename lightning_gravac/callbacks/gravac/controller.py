@@ -72,6 +72,8 @@ class GraVAC(Controller):
         fp16_rung: let the model search send a step whole in fp16 (turned off at setup where it cannot be sent).
             ``None``: off.
         weigh_masking: weigh each factor's progress by the momentum that momentum factor masking keeps at it.
+        weigh_noise: weigh an unbiased code's variance against the noise the ranks' batches already carry (measured on
+            the steps that probe), rather than against the whole gradient's energy (model search).
         budget: leave out the factors whose entries would wait longer than the run's steps, and make the most
             aggressive one it admits the ladder's last rung (model search).
 
@@ -101,6 +103,7 @@ class GraVAC(Controller):
         probe_backoff: int | None = None,
         fp16_rung: bool | None = None,
         weigh_masking: bool = True,
+        weigh_noise: bool = True,
         budget: bool = True,
     ) -> None:
         default_bounds = {"cf_min": cf_min is None, "cf_max": cf_max is None}
@@ -133,6 +136,7 @@ class GraVAC(Controller):
         self.fp16_rung = bool(defaults["fp16_rung"] if fp16_rung is None else fp16_rung)
         #: The gradients' dtype: the largest trainable parameter's, set at setup (what an entry's wait is counted in).
         self.weigh_masking, self.grad_dtype = bool(weigh_masking), torch.float32
+        self.weigh_noise = bool(weigh_noise)
         #: The run's length, which bounds the factors (model search).
         self.budget = Budget(on=bool(budget) and self.rule.models_cost)
         if self.fp16_rung and not self.rule.models_cost:
@@ -365,7 +369,7 @@ class GraVAC(Controller):
         window.steps += 1
         gains = stats.probe_gains()
         if gains:
-            self.probes.take(gains, window.steps, self.ewma_alpha)
+            self.probes.take(gains, window.steps, self.ewma_alpha, stats.variance_weight(cost.world_size))
         compressed = self.cf not in (DENSE, *self.rungs)
         cost.take_step(stats, self.cf, compressed)
         seconds = self.step_seconds(stats)
@@ -451,7 +455,8 @@ class GraVAC(Controller):
     def kept(self, cf: float) -> float:
         """What a step at ``cf`` keeps of a dense step, from its smoothed gain (:func:`~.prediction.kept`)."""
         state = self.compression_state
-        return kept(self.probes.gains.get(cf, 0.0), state is None or state.compressor.biased)
+        weight = self.probes.weight_of_variance if self.weigh_noise else 1.0
+        return kept(self.probes.gains.get(cf, 0.0), state is None or state.compressor.biased, weight)
 
     def masking_weight(self, cf: float) -> float:
         """The share of dense momentum's step that momentum factor masking leaves a step sent at ``cf``
@@ -501,5 +506,5 @@ class GraVAC(Controller):
             f"probe_every={probes.probe_every}, first_window={window.first}, gain_of={probes.gain_of!r}, "
             f"gain_power={self.gain_power:.3g}, time_link={self.time_link}, adam={self.adam!r}, "
             f"probe_backoff={probes.probe_backoff}, fp16_rung={self.fp16_rung}, weigh_masking={self.weigh_masking}, "
-            f"budget={self.budget.on})"
+            f"weigh_noise={self.weigh_noise}, budget={self.budget.on})"
         )

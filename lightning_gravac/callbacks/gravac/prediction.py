@@ -40,12 +40,17 @@ class Decision:
     progress: Callable[[float], float]
 
 
-def kept(gain: float, biased: bool) -> float:
+def kept(gain: float, biased: bool, variance_weight: float = 1.0) -> float:
     """What a step keeps of a dense step, from its ``gain``: the gain itself for a ``biased`` method (the energy it
     sends now, error feedback delaying the rest); for an unbiased one, whose gain is ``1 + w`` (``w`` the variance it
-    adds, relative to the gradient's energy), ``1 / (1 + w)``, as that variance costs steps."""
+    adds, relative to a rank's gradient energy), ``1 / (1 + w x variance_weight)``, as that variance costs steps.
+
+    ``variance_weight`` (``sum_i ||g_i||^2 / ||sum_i g_i||^2``, in ``[1/N, 1]``) is that variance against the
+    averaged gradient's: an SGD step's progress goes as ``||G||^2 / (||G||^2 + noise)``; the code adds ``w`` times a
+    rank's energy over ``N`` to the average's noise, which already holds the batches' own. Where that noise dominates
+    the weight is 1 (each rank's energy is mostly its noise); where the ranks' gradients agree it is ``1/N``."""
     if not biased and gain > 1.0:
-        return 1.0 / gain
+        return 1.0 / (1.0 + (gain - 1.0) * variance_weight)
     return min(gain, 1.0)
 
 

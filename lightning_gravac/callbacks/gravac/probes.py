@@ -7,6 +7,10 @@ from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpoin
 from lightning_gravac.state import GainOf
 
 
+def _pair(saved: list[float] | None) -> tuple[float, float] | None:
+    return None if saved is None else (saved[0], saved[1])
+
+
 def _sums(saved: dict[float, list[float]]) -> dict[float, tuple[float, float]]:
     return {cf: (sums[0], sums[1]) for cf, sums in saved.items()}
 
@@ -25,6 +29,9 @@ class Probes(Checkpointed):
         probe_backoff: how far the spacing grows while probes change nothing: up to ``probe_every x probe_backoff``.
         bias_corrected: smooth by a bias-corrected EWMA (the model search's), else by the paper's, started at the first
             value.
+        variance_weight: how much an unbiased code's variance counts against the batches' own noise
+            (:meth:`~lightning_gravac.state.StepStats.variance_weight`), smoothed as the gains are: ``(weighted sum,
+            weight)``; ``None`` before a probe step measured it (it then counts in full).
     """
 
     gains: dict[float, float] = field(default_factory=dict, metadata=checkpointed(restore=dict))
@@ -34,16 +41,23 @@ class Probes(Checkpointed):
     gain_sums: dict[float, tuple[float, float]] = field(
         default_factory=dict, metadata=checkpointed(added=True, restore=_sums)
     )
+    variance_weight: tuple[float, float] | None = field(default=None, metadata=checkpointed(added=True, restore=_pair))
     probe_every: int
     probe_backoff: int
     bias_corrected: bool
 
-    def take(self, measured: dict[float, float], steps: int, alpha: float) -> None:
-        """Smooth a step's probes (``measured``: the gain by factor) into :attr:`gains`. The gains decay per step: a
-        probe after ``p`` steps without one weighs ``1 - (1 - alpha)^p``. ``steps``: the steps so far, this one's."""
+    def take(
+        self, measured: dict[float, float], steps: int, alpha: float, variance_weight: float | None = None
+    ) -> None:
+        """Smooth a step's probes (``measured``: the gain by factor, and the ``variance_weight`` it measured) into
+        :attr:`gains`. The gains decay per step: a probe after ``p`` steps without one weighs ``1 - (1 - alpha)^p``.
+        ``steps``: the steps so far, this one's."""
         if not measured:
             return
         weight = 1 - (1 - alpha) ** (steps - self.last_probe)
+        if variance_weight is not None:
+            total, mass = self.variance_weight or (0.0, 0.0)
+            self.variance_weight = ((1 - weight) * total + weight * variance_weight, (1 - weight) * mass + weight)
         self.last_probe = steps
         for cf, gain in measured.items():
             if self.bias_corrected:  # the weights of the probes so far, normalised
@@ -53,6 +67,11 @@ class Probes(Checkpointed):
                 self.gains[cf] = total / mass
             else:
                 self.gains[cf] = gain if cf not in self.gains else (1 - weight) * self.gains[cf] + weight * gain
+
+    @property
+    def weight_of_variance(self) -> float:
+        """The smoothed :attr:`variance_weight`; 1 before one was measured."""
+        return 1.0 if self.variance_weight is None else self.variance_weight[0] / self.variance_weight[1]
 
     def due(self, steps: int) -> bool:
         """Whether a step after ``steps`` steps falls on the probes' spacing."""

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_gravac.compressors.base import sq_norm
 from lightning_gravac.state import REDUCE, BucketRecord, Collective, CompressionState
 from lightning_gravac.strategies.communicators.header import Header
 from lightning_gravac.strategies.communicators.work import Work
@@ -106,6 +107,8 @@ def settle(
     if header is not None:
         record.sq_norm, record.sq_norm_sent = header.basis, header.sent
         record.probe_sq, record.probe_basis = header.probes, header.probe_basis
+        if header.probes and finite:  # what the noise of the ranks' batches is weighed from (one pass, probe steps)
+            record.sq_norm_mean = float(sq_norm(work.buffer))
     if timing is not None:
         record.compress_s = timing.encode_s + time.perf_counter() - timing.received
         record.comm_s = timing.received - timing.launched
