@@ -248,8 +248,9 @@ def test_local_steps_arguments_are_checked():
 def test_the_link_and_the_budget_change_the_choice_as_the_rule_says():
     # 10 ms of computation; every-step sending predicted at 15 ms; a round's communication 5.4 ms.
     assert choose_length(0.010, 0.015, 0.0054, 0.086, 1000) == 8, "the shortest round within a tenth of a step"
-    assert choose_length(0.010, 0.015, 0.0054, 0.086, 60) == 4, "the budget holds 8 rounds of 4, not of 8"
-    assert choose_length(0.010, 0.015, 0.0054, 0.086, 31) is None, "not 8 rounds of even 4 steps"
+    assert choose_length(0.010, 0.015, 0.0054, 0.086, 56) == 8, "the budget holds 7 rounds of 8"
+    assert choose_length(0.010, 0.015, 0.0054, 0.086, 55) == 4, "the budget holds 7 rounds of 4, not of 8"
+    assert choose_length(0.010, 0.015, 0.0054, 0.086, 27) is None, "not 7 rounds of even 4 steps"
     assert choose_length(0.010, 0.015, 0.0300, 0.086, 1000) == 16, "no round fits: the longest allowed"
     # A fast link: sending every step costs 5% over the computation; local steps cannot save a tenth of it.
     assert choose_length(0.010, 0.0105, 0.0001, 0.001, 1000) is None
@@ -287,7 +288,7 @@ def test_the_default_switches_to_local_steps_where_the_link_and_the_budget_say()
         assert torch.equal(r0["slow"]["after"][step - 1], r1["slow"]["after"][step - 1]), step
         assert not torch.equal(r0["slow"]["after"][step - 5], r1["slow"]["after"][step - 5]), step
     assert slow["losses"][-1] < 0.5 * slow["losses"][0]
-    assert r0["short"]["every"] == 0, "a budget of 20 steps holds no 8 rounds"
+    assert r0["short"]["every"] == 0, "a budget of 20 steps holds no 7 rounds"
     assert r0["fast"]["every"] == 0, "on a fast link sending every step costs too little to save a tenth"
 
 
@@ -315,8 +316,9 @@ def _default_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
 def test_the_defaults_local_steps_resume_mid_round_bit_for_bit(tmp_path):
     ranks = run_distributed(_default_resumed, timeout=300, ckpt_dir=str(tmp_path))
     for rank in ranks:
-        # A budget of 60 steps holds 8 rounds of 4 (from step 3): the checkpoint after step 30 is mid-round.
-        assert rank["every"] == rank["resumed_every"] == 4
+        # A budget of 60 steps holds 7 rounds of 8 (from step 3, ending at 11, 19, 27, 35...): the checkpoint after
+        # step 30 is mid-round.
+        assert rank["every"] == rank["resumed_every"] == 8
         assert len(rank["resumed"]) == 30
         for step, (a, b) in enumerate(zip(rank["whole"][30:], rank["resumed"], strict=True), start=31):
             assert torch.equal(a, b), f"step {step} differs from the uninterrupted run"
