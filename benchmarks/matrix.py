@@ -29,8 +29,8 @@ gradient norm's change), GraVAC as the paper defines it (gain of the error-fed g
 same run with nothing communicated (``no communication``: the limit no compression can beat, trained on every link
 like the default; the time tables give each row's seconds over its whole budget as well as over dense's). On
 request (``--rows``), more fixed methods (``FAMILIES``), Top-K without momentum masking (``UNMASKED``), milder Top-K
-factors (``MILD``) and the default's controller without one of its rules (``ABLATIONS``), to measure a rule side by
-side.
+factors (``MILD``) and the default's controller without one of its rules (``ABLATIONS``, with QSGD sent every step
+with and without weighing its codes' variance against the batches' noise), to measure a rule side by side.
 
 Every row trains ``--steps`` steps from the same seed on the same data. The target of a task is dense DDP's smoothed
 training loss (an EWMA, factor 0.9, of the ranks' mean loss) at half the steps; a row's *time to target* is the wall
@@ -137,7 +137,13 @@ FAMILIES = [row for row in FAMILY_SETTINGS if row not in FIXED]
 #: Momentum correction without DGC's momentum factor masking, for the masking study (``--tasks cnn``).
 UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
 #: The default without one of its rules, to measure what the rule changes side by side (``weigh_masking``).
-ABLATIONS = ["default, masking unweighed", "default, budget off", "default, whole tables"]
+ABLATIONS = [
+    "default, masking unweighed",
+    "default, budget off",  # the default's controller without the budget rule (and so Top-K's method)
+    "default, whole tables",  # embedding tables whole on dense and fp16 steps, not by their touched rows
+    "qsgd every step",  # the default's controller on QSGD sent every step (no local steps)
+    "qsgd every step, noise unweighed",  # ... without weighing the codes' variance against the batches' noise
+]
 #: Milder Top-K factors, for short budgets.
 MILD = ["topk cf=20", "topk cf=40"]
 #: Local steps: H inner steps, then the parameter change in QSGD's 4-bit codes averaged (outer lr 1, no momentum).
@@ -298,17 +304,24 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         every = int(row.removeprefix("local H=").removesuffix(" overlap")) if row in LOCAL else 0
         rounds = LocalSteps(every=every, overlap=row.endswith(" overlap")) if every else None
         return GraVACStrategy(local_steps=rounds), []
-    if row == "default, masking unweighed":
-        return GraVACStrategy(), [GraVAC(weigh_masking=False)]
-    if row == "default, budget off":  # the default's controller without the budget rule (and so Top-K's method)
-        return GraVACStrategy(), [GraVAC(budget=False)]
-    if row == "default, whole tables":  # embedding tables whole on dense and fp16 steps, not by their touched rows
-        return GraVACStrategy(embedding_rows=False), []
+    if row in ABLATIONS:
+        return ablation(row)
     if row in FAMILY_SETTINGS:
         method, cf = FAMILY_SETTINGS[row]
         # "ef": error-fed, and SGD's momentum moved into the hook with it (the default leaves it in the optimizer).
         return GraVACStrategy(method, error_feedback=True if row.endswith(" ef") else None), [Static(cf=cf)]
     raise ValueError(row)
+
+
+def ablation(row: str) -> tuple[Any, list[Callback]]:
+    """Strategy and callbacks of an ablation row (``ABLATIONS``)."""
+    strategy = GraVACStrategy("qsgd") if row.startswith("qsgd") else GraVACStrategy(embedding_rows="tables" not in row)
+    controller = {
+        "default, masking unweighed": GraVAC(weigh_masking=False),
+        "default, budget off": GraVAC(budget=False),
+        "qsgd every step, noise unweighed": GraVAC(weigh_noise=False),
+    }.get(row)
+    return strategy, [controller] if controller is not None else []
 
 
 def use_adamw(model: pl.LightningModule, lr: float) -> None:
