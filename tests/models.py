@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gravac import Controller, GraVAC, StepStats
 from lightning_gravac.adaptations import MomentumCorrection
+from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.zoo import TeacherRegression, teacher_dataset
 
 
@@ -66,6 +67,9 @@ class SimulatedLink(GraVAC):
         return 8 / 10e6, 0.0  # an fp16 byte costs an fp32 one's; the casts nothing
 
     def measure_compression(self, trainer: pl.Trainer) -> float:
+        return 0.0
+
+    def measure_round(self, trainer: pl.Trainer, method: Compressor) -> float:
         return 0.0
 
 
@@ -373,6 +377,9 @@ class LinkOf(GraVAC):
         return self.per_byte, 0.0
 
     def measure_compression(self, trainer: pl.Trainer) -> float:
+        return 0.0
+
+    def measure_round(self, trainer: pl.Trainer, method: Compressor) -> float:
         return 0.0
 
 

@@ -582,6 +582,42 @@ def test_compression_timing_leaves_the_method_state_and_a_resumed_run_keeps_what
     assert cost.compress_cost == 0.01
 
 
+def test_round_timing_compresses_the_whole_model_flat_and_leaves_the_method_state(monkeypatch):
+    from lightning_gravac.callbacks.gravac.link_timer import LinkTimer
+    from lightning_gravac.compressors.qsgd import QSGD
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))  # 144 + 68 = 212 entries
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=2, lightning_module=model
+    )
+    timer = LinkTimer(trainer, None, lambda values: values)  # type: ignore[arg-type]
+    calls = []
+
+    class Spy(QSGD):
+        def compress(self, tensor, cf, *, key="", step=0):
+            calls.append((tuple(tensor.shape), cf, key))
+            return super().compress(tensor, cf, key=key, step=step)
+
+        def decode_(self, out, stacked, scale):
+            calls.append(("decoded", stacked.wire[0].shape[0], scale))
+            return super().decode_(out, stacked, scale)
+
+    method = Spy()
+    method.setup(2)
+    assert timer.round(method, 8.0) > 0
+    # Three timings of one flat change of the model's size, each rank's payload decoded into the mean.
+    assert calls == [((212,), 8.0, "timed/round"), ("decoded", 2, 0.5)] * 3
+    topk = get_compressor("topk")
+    topk.setup(2)
+    assert timer.round(topk, 8.0) > 0
+    topk.commit(["timed/round"])
+    assert "timed/" not in repr(topk.state_dict())
+    calls.clear()
+    monkeypatch.setattr("lightning_gravac.callbacks.gravac.link_timer.TIMED_ENTRIES", 100)
+    timer.round(method, 8.0)
+    assert calls[0][0] == (100,)  # capped, and scaled to the model
+
+
 def test_default_weighs_an_unbiased_code_variance_against_the_batches_noise():
     from lightning_gravac.callbacks.gravac.prediction import kept
 

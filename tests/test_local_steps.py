@@ -45,6 +45,35 @@ class StepData(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class BagStepData(pl.LightningModule):
+    """A regression on bags of token ids, drawn from (global step, rank) like ``StepData``'s: an ``EmbeddingBag`` of
+    512 x 16 under a ``Linear(16, 1)``, nearly all of the parameters in the table (the default sends Top-K). Plain SGD,
+    as the matrix's embedding bag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(512, 16, mode="mean")
+        self.head = nn.Linear(16, 1)
+        teacher = torch.Generator().manual_seed(7)
+        self.register_buffer("w", torch.randn(512, generator=teacher))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(tokens)).squeeze(1)
+
+    def batch_at(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, 512, (32, 8), generator=torch.Generator().manual_seed(1000 * step + rank))
+        return tokens, torch.tanh(self.w[tokens].mean(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, target = self.batch_at(self.global_step, self.global_rank)
+        loss = nn.functional.mse_loss(self(tokens), target)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
 class Trace(pl.Callback):
     """This rank's parameters after every optimizer step, and the loss."""
 
@@ -292,10 +321,73 @@ def test_the_default_switches_to_local_steps_where_the_link_and_the_budget_say()
     assert r0["fast"]["every"] == 0, "on a fast link sending every step costs too little to save a tenth"
 
 
-def _default_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+class Owed(pl.Callback):
+    """How many residuals error feedback holds before each step, and at step ``at`` (the first local one) what SGD
+    (lr 0.5, no momentum) makes of this rank's own gradient plus what it owed, against what the step did."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.held = at, []
+        self.expected: dict[str, torch.Tensor] = {}
+        self.got: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        residuals = trainer.strategy.compression_state.carry.residuals
+        self.held.append(len(residuals))
+        if trainer.global_step == self.at:
+            params = {n: p.detach().clone().requires_grad_() for n, p in pl_module.named_parameters()}
+            tokens, target = pl_module.batch_at(self.at, trainer.global_rank)
+            out = torch.func.functional_call(pl_module, params, (tokens,))
+            grads = torch.autograd.grad(nn.functional.mse_loss(out, target), list(params.values()))
+            for (name, p), g in zip(params.items(), grads, strict=True):
+                owed = residuals.get(name)
+                self.expected[name] = p.detach() - 0.5 * (g if owed is None else g + owed.view_as(g))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.at + 1:
+            self.got = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+def _topk_default_on_a_scripted_link(rank: int, world_size: int) -> dict[str, Any]:
     from lightning_gravac.strategies import default_controller
 
-    default_controller._default_controller = lambda method, alone: LinkOf(1e6)
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6, cf_max=20)
+    strategy, owed = GraVACStrategy(), Owed(at=3)
+    trace = _fit(strategy, 120, BagStepData(), callbacks=[owed])
+    controller = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC))
+    return {
+        "method": strategy.compressor.name, "outer": strategy.outer.compressor.name, "every": controller.rounds.every,
+        "start": controller.rounds.start, "held": owed.held, "expected": owed.expected, "got": owed.got,
+        "left": len(strategy.compression_state.carry.residuals), "after": trace.after, "losses": trace.losses,
+    }  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_the_topk_default_switches_to_rounds_in_4_bit_codes_and_what_topk_owed_lands():
+    ranks = run_distributed(_topk_default_on_a_scripted_link, timeout=300)
+    for key in ("method", "outer", "every", "start"):
+        assert ranks[0][key] == ranks[1][key], key  # every rank decides alike
+    r0 = ranks[0]
+    # Mostly an embedding table under SGD: Top-K every step, then rounds whose change is sent in QSGD's codes.
+    assert (r0["method"], r0["outer"]) == ("topk", "qsgd")
+    # 1 Mbit/s, 10 ms of computation, Top-K at cf 20 at most: after the first window, rounds of 16 from step 3.
+    assert (r0["every"], r0["start"]) == (16, 3)
+    for rank in ranks:
+        assert min(rank["held"][1:4]) > 0, "Top-K's error feedback held residuals before the switch"
+        assert max(rank["held"][4:]) == 0 and rank["left"] == 0, "the first local step took them all"
+        for name, expected in rank["expected"].items():  # the step applied this rank's gradient plus what it owed
+            torch.testing.assert_close(rank["got"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    for step in range(3 + 16, 120, 16):  # the ranks are one model after each round, and two within
+        assert torch.equal(r0["after"][step - 1], ranks[1]["after"][step - 1]), step
+        assert not torch.equal(r0["after"][step - 9], ranks[1]["after"][step - 9]), step
+    assert r0["losses"][-1] < 0.5 * r0["losses"][0]
+
+
+def _default_resumed(rank: int, world_size: int, ckpt_dir: str, bag: bool) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    # The bag: Top-K's factor held to 20 at most, so that sending every step costs more than rounds on this link.
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6, **({"cf_max": 20} if bag else {}))
+    make = BagStepData if bag else StepData
 
     def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> tuple[list[torch.Tensor], int]:
         trace = Trace()
@@ -303,7 +395,7 @@ def _default_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
         strategy = GraVACStrategy()
         kwargs = trainer_kwargs(2, enable_checkpointing=True)
         trainer = pl.Trainer(strategy=strategy, callbacks=[trace, *callbacks], max_steps=60, **kwargs)
-        trainer.fit(StepData(), loader(n=32768), ckpt_path=ckpt_path)
+        trainer.fit(make(), loader(n=32768), ckpt_path=ckpt_path)
         return trace.after, strategy.outer.config.every if strategy.outer.config else 0
 
     every_30 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=30, save_top_k=-1)
@@ -313,8 +405,9 @@ def _default_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
 
 
 @pytest.mark.distributed
-def test_the_defaults_local_steps_resume_mid_round_bit_for_bit(tmp_path):
-    ranks = run_distributed(_default_resumed, timeout=300, ckpt_dir=str(tmp_path))
+@pytest.mark.parametrize("bag", [False, True], ids=["qsgd", "topk"])
+def test_the_defaults_local_steps_resume_mid_round_bit_for_bit(tmp_path, bag):
+    ranks = run_distributed(_default_resumed, timeout=300, ckpt_dir=str(tmp_path), bag=bag)
     for rank in ranks:
         # A budget of 60 steps holds 7 rounds of 8 (from step 3, ending at 11, 19, 27, 35...): the checkpoint after
         # step 30 is mid-round.

@@ -69,9 +69,9 @@ def _default_controller(method: Compressor, alone: bool) -> Controller:
 
 def allow_rounds(trainer: Any, state: CompressionState, optimizers: list[Any]) -> None:
     """Let the default controller switch to local steps (:mod:`~lightning_gravac.callbacks.gravac.rounds`) where they
-    were measured to keep dense's accuracy: the zero-argument default's QSGD under SGD (one optimizer, nothing of it
-    moved into the hook), on several ranks."""
-    if state.compressor.name != "qsgd" or state.carry.moves_optimizer_state or len(optimizers) != 1:
+    were measured to keep dense's accuracy: the zero-argument default under SGD (QSGD, or Top-K on a model that is
+    mostly embedding tables; one optimizer, nothing of it moved into the hook), on several ranks."""
+    if state.compressor.name not in ("qsgd", "topk") or state.carry.moves_optimizer_state or len(optimizers) != 1:
         return
     if not isinstance(optimizers[0], torch.optim.SGD) or state.world_size < 2:
         return

@@ -24,10 +24,10 @@ from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_
 from lightning_gravac.callbacks.gravac.link_timer import TIMED_BYTES, LinkTimer
 from lightning_gravac.callbacks.gravac.prediction import Decision, kept, masking_weight, progress_per_second, say_choice
 from lightning_gravac.callbacks.gravac.probes import Probes
-from lightning_gravac.callbacks.gravac.rounds import Rounds
+from lightning_gravac.callbacks.gravac.rounds import OUTER_CF, Rounds
 from lightning_gravac.callbacks.gravac.search import SEARCH_DEFAULTS, SEARCHES, Search
 from lightning_gravac.callbacks.gravac.window import Interval, Reduce, Window
-from lightning_gravac.compressors.base import validate_cf
+from lightning_gravac.compressors.base import Compressor, validate_cf
 from lightning_gravac.state import HALF, CompressionState, Factors, GainOf, StepStats
 
 
@@ -280,6 +280,8 @@ class GraVAC(Controller):
             cost.take_half(*self.measure_half(trainer), fresh)
         if not self.state.compressor.passthrough:
             cost.take_compression(self.measure_compression(trainer), fresh)
+        if self.rounds.allowed and not self.rounds.every:
+            self.rounds.work_seconds = self.measure_round(trainer, self.rounds.method(self.state))
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the compression group's all-reduce, the same on every rank
@@ -300,6 +302,11 @@ class GraVAC(Controller):
         same on every rank (:meth:`LinkTimer.compression`). A subclass may return a model (tests)."""
         residual = self.state.error_feedback and not self.state.compressor.owns_feedback
         return self._link_timer(trainer).compression(self.state.compressor, self.ladder.cf_min, residual)
+
+    def measure_round(self, trainer: "pl.Trainer", method: Compressor) -> float:
+        """The seconds a round of local steps takes beyond its bytes, ``method`` its outer code, the same on every rank
+        (:meth:`LinkTimer.round`). A subclass may return a model (tests)."""
+        return self._link_timer(trainer).round(method, OUTER_CF)
 
     def _link_timer(self, trainer: "pl.Trainer") -> LinkTimer:
         """A timer of the compression group, its slowest-rank values reduced as every decision input is."""

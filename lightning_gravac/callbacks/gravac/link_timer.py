@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gravac.compressors.base import Compressor
+from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.state import HALF, ring_share
 
 #: The all-reduce that measures a message's cost, and the first that measures a byte's (it grows 4x until one takes
@@ -115,6 +116,36 @@ class LinkTimer:
             warnings.simplefilter("ignore")
             seconds = self.best_of_three(step)
         return self.slowest(seconds * self.numel / max(1, timed))
+
+    def round(self, method: Compressor, cf: float) -> float:
+        """The seconds a round of local steps spends beyond moving its bytes, measured rather than assumed (its
+        compression alone is about half of it): on stand-ins of the model's size in fp32 (seeded noise, capped at
+        :data:`TIMED_ENTRIES` and scaled), the change formed, compressed by ``method`` at ``cf`` (under a key of its
+        own, discarded after), packed, every rank's payload unpacked and decoded into the mean, the outer step and the
+        parameters set to it; best of three, the slowest rank's."""
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        numel = max(1, min(self.numel, TIMED_ENTRIES))
+        anchor = torch.randn(numel, generator=generator).to(self.device)
+        params = anchor + torch.randn(numel, generator=generator).to(self.device)
+        stepped = torch.empty_like(anchor)
+
+        def work() -> None:
+            change = anchor - params
+            payload = method.compress(change, cf, key="timed/round")
+            layout = Layout.of([payload])
+            gathered = layout.pack([payload]).repeat(self.world_size)
+            _, (stacked,) = layout.unpack(gathered.view(self.world_size, layout.nbytes), [payload])
+            mean = torch.empty_like(change)
+            method.decode_(mean, stacked, 1.0 / self.world_size)
+            torch.sub(anchor, mean, out=stepped)
+            params.copy_(stepped)
+            torch.sub(anchor, change, out=params)  # back as they were (stands for the round's concatenation)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            seconds = self.best_of_three(work)
+        method.discard(["timed/round"])
+        return self.slowest(seconds * self.numel / numel)
 
     def grown(self, dtype: torch.dtype) -> tuple[int, float]:
         """``(bytes, seconds)`` of the all-reduce from 64 KB up, 4x a time, until one takes ``TIMED_SECONDS`` or

@@ -1,5 +1,8 @@
 """The default's choice between sending every step and local steps: rounds of ``H`` inner steps with nothing sent,
-then the parameter change in QSGD's 4-bit codes averaged (``lightning_gravac.adaptations.local_steps``).
+then the parameter change in QSGD's 4-bit codes averaged (``lightning_gravac.adaptations.local_steps``), whichever
+method the default sends every step (QSGD, or Top-K on a model that is mostly embedding tables: a round's change is
+unbiased in 4-bit codes, where Top-K's error feedback would hold back what a round left unsent; what Top-K still owed
+at the switch goes into the first local step).
 
 Local steps are chosen when the cost model predicts that they save at least a tenth of the every-step choice's step
 (:data:`~.cost.MIN_SAVING`) and the run's budget holds enough rounds. ``H`` is the shortest round whose communication
@@ -14,11 +17,13 @@ dense's held-out loss at ``H = 8``.
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_info
 
 from lightning_gravac.adaptations.local_steps import LocalSteps, OuterUpdate
 from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpointed
 from lightning_gravac.callbacks.gravac.cost import CostModel, Link, moved_bytes, saves_enough
+from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.state import CompressionState, ring_share
 
 #: Round lengths the default picks from, shortest first.
@@ -27,16 +32,16 @@ LENGTHS = (4, 8, 16)
 MIN_ROUNDS = 7
 #: The share of a step's computation a round's communication may add a step.
 WITHIN_LIMIT = 0.1
-#: The outer update's factor: ``LocalSteps``' own default, QSGD's 4-bit codes from fp32.
-OUTER_CF: float = LocalSteps.cf
+#: The outer update's method and factor: ``LocalSteps``' own default, QSGD's 4-bit codes from fp32.
+OUTER_METHOD, OUTER_CF = "qsgd", LocalSteps.cf
 
 
-def round_seconds(link: Link, cost: CostModel, cf: float = OUTER_CF) -> float:
+def round_seconds(link: Link, cost: CostModel, work: float, cf: float = OUTER_CF) -> float:
     """A round's communication by the cost model: one message and the payload of the whole model at ``cf``, gathered,
-    and compressing it."""
+    and ``work``, the seconds of the round's own work (:attr:`Rounds.work_seconds`)."""
     dense = cost.model_bytes or cost.dense_bytes
     per_message = link.per_step / max(1, cost.buckets)
-    return per_message + moved_bytes(dense / cf, dense, cost.world_size) * link.seconds_per_byte + cost.compress_cost
+    return per_message + moved_bytes(dense / cf, dense, cost.world_size) * link.seconds_per_byte + work
 
 
 def choose_length(compute: float, every_step: float, round_s: float, whole_s: float, steps_left: float) -> int | None:
@@ -63,15 +68,29 @@ class Rounds(Checkpointed):
     """Whether and from when the default runs local steps.
 
     Attributes:
-        allowed: the fit may switch (the zero-argument default under SGD with QSGD, one optimizer).
+        allowed: the fit may switch (the zero-argument default under SGD, one optimizer, nothing of it in the hook).
         every: the round length chosen; 0 while every step is sent (checkpointed).
         start: the step from which local steps run (checkpointed).
+        work_seconds: the seconds a round's own work takes beyond its bytes: the change formed, compressed, packed,
+            every rank's decoded, the outer step and the parameters set (timed at fit start).
     """
 
     allowed: bool = False
     every: int = field(default=0, metadata=checkpointed(added=True))
     start: int = field(default=0, metadata=checkpointed(added=True))
+    work_seconds: float = 0.0
     why: str = ""  # the prediction that chose them, said once
+    _method: Compressor | None = field(default=None, repr=False)  # the outer code where it is not the every-step one
+
+    def method(self, state: CompressionState) -> Compressor:
+        """The outer update's code: the every-step method where it is QSGD, else a QSGD of its own for this rank."""
+        if state.compressor.name == OUTER_METHOD:
+            return state.compressor
+        if self._method is None:
+            self._method = get_compressor(OUTER_METHOD)
+            rank = dist.get_rank(state.process_group) if dist.is_initialized() else 0
+            self._method.setup(state.world_size, rank)
+        return self._method
 
     def consider(self, cost: CostModel, every_step_cf: float, rungs: tuple[float, ...], steps_done: int,
                  budget: float) -> int | None:  # fmt: skip
@@ -84,7 +103,7 @@ class Rounds(Checkpointed):
         dense = cost.model_bytes or cost.dense_bytes
         whole_s, round_s, left = (
             ring_share(cost.world_size) * dense * link.seconds_per_byte,
-            round_seconds(link, cost),
+            round_seconds(link, cost, self.work_seconds),
             budget - steps_done,
         )
         length = choose_length(link.other_seconds, every_step, round_s, whole_s, left)
@@ -101,12 +120,13 @@ class Rounds(Checkpointed):
         the round starting from the parameters as they are; else resumed, the round's state restored by the
         strategy)."""
         config, outer = LocalSteps(every=self.every, cf=OUTER_CF), state.carry.get(OuterUpdate)
+        method = self.method(state)
         if fresh:
-            outer.start(config, state.compressor, False, state.step)
+            outer.start(config, method, False, state.step)
             rank_zero_info(
                 f"GraVAC: local steps from step {state.step}: rounds of {self.every} steps, each round's parameter "
                 f"change averaged in 4-bit codes ({self.why})."
             )
         else:
-            outer.configure(config, state.compressor, False)
+            outer.configure(config, method, False)
         state.config.local_sgd_from = self.start
