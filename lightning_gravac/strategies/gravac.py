@@ -167,7 +167,6 @@ class GraVACStrategy(DDPStrategy):
         in_trainer = module._trainer if module is not None else None
         if self._method_open and self._default_controller:
             choose_method(state, self.optimizers, module, in_trainer, movable)
-            allow_rounds(trainer, state, self.optimizers)
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
         self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps
@@ -178,6 +177,8 @@ class GraVACStrategy(DDPStrategy):
             sparse = sparse_parameters(module) if module is not None else set()
             dense = {i: name for i, name in state.param_names.items() if i not in sparse}
             state.carry.take_from(Setup(self.optimizers, dense, module, in_trainer, frozenset(sparse)))
+        if self._method_open and self._default_controller:  # once it is known whether optimizer state moved here
+            allow_rounds(trainer, state, self.optimizers)
 
     def _hook_can_hold_optimizer_state(self) -> bool:
         """Whether the optimizer's state (SGD's momentum, Adam's first moment) may move into the hook: asked for
