@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_gravac import GraVAC, GraVACStrategy, LocalSteps, Static
 from lightning_gravac.adaptations import OuterUpdate, Setup
-from lightning_gravac.callbacks.gravac.rounds import choose_length
+from lightning_gravac.callbacks.gravac.rounds import choose_length, fitting_length
 from lightning_gravac.compressors import get_compressor
 from lightning_gravac.launch import run_distributed
 
@@ -47,12 +47,16 @@ class StepData(pl.LightningModule):
 
 class BagStepData(pl.LightningModule):
     """A regression on bags of token ids, drawn from (global step, rank) like ``StepData``'s: an ``EmbeddingBag`` of
-    512 x 16 under a ``Linear(16, 1)``, nearly all of the parameters in the table (the default sends Top-K). Plain SGD,
-    as the matrix's embedding bag."""
+    512 x 16 under a ``Linear(16, 1)``, nearly all of the parameters in the table (the default sends Top-K). SGD at
+    ``lr`` 0.3, plain as the matrix's embedding bag (``momentum``: SGD's)."""
 
-    def __init__(self) -> None:
+    lr = 0.3
+
+    def __init__(self, momentum: float = 0.0) -> None:
         super().__init__()
-        self.bag = nn.EmbeddingBag(512, 16, mode="mean")
+        self.momentum = momentum
+        self.bag = nn.EmbeddingBag(512, 16, mode="sum")
+        nn.init.normal_(self.bag.weight, std=0.01)
         self.head = nn.Linear(16, 1)
         teacher = torch.Generator().manual_seed(7)
         self.register_buffer("w", torch.randn(512, generator=teacher))
@@ -62,7 +66,7 @@ class BagStepData(pl.LightningModule):
 
     def batch_at(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = torch.randint(0, 512, (32, 8), generator=torch.Generator().manual_seed(1000 * step + rank))
-        return tokens, torch.tanh(self.w[tokens].mean(1))
+        return tokens, torch.tanh(self.w[tokens].sum(1) / 8**0.5)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         tokens, target = self.batch_at(self.global_step, self.global_rank)
@@ -71,7 +75,7 @@ class BagStepData(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.5)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
 class Trace(pl.Callback):
@@ -281,6 +285,9 @@ def test_the_link_and_the_budget_change_the_choice_as_the_rule_says():
     assert choose_length(0.010, 0.015, 0.0054, 0.086, 55) == 4, "the budget holds 7 rounds of 4, not of 8"
     assert choose_length(0.010, 0.015, 0.0054, 0.086, 27) is None, "not 7 rounds of even 4 steps"
     assert choose_length(0.010, 0.015, 0.0300, 0.086, 1000) == 16, "no round fits: the longest allowed"
+    # Chosen again after the first round: the rounds left and the one done make 7.
+    assert fitting_length(0.010, 0.0054, 48, done=1) == 8 and fitting_length(0.010, 0.0054, 47, done=1) == 4
+    assert fitting_length(0.001, 0.0054, 96, done=1) == 16, "a tenth of 1 ms: no round fits, the longest allowed"
     # A fast link: sending every step costs 5% over the computation; local steps cannot save a tenth of it.
     assert choose_length(0.010, 0.0105, 0.0001, 0.001, 1000) is None
 
@@ -322,8 +329,8 @@ def test_the_default_switches_to_local_steps_where_the_link_and_the_budget_say()
 
 
 class Owed(pl.Callback):
-    """How many residuals error feedback holds before each step, and at step ``at`` (the first local one) what SGD
-    (lr 0.5, no momentum) makes of this rank's own gradient plus what it owed, against what the step did."""
+    """How many residuals error feedback holds before each step, and at step ``at`` (the first local one) what plain
+    SGD makes of this rank's own gradient plus what it owed, against what the step did."""
 
     def __init__(self, at: int) -> None:
         self.at, self.held = at, []
@@ -340,7 +347,7 @@ class Owed(pl.Callback):
             grads = torch.autograd.grad(nn.functional.mse_loss(out, target), list(params.values()))
             for (name, p), g in zip(params.items(), grads, strict=True):
                 owed = residuals.get(name)
-                self.expected[name] = p.detach() - 0.5 * (g if owed is None else g + owed.view_as(g))
+                self.expected[name] = p.detach() - pl_module.lr * (g if owed is None else g + owed.view_as(g))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == self.at + 1:
@@ -352,6 +359,7 @@ def _topk_default_on_a_scripted_link(rank: int, world_size: int) -> dict[str, An
 
     default_controller._default_controller = lambda method, alone: LinkOf(1e6, cf_max=20)
     strategy, owed = GraVACStrategy(), Owed(at=3)
+    pl.seed_everything(0)  # the model's initial values: the same every run
     trace = _fit(strategy, 120, BagStepData(), callbacks=[owed])
     controller = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC))
     return {
@@ -379,7 +387,61 @@ def test_the_topk_default_switches_to_rounds_in_4_bit_codes_and_what_topk_owed_l
     for step in range(3 + 16, 120, 16):  # the ranks are one model after each round, and two within
         assert torch.equal(r0["after"][step - 1], ranks[1]["after"][step - 1]), step
         assert not torch.equal(r0["after"][step - 9], ranks[1]["after"][step - 9]), step
-    assert r0["losses"][-1] < 0.5 * r0["losses"][0]
+    assert sum(r0["losses"][-10:]) < 0.5 * sum(r0["losses"][:10])
+
+
+class SlowBeforeTheSwitch(LinkOf):
+    """The scripted link, its steps before local steps 50 ms slower than the model predicts (a compressed step's
+    overheads): the computation estimated from them is 6x the 10 ms an inner step then measures."""
+
+    def step_seconds(self, stats: Any) -> float:
+        return super().step_seconds(stats) + (0.0 if self.rounds.every else 0.05)
+
+
+def _default_measuring_its_first_round(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(1e6)
+    strategy = GraVACStrategy()
+    trace = _fit(strategy, 60)
+    controller = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC))
+    return {"every": controller.rounds.every, "start": controller.rounds.start, "rounds": strategy.outer.rounds,
+            "measured": controller.rounds.measured, "after": trace.after}  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_the_first_round_measures_a_step_and_the_round_length_is_chosen_again():
+    r0, r1 = run_distributed(_default_measuring_its_first_round, timeout=300)
+    for key in ("every", "start", "rounds", "measured"):
+        assert r0[key] == r1[key], key  # every rank decides alike
+    # Estimated at 60 ms a step, a round of 4 adds a tenth of it; measured at 10 ms, the rounds become 8 steps long
+    # after the first: rounds end after steps 7, 15, 23, ... (3 + 4, then 8 at a time).
+    assert (r0["every"], r0["start"], r0["measured"]) == (8, 3, True)
+    assert r0["rounds"] == 1 + (60 - 7) // 8 + 1  # the fit's last steps end one more round
+    for step in (7, 15, 23, 31, 39, 47, 55):
+        assert torch.equal(r0["after"][step - 1], r1["after"][step - 1]), step
+    for step in (6, 11, 19, 27):
+        assert not torch.equal(r0["after"][step - 1], r1["after"][step - 1]), step
+
+
+def _topk_default_with_momentum(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6, cf_max=20)
+    strategy = GraVACStrategy()
+    pl.seed_everything(0)
+    _fit(strategy, 40, BagStepData(momentum=0.9))
+    controller = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC))
+    return {"method": strategy.compressor.name, "moved": strategy.compression_state.carry.moves_optimizer_state,
+            "allowed": controller.rounds.allowed, "every": controller.rounds.every}  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_the_topk_default_keeps_sending_every_step_where_sgd_momentum_moved_into_the_hook():
+    # The momentum lives in the hook (momentum correction): local steps would step without it. On the link where
+    # the plain-SGD bag switches at step 3, this one goes on sending every step.
+    for rank in run_distributed(_topk_default_with_momentum, timeout=300):
+        assert rank == {"method": "topk", "moved": True, "allowed": False, "every": 0}
 
 
 def _default_resumed(rank: int, world_size: int, ckpt_dir: str, bag: bool) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, fraction, nonnegative, whole
+from lightning_gravac.adaptations.local_steps import OuterUpdate
 from lightning_gravac.adaptations.momentum import MomentumCorrection
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.callbacks.gravac.checkpoint import CHECKPOINT_ORDER, Checkpointed
@@ -365,9 +366,27 @@ class GraVAC(Controller):
     @override
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
         if self.rounds.every:  # local steps: nothing is sent a step, no factor to choose
+            self._local_step(stats, trainer)
             return
         probed = self._record(stats)
         self._after_step(self._reduce(trainer), probed)
+
+    def _local_step(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
+        """A local step: its seconds for the first round's measure of a step's computation, and at that round's end
+        the round length chosen again from it (:meth:`Rounds.first_round`), the same on every rank."""
+        reduce = self._reduce(trainer)
+
+        def slowest(value: float) -> float:
+            held = torch.tensor([value], dtype=torch.float64)
+            return float((held if reduce is None else reduce(held, dist.ReduceOp.MAX))[0])
+
+        into, left = self.state.step - self.rounds.start, self.budget.steps - self.state.step
+        length = self.rounds.first_round(self.step_seconds(stats), into, self.cost, left, slowest)
+        if length is not None:
+            outer = self.state.carry.get(OuterUpdate)
+            assert outer.config is not None and outer.compressor is not None
+            outer.configure(replace(outer.config, every=length), outer.compressor, outer.error_feedback)
+            self.rounds.every = length
 
     def _record(self, stats: StepStats) -> bool:
         """Take the step of ``stats`` in: the gains it probed, what it cost, and (unless it is a fit's first) its cost

@@ -7,14 +7,16 @@ at the switch goes into the first local step).
 Local steps are chosen when the cost model predicts that they save at least a tenth of the every-step choice's step
 (:data:`~.cost.MIN_SAVING`) and the run's budget holds enough rounds. ``H`` is the shortest round whose communication
 adds at most a tenth of a step's computation a step (:data:`WITHIN_LIMIT`: the run then computes 90% of its time), else
-the longest allowed. The bounds, ``H <= 16`` and at least 7 rounds in the budget, are where averaging unbiased 4-bit
-changes kept dense's held-out metric at a 120-step budget (``H <= 16`` found on an SGD-momentum tabular classifier and
-checked on an SGD-momentum MLP with a cosine schedule; rounds of 16, 7.5 to the budget, kept it on all five SGD tasks
-of the matrix in two runs; fewer rounds are not measured: BENCHMARKS.md). Only where nothing of the
-optimizer lives in the hook and the optimizer does not scale each coordinate (SGD): Adam-like inner steps lost 2% of
-dense's held-out loss at ``H = 8``.
+the longest allowed; chosen again, once, from the computation the first round's inner steps measure. The bounds,
+``H <= 16`` and at least 7 rounds in the budget, are where averaging unbiased 4-bit changes kept dense's held-out metric
+at a 120-step budget (``H <= 16`` found on an SGD-momentum tabular classifier and checked on an SGD-momentum MLP with a
+cosine schedule; rounds of 16, 7.5 to the budget, kept it on all five SGD tasks of the matrix in two runs; fewer rounds
+are not measured: BENCHMARKS.md). Only where nothing of the optimizer lives in the hook and the optimizer does not scale
+each coordinate (SGD): Adam-like inner steps lost 2% of dense's held-out loss at ``H = 8``.
 """
 
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -54,13 +56,22 @@ def choose_length(compute: float, every_step: float, round_s: float, whole_s: fl
         whole_s: the fit's last round, sent whole, paid once.
         steps_left: the steps left in the budget.
     """
-    allowed = [h for h in LENGTHS if h * MIN_ROUNDS <= steps_left]
+    length = fitting_length(compute, round_s, steps_left)
+    if length is None:
+        return None
+    per_step = compute + round_s / length + whole_s / steps_left
+    return length if saves_enough(per_step, every_step) else None
+
+
+def fitting_length(compute: float, round_s: float, steps_left: float, done: int = 0) -> int | None:
+    """The shortest round whose communication adds at most :data:`WITHIN_LIMIT` of ``compute`` a step, else the
+    longest, among those that keep the fit's rounds (``done`` of them already) at :data:`MIN_ROUNDS` or more; ``None``
+    when none does."""
+    allowed = [h for h in LENGTHS if h * (MIN_ROUNDS - done) <= steps_left]
     if not allowed:
         return None
     fitting = [h for h in allowed if round_s / h <= WITHIN_LIMIT * compute]
-    length = fitting[0] if fitting else allowed[-1]
-    per_step = compute + round_s / length + whole_s / steps_left
-    return length if saves_enough(per_step, every_step) else None
+    return fitting[0] if fitting else allowed[-1]
 
 
 @dataclass(kw_only=True)
@@ -71,6 +82,8 @@ class Rounds(Checkpointed):
         allowed: the fit may switch (the zero-argument default under SGD, one optimizer, nothing of it in the hook).
         every: the round length chosen; 0 while every step is sent (checkpointed).
         start: the step from which local steps run (checkpointed).
+        measured: the first round's inner steps have measured a step's computation and the length was chosen again
+            from it (checkpointed).
         work_seconds: the seconds a round's own work takes beyond its bytes: the change formed, compressed, packed,
             every rank's decoded, the outer step and the parameters set (timed at fit start).
     """
@@ -78,7 +91,9 @@ class Rounds(Checkpointed):
     allowed: bool = False
     every: int = field(default=0, metadata=checkpointed(added=True))
     start: int = field(default=0, metadata=checkpointed(added=True))
+    measured: bool = field(default=False, metadata=checkpointed(added=True))
     work_seconds: float = 0.0
+    inner: list[float] = field(default_factory=list)  # the first round's inner steps' seconds, this rank's
     why: str = ""  # the prediction that chose them, said once
     _method: Compressor | None = field(default=None, repr=False)  # the outer code where it is not the every-step one
 
@@ -113,6 +128,36 @@ class Rounds(Checkpointed):
                 f"a step computes {link.other_seconds * 1e3:.1f} ms; predicted {every_step * 1e3:.1f} ms a step "
                 f"sending every step (cf {every_step_cf:g}), {local * 1e3:.1f} ms with these rounds"
             )
+        return length
+
+    def first_round(self, seconds: float, into: int, cost: CostModel, steps_left: float,
+                    reduce: Callable[[float], float]) -> int | None:  # fmt: skip
+        """After each local step of the first round (``into``: local steps taken, ``seconds`` this one's): at its end,
+        the round length chosen again from what its inner steps measured, or ``None`` to keep it. The steps before the
+        switch could only estimate a step's computation (their seconds less the communication the model predicts,
+        which misses a compressed step's own overheads); an inner step sends nothing and measures it. The first local
+        step (it may take what error feedback owed) and the round's last (it communicates) are left out. ``reduce``:
+        the slowest rank's value, called on every rank alike."""
+        if self.measured:
+            return None
+        if into < self.every:
+            if into > 1:
+                self.inner.append(seconds)
+            return None
+        self.measured = True
+        if not self.inner or cost.link is None:  # a round cut short, or a checkpoint of a version that did not measure
+            return None
+        compute = reduce(statistics.median(self.inner))
+        self.inner.clear()
+        round_s = round_seconds(cost.link, cost, self.work_seconds)
+        length = fitting_length(compute, round_s, steps_left, done=1)
+        if length is None or length == self.every:
+            return None
+        rank_zero_info(
+            f"GraVAC: local steps' rounds of {self.every} -> {length} steps: an inner step computes "
+            f"{compute * 1e3:.1f} ms as measured, against {cost.link.other_seconds * 1e3:.1f} ms estimated before the "
+            "switch."
+        )
         return length
 
     def run(self, state: CompressionState, fresh: bool) -> None:
