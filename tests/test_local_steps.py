@@ -424,6 +424,36 @@ def test_the_first_round_measures_a_step_and_the_round_length_is_chosen_again():
         assert not torch.equal(r0["after"][step - 1], r1["after"][step - 1]), step
 
 
+def _first_round_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(1e6)
+
+    def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> tuple[list[torch.Tensor], int]:
+        trace = Trace()
+        pl.seed_everything(0)
+        strategy = GraVACStrategy()
+        kwargs = trainer_kwargs(2, enable_checkpointing=True)
+        trainer = pl.Trainer(strategy=strategy, callbacks=[trace, *callbacks], max_steps=60, **kwargs)
+        trainer.fit(StepData(), loader(n=32768), ckpt_path=ckpt_path)
+        return trace.after, strategy.outer.config.every if strategy.outer.config else 0
+
+    every_5 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1)
+    whole, every = fit([every_5])
+    resumed, resumed_every = fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=5.ckpt")
+    return {"whole": whole, "resumed": resumed, "every": every, "resumed_every": resumed_every}
+
+
+@pytest.mark.distributed
+def test_a_run_resumed_within_the_first_round_chooses_its_length_again_alike(tmp_path):
+    # Saved after step 5: two local steps into the first round of 4 (from step 3), before it measured a step.
+    for rank in run_distributed(_first_round_resumed, timeout=300, ckpt_dir=str(tmp_path)):
+        assert rank["every"] == rank["resumed_every"] == 8
+        assert len(rank["resumed"]) == 55
+        for step, (a, b) in enumerate(zip(rank["whole"][5:], rank["resumed"], strict=True), start=6):
+            assert torch.equal(a, b), f"step {step} differs from the uninterrupted run"
+
+
 def _topk_default_with_momentum(rank: int, world_size: int) -> dict[str, Any]:
     from lightning_gravac.strategies import default_controller
 

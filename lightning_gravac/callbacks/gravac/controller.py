@@ -234,14 +234,17 @@ class GraVAC(Controller):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.rounds.every:  # resumed in local steps
+        model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+        if self.rounds.every:  # resumed in local steps; a first round's length is chosen again from these
+            self.cost.model_bytes = model_bytes
+            self.budget.steps = float(trainer.estimated_stepping_batches)
             self.rounds.run(self.state, fresh=False)
             return
         if not self.rule.models_cost:
             self._hold_for_adam()
             return
         self.check_rung(pl_module)
-        self.cost.model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
+        self.cost.model_bytes = model_bytes
         fresh = self.window.steps == 0  # not a resumed run, whose next factor was decided before the checkpoint
         if self.budget.on:  # the same on every rank: the trainer's settings and the data's length
             self.budget.steps = float(trainer.estimated_stepping_batches)
@@ -380,10 +383,11 @@ class GraVAC(Controller):
             held = torch.tensor([value], dtype=torch.float64)
             return float((held if reduce is None else reduce(held, dist.ReduceOp.MAX))[0])
 
-        into, left = self.state.step - self.rounds.start, self.budget.steps - self.state.step
-        length = self.rounds.first_round(self.step_seconds(stats), into, self.cost, left, slowest)
+        outer = self.state.carry.get(OuterUpdate)
+        first, ended = self.state.step - self.rounds.start == 1, outer.since == 0
+        left = self.budget.steps - self.state.step
+        length = self.rounds.first_round(self.step_seconds(stats), first, ended, self.cost, left, slowest)
         if length is not None:
-            outer = self.state.carry.get(OuterUpdate)
             assert outer.config is not None and outer.compressor is not None
             outer.configure(replace(outer.config, every=length), outer.compressor, outer.error_feedback)
             self.rounds.every = length

@@ -85,15 +85,17 @@ class Rounds(Checkpointed):
         measured: the first round's inner steps have measured a step's computation and the length was chosen again
             from it (checkpointed).
         work_seconds: the seconds a round's own work takes beyond its bytes: the change formed, compressed, packed,
-            every rank's decoded, the outer step and the parameters set (timed at fit start).
+            every rank's decoded, the outer step and the parameters set (timed at fit start; checkpointed in local
+            steps).
+        inner: the first round's inner steps' seconds, this rank's (checkpointed in local steps).
     """
 
     allowed: bool = False
     every: int = field(default=0, metadata=checkpointed(added=True))
     start: int = field(default=0, metadata=checkpointed(added=True))
     measured: bool = field(default=False, metadata=checkpointed(added=True))
-    work_seconds: float = 0.0
-    inner: list[float] = field(default_factory=list)  # the first round's inner steps' seconds, this rank's
+    work_seconds: float = field(default=0.0, metadata=checkpointed(added=True))
+    inner: list[float] = field(default_factory=list, metadata=checkpointed(added=True))  # this rank's
     why: str = ""  # the prediction that chose them, said once
     _method: Compressor | None = field(default=None, repr=False)  # the outer code where it is not the every-step one
 
@@ -118,7 +120,7 @@ class Rounds(Checkpointed):
         dense = cost.model_bytes or cost.dense_bytes
         whole_s, round_s, left = (
             ring_share(cost.world_size) * dense * link.seconds_per_byte,
-            round_seconds(link, cost, self.work_seconds),
+            round_seconds(link, cost, self.work_seconds or cost.compress_cost),
             budget - steps_done,
         )
         length = choose_length(link.other_seconds, every_step, round_s, whole_s, left)
@@ -130,18 +132,19 @@ class Rounds(Checkpointed):
             )
         return length
 
-    def first_round(self, seconds: float, into: int, cost: CostModel, steps_left: float,
+    def first_round(self, seconds: float, first: bool, ended: bool, cost: CostModel, steps_left: float,
                     reduce: Callable[[float], float]) -> int | None:  # fmt: skip
-        """After each local step of the first round (``into``: local steps taken, ``seconds`` this one's): at its end,
-        the round length chosen again from what its inner steps measured, or ``None`` to keep it. The steps before the
-        switch could only estimate a step's computation (their seconds less the communication the model predicts,
-        which misses a compressed step's own overheads); an inner step sends nothing and measures it. The first local
-        step (it may take what error feedback owed) and the round's last (it communicates) are left out. ``reduce``:
-        the slowest rank's value, called on every rank alike."""
+        """After each local step of the first round (``seconds`` this one's; ``first``: the first local step;
+        ``ended``: a round ended with it): at the round's end, the round length chosen again from what its inner steps
+        measured, or ``None`` to keep it. The steps before the switch could only estimate a step's computation (their
+        seconds less the communication the model predicts, which misses a compressed step's own overheads); an inner
+        step sends nothing and measures it. The first local step (it may take what error feedback owed) and the
+        round's last (it communicates) are left out. ``reduce``: the slowest rank's value, called on every rank
+        alike."""
         if self.measured:
             return None
-        if into < self.every:
-            if into > 1:
+        if not ended:
+            if not first:
                 self.inner.append(seconds)
             return None
         self.measured = True
@@ -149,7 +152,7 @@ class Rounds(Checkpointed):
             return None
         compute = reduce(statistics.median(self.inner))
         self.inner.clear()
-        round_s = round_seconds(cost.link, cost, self.work_seconds)
+        round_s = round_seconds(cost.link, cost, self.work_seconds or cost.compress_cost)
         length = fitting_length(compute, round_s, steps_left, done=1)
         if length is None or length == self.every:
             return None
