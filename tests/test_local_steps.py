@@ -3,6 +3,7 @@ gloo ranks: nothing sent within a round, the ranks one model at each round's end
 resume mid-round, a non-finite inner step skipped, and the arguments checked."""
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -424,10 +425,9 @@ def test_the_first_round_measures_a_step_and_the_round_length_is_chosen_again():
         assert not torch.equal(r0["after"][step - 1], r1["after"][step - 1]), step
 
 
-def _first_round_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
-    from lightning_gravac.strategies import default_controller
-
-    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(1e6)
+def _whole_and_resumed(ckpt_dir: str, make: Callable[[], pl.LightningModule], at: int) -> dict[str, Any]:
+    """The default over 60 steps, checkpointed after step ``at``, then resumed from there: each run's parameters after
+    every step and the round length it ended with."""
 
     def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> tuple[list[torch.Tensor], int]:
         trace = Trace()
@@ -435,13 +435,19 @@ def _first_round_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str,
         strategy = GraVACStrategy()
         kwargs = trainer_kwargs(2, enable_checkpointing=True)
         trainer = pl.Trainer(strategy=strategy, callbacks=[trace, *callbacks], max_steps=60, **kwargs)
-        trainer.fit(StepData(), loader(n=32768), ckpt_path=ckpt_path)
+        trainer.fit(make(), loader(n=32768), ckpt_path=ckpt_path)
         return trace.after, strategy.outer.config.every if strategy.outer.config else 0
 
-    every_5 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1)
-    whole, every = fit([every_5])
-    resumed, resumed_every = fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=5.ckpt")
+    whole, every = fit([ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=at, save_top_k=-1)])
+    resumed, resumed_every = fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step={at}.ckpt")
     return {"whole": whole, "resumed": resumed, "every": every, "resumed_every": resumed_every}
+
+
+def _first_round_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(1e6)
+    return _whole_and_resumed(ckpt_dir, StepData, at=5)
 
 
 @pytest.mark.distributed
@@ -479,21 +485,7 @@ def _default_resumed(rank: int, world_size: int, ckpt_dir: str, bag: bool) -> di
 
     # The bag: Top-K's factor held to 20 at most, so that sending every step costs more than rounds on this link.
     default_controller._default_controller = lambda method, alone: LinkOf(1e6, **({"cf_max": 20} if bag else {}))
-    make = BagStepData if bag else StepData
-
-    def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> tuple[list[torch.Tensor], int]:
-        trace = Trace()
-        pl.seed_everything(0)
-        strategy = GraVACStrategy()
-        kwargs = trainer_kwargs(2, enable_checkpointing=True)
-        trainer = pl.Trainer(strategy=strategy, callbacks=[trace, *callbacks], max_steps=60, **kwargs)
-        trainer.fit(make(), loader(n=32768), ckpt_path=ckpt_path)
-        return trace.after, strategy.outer.config.every if strategy.outer.config else 0
-
-    every_30 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=30, save_top_k=-1)
-    whole, every = fit([every_30])
-    resumed, resumed_every = fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=30.ckpt")
-    return {"whole": whole, "resumed": resumed, "every": every, "resumed_every": resumed_every}
+    return _whole_and_resumed(ckpt_dir, BagStepData if bag else StepData, at=30)
 
 
 @pytest.mark.distributed
