@@ -19,7 +19,7 @@ from lightning_gravac.adaptations.local_steps import OuterUpdate
 from lightning_gravac.adaptations.momentum import MomentumCorrection
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.callbacks.gravac.checkpoint import CHECKPOINT_ORDER, Checkpointed
-from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Tally, moved_in_step
+from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Link, Tally, moved_in_step
 from lightning_gravac.callbacks.gravac.hold import AdamPolicy, held_factor, hold_warning, rung_allowed
 from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_MIN, Budget, Ladder, Policy
 from lightning_gravac.callbacks.gravac.link_timer import TIMED_BYTES, LinkTimer
@@ -427,6 +427,9 @@ class GraVAC(Controller):
             # The first window's choice needs a step's computation: the slowest rank's first step, alike on every rank.
             own = torch.tensor([self.first_step_own], dtype=torch.float64)
             cost.first_step = (float((own if reduce is None else reduce(own, dist.ReduceOp.MAX))[0]), self.cf)
+            # Local steps as soon as the first step bounds a step's computation from above (its warm-up counted in):
+            # where they pay with that bound, they pay with the computation the window would measure.
+            self._consider_rounds(cost.first_step_link(self.rungs))
         if window.interval == "step" and window.advance():
             self._end_window(reduce)
         sent, self.cf = self.cf, self.choose()
@@ -446,10 +449,18 @@ class GraVAC(Controller):
         self.cost.take_window(closed.compression, self.fp16_rung)
         self.rule.end_window(closed, self.ladder, self.probes.gains, self.cost, self.window.settled, self.omega)
         self.window.settle(self.omega)
-        if self.rounds.allowed and (length := self.rounds.consider(self.cost, self.choose(), self.rungs,
-                                                                     self.state.step, self.budget.steps)):  # fmt: skip
-            self.rounds.every, self.rounds.start = length, self.state.step
-            self.rounds.run(self.state, fresh=True)
+        self._consider_rounds(self.cost.link)
+
+    def _consider_rounds(self, link: Link | None) -> None:
+        """Switch to local steps from the next step where :meth:`Rounds.consider` says they pay on ``link``, which the
+        cost model keeps (the first round's measure is set against its estimate)."""
+        rounds = self.rounds
+        if rounds.allowed and not rounds.every:
+            length = rounds.consider(self.cost, link, self.choose(), self.rungs, self.state.step, self.budget.steps)
+            if length is not None:
+                self.cost.link = link
+                rounds.every, rounds.start = length, self.state.step
+                rounds.run(self.state, fresh=True)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

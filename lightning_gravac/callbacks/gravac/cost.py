@@ -200,6 +200,17 @@ class CostModel(Checkpointed):
         """The cost model of the fit-start timing (:func:`timed_link`), ``None`` when it did not run."""
         return timed_link(self.timed, self.buckets)
 
+    def first_step_link(self, rungs: tuple[float, ...]) -> Link | None:
+        """The fit-start timing's link with the rest of a step taken from the fit's first step (the slowest rank's
+        seconds less what the link predicts it spent sending, rungs ``rungs``): an estimate above a step's computation,
+        the first step's allocations and warm-up counted in it. ``None`` before that step, or without the timing."""
+        link = self.timed_link()
+        if link is None or self.first_step is None:
+            return None
+        seconds, sent = self.first_step
+        link.other_seconds = max(0.0, seconds - self.seconds(link, sent, self.dense_bytes, rungs))
+        return link
+
     def known_link(self) -> Link | None:
         """The step's cost model fitted at the last window's end, else the fit-start timing's; ``None`` before both."""
         return self.link if self.link is not None else self.timed_link()

@@ -94,12 +94,11 @@ def first_window_choice(cost: CostModel, mildest: float, rungs: tuple[float, ...
     link, dense_bytes = cost.timed_link(), cost.dense_bytes
     if link is None or mildest == DENSE or not dense_bytes:
         return mildest
-    if cost.first_step is None:
+    measured = cost.first_step_link(rungs)
+    if measured is None:
         extra = cost.seconds(link, DENSE, dense_bytes, rungs) - cost.seconds(link, mildest, dense_bytes, rungs)
         return DENSE if extra <= FIRST_STEP_EXTRA else mildest
-    seconds, sent = cost.first_step
-    link.other_seconds = max(0.0, seconds - cost.seconds(link, sent, dense_bytes, rungs))
-    dense, lossy = (cost.seconds(link, cf, dense_bytes, rungs) for cf in (DENSE, mildest))
+    dense, lossy = (cost.seconds(measured, cf, dense_bytes, rungs) for cf in (DENSE, mildest))
     return mildest if saves_enough(lossy, dense) else DENSE
 
 

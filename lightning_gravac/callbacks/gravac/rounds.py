@@ -4,16 +4,16 @@ method the default sends every step (QSGD, or Top-K on a model that is mostly em
 unbiased in 4-bit codes, where Top-K's error feedback would hold back what a round left unsent; what Top-K still owed
 at the switch goes into the first local step).
 
-Local steps are chosen when the cost model predicts that they save at least a tenth of the every-step choice's step
-(:data:`~.cost.MIN_SAVING`) and the run's budget holds enough rounds. ``H`` is the shortest round whose communication
-adds at most a tenth of a step's computation a step (:data:`WITHIN_LIMIT`: the run then computes 90% of its time), else
-the longest allowed; chosen again, once, from the computation the first round's inner steps measure. The bounds,
-``H <= 16`` and at least 7 rounds in the budget, are where averaging unbiased 4-bit changes kept dense's held-out metric
-at a 120-step budget (``H <= 16`` found on an SGD-momentum tabular classifier and checked on an SGD-momentum MLP with a
-cosine schedule; rounds of 16, 7.5 to the budget, kept it on all five SGD tasks of the matrix in two runs; fewer rounds
-are not measured: BENCHMARKS.md). Only where nothing of the optimizer lives in the hook and the optimizer does not scale
-each coordinate (SGD): Adam-like inner steps lost 2% of dense's held-out loss at ``H = 8``.
-"""
+Local steps are chosen, after the fit's first step or at a window's end, when the cost model predicts that they save at
+least a tenth of the every-step choice's step (:data:`~.cost.MIN_SAVING`) and the run's budget holds enough rounds.
+``H`` is the shortest round whose communication adds at most a tenth of a step's computation a step
+(:data:`WITHIN_LIMIT`: the run then computes 90% of its time), else the longest allowed; chosen again, once, from the
+computation the first round's inner steps measure. The bounds, ``H <= 16`` and at least 7 rounds in the budget, are
+where averaging unbiased 4-bit changes kept dense's held-out metric at a 120-step budget (``H <= 16`` found on an SGD-
+momentum tabular classifier and checked on an SGD-momentum MLP with a cosine schedule; rounds of 16, 7.5 to the budget,
+kept it on all five SGD tasks of the matrix in two runs; fewer rounds are not measured: BENCHMARKS.md). Only where
+nothing of the optimizer lives in the hook and the optimizer does not scale each coordinate (SGD): Adam-like inner steps
+lost 2% of dense's held-out loss at ``H = 8``."""
 
 import statistics
 from collections.abc import Callable
@@ -109,11 +109,10 @@ class Rounds(Checkpointed):
             self._method.setup(state.world_size, rank)
         return self._method
 
-    def consider(self, cost: CostModel, every_step_cf: float, rungs: tuple[float, ...], steps_done: int,
-                 budget: float) -> int | None:  # fmt: skip
-        """At a window's end: the round length to switch to, from the cost model (``every_step_cf``: what the every-step
-        rule would send next), or ``None``."""
-        link = cost.link
+    def consider(self, cost: CostModel, link: Link | None, every_step_cf: float, rungs: tuple[float, ...],
+                 steps_done: int, budget: float) -> int | None:  # fmt: skip
+        """After the fit's first step and at a window's end: the round length to switch to, from the cost model on
+        ``link`` (``every_step_cf``: what the every-step rule would send next), or ``None``."""
         if not self.allowed or self.every or link is None or budget <= 0:
             return None
         every_step = cost.seconds(link, every_step_cf, cost.dense_bytes, rungs)
@@ -127,8 +126,9 @@ class Rounds(Checkpointed):
         if length is not None:
             local = link.other_seconds + round_s / length + whole_s / left
             self.why = (
-                f"a step computes {link.other_seconds * 1e3:.1f} ms; predicted {every_step * 1e3:.1f} ms a step "
-                f"sending every step (cf {every_step_cf:g}), {local * 1e3:.1f} ms with these rounds"
+                f"a step's computation estimated at {link.other_seconds * 1e3:.1f} ms; predicted "
+                f"{every_step * 1e3:.1f} ms a step sending every step (cf {every_step_cf:g}), {local * 1e3:.1f} ms "
+                "with these rounds"
             )
         return length
 
