@@ -140,6 +140,12 @@ def moved_in_step(stats: StepStats, world_size: int) -> float:
     return stats.bytes_sent * (share * (world_size - 1) + (1 - share) * ring_share(world_size))
 
 
+def _timed_unless_measured(measured: float, timed: float, fresh: bool) -> float:
+    """What the fit-start timing measured (``timed``), unless a resumed run (not ``fresh``) holds a value ``measured``
+    since on its own steps."""
+    return timed if fresh or measured <= 0 else measured
+
+
 def _link(saved: dict[str, float] | None) -> Link | None:
     return Link(**saved) if saved is not None else None
 
@@ -226,14 +232,12 @@ class CostModel(Checkpointed):
         resumed run (not ``fresh``) keeps, measured since on the steps it sent in fp16, unless it has none (a
         checkpoint of a run whose rung was off, or of a version that did not measure it)."""
         self.half_per_byte = half_per_byte
-        if fresh or self.cast_cost <= 0:
-            self.cast_cost = cast_cost
+        self.cast_cost = _timed_unless_measured(self.cast_cost, cast_cost, fresh)
 
     def take_compression(self, seconds: float, fresh: bool) -> None:
         """What the fit-start timing measured of compressing a step, which a resumed run (not ``fresh``) keeps, measured
         since on the steps it sent compressed, unless it has none."""
-        if fresh or self.compress_cost <= 0:
-            self.compress_cost = seconds
+        self.compress_cost = _timed_unless_measured(self.compress_cost, seconds, fresh)
 
     def take_step(self, stats: StepStats, cf: float, compressed: bool) -> None:
         """What the step of ``stats``, sent at ``cf``, tells of the cost: its buckets and dense bytes, and

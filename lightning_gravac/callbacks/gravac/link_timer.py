@@ -76,7 +76,7 @@ class LinkTimer:
             cast.residual_(gradient, payload)
             cast.decode_(gradient, payload.with_wire([w.unsqueeze(0) for w in payload.wire]), 1.0)
 
-        return per_byte, self.slowest(self.best_of_three(casts))
+        return per_byte, self.quietly_timed(casts, 1.0)
 
     def compression(self, compressor: Compressor, cf: float, residual: bool) -> float:
         """The seconds a compressed step's selection, encoding and decoding take, measured rather than assumed: on a
@@ -112,10 +112,7 @@ class LinkTimer:
                 compressor.decode_(out, stacked, 1.0)
             compressor.discard(list(gradients))
 
-        with warnings.catch_warnings():  # what the method says of a factor it cannot reach, it says again when sent
-            warnings.simplefilter("ignore")
-            seconds = self.best_of_three(step)
-        return self.slowest(seconds * self.numel / max(1, timed))
+        return self.quietly_timed(step, self.numel / max(1, timed))
 
     def round(self, method: Compressor, cf: float) -> float:
         """The seconds a round of local steps spends beyond moving its bytes, measured rather than assumed (its
@@ -141,11 +138,9 @@ class LinkTimer:
             params.copy_(stepped)
             torch.sub(anchor, change, out=params)  # back as they were (stands for the round's concatenation)
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            seconds = self.best_of_three(work)
+        seconds = self.quietly_timed(work, self.numel / numel)
         method.discard(["timed/round"])
-        return self.slowest(seconds * self.numel / numel)
+        return seconds
 
     def grown(self, dtype: torch.dtype) -> tuple[int, float]:
         """``(bytes, seconds)`` of the all-reduce from 64 KB up, 4x a time, until one takes ``TIMED_SECONDS`` or
@@ -164,6 +159,14 @@ class LinkTimer:
         tensor = torch.zeros(max(1, nbytes // width), dtype=dtype, device=self.device)
         dist.all_reduce(tensor, group=self.group)
         return self.slowest(self.best_of_three(lambda: dist.all_reduce(tensor, group=self.group)))
+
+    def quietly_timed(self, work: Callable[[], object], scale: float) -> float:
+        """The slowest rank's best of three runs of ``work``, times ``scale`` (the model's entries over those timed),
+        what a method says of a factor it cannot reach silenced: it says it again when it sends."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            seconds = self.best_of_three(work)
+        return self.slowest(seconds * scale)
 
     def best_of_three(self, work: Callable[[], object]) -> float:
         """This rank's fastest of three runs of ``work``."""
