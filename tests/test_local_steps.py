@@ -281,16 +281,16 @@ def test_local_steps_arguments_are_checked():
 
 def test_the_link_and_the_budget_change_the_choice_as_the_rule_says():
     # 10 ms of computation; every-step sending predicted at 15 ms; a round's communication 5.4 ms.
-    assert choose_length(0.010, 0.015, 0.0054, 0.086, 1000) == 8, "the shortest round within a tenth of a step"
-    assert choose_length(0.010, 0.015, 0.0054, 0.086, 56) == 8, "the budget holds 7 rounds of 8"
-    assert choose_length(0.010, 0.015, 0.0054, 0.086, 55) == 4, "the budget holds 7 rounds of 4, not of 8"
-    assert choose_length(0.010, 0.015, 0.0054, 0.086, 27) is None, "not 7 rounds of even 4 steps"
-    assert choose_length(0.010, 0.015, 0.0300, 0.086, 1000) == 16, "no round fits: the longest allowed"
+    assert choose_length(0.010, 0.015, 0.0054, 1000) == 8, "the shortest round within a tenth of a step"
+    assert choose_length(0.010, 0.015, 0.0054, 56) == 8, "the budget holds 7 rounds of 8"
+    assert choose_length(0.010, 0.015, 0.0054, 55) == 4, "the budget holds 7 rounds of 4, not of 8"
+    assert choose_length(0.010, 0.015, 0.0054, 27) is None, "not 7 rounds of even 4 steps"
+    assert choose_length(0.010, 0.015, 0.0300, 1000) == 16, "no round fits: the longest allowed"
     # Chosen again after the first round: the rounds left and the one done make 7.
     assert fitting_length(0.010, 0.0054, 48, done=1) == 8 and fitting_length(0.010, 0.0054, 47, done=1) == 4
     assert fitting_length(0.001, 0.0054, 96, done=1) == 16, "a tenth of 1 ms: no round fits, the longest allowed"
     # A fast link: sending every step costs 5% over the computation; local steps cannot save a tenth of it.
-    assert choose_length(0.010, 0.0105, 0.0001, 0.001, 1000) is None
+    assert choose_length(0.010, 0.0105, 0.0001, 1000) is None
 
 
 class SlowFirstStep(LinkOf):

@@ -26,7 +26,7 @@ from lightning_gravac.adaptations.local_steps import LocalSteps, OuterUpdate
 from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpointed
 from lightning_gravac.callbacks.gravac.cost import CostModel, Link, moved_bytes, saves_enough
 from lightning_gravac.compressors.base import Compressor, get_compressor
-from lightning_gravac.state import CompressionState, ring_share
+from lightning_gravac.state import CompressionState
 
 #: Round lengths the default picks from, shortest first.
 LENGTHS = (4, 8, 16)
@@ -46,21 +46,20 @@ def round_seconds(link: Link, cost: CostModel, work: float, cf: float = OUTER_CF
     return per_message + moved_bytes(dense / cf, dense, cost.world_size) * link.seconds_per_byte + work
 
 
-def choose_length(compute: float, every_step: float, round_s: float, whole_s: float, steps_left: float) -> int | None:
+def choose_length(compute: float, every_step: float, round_s: float, steps_left: float) -> int | None:
     """The round length to run, or ``None`` to go on sending every step.
 
     Args:
         compute: a step's seconds without communication (the slowest rank's).
         every_step: the every-step choice's predicted seconds a step.
-        round_s: a round's communication (:func:`round_seconds`).
-        whole_s: the fit's last round, sent whole, paid once.
+        round_s: a round's communication (:func:`round_seconds`); the fit's last round is one too (the default's
+            outer update has no error feedback, so nothing is left to send whole).
         steps_left: the steps left in the budget.
     """
     length = fitting_length(compute, round_s, steps_left)
     if length is None:
         return None
-    per_step = compute + round_s / length + whole_s / steps_left
-    return length if saves_enough(per_step, every_step) else None
+    return length if saves_enough(compute + round_s / length, every_step) else None
 
 
 def fitting_length(compute: float, round_s: float, steps_left: float, done: int = 0) -> int | None:
@@ -109,6 +108,11 @@ class Rounds(Checkpointed):
             self._method.setup(state.world_size, rank)
         return self._method
 
+    def round_seconds(self, link: Link, cost: CostModel) -> float:
+        """A round's communication (:func:`round_seconds`), its own work as timed at fit start, or where that did not
+        run (a checkpoint of a version that did not time it), the every-step method's compression."""
+        return round_seconds(link, cost, self.work_seconds or cost.compress_cost)
+
     def consider(self, cost: CostModel, link: Link | None, every_step_cf: float, rungs: tuple[float, ...],
                  steps_done: int, budget: float) -> int | None:  # fmt: skip
         """After the fit's first step and at a window's end: the round length to switch to, from the cost model on
@@ -116,15 +120,10 @@ class Rounds(Checkpointed):
         if not self.allowed or self.every or link is None or budget <= 0:
             return None
         every_step = cost.seconds(link, every_step_cf, cost.dense_bytes, rungs)
-        dense = cost.model_bytes or cost.dense_bytes
-        whole_s, round_s, left = (
-            ring_share(cost.world_size) * dense * link.seconds_per_byte,
-            round_seconds(link, cost, self.work_seconds or cost.compress_cost),
-            budget - steps_done,
-        )
-        length = choose_length(link.other_seconds, every_step, round_s, whole_s, left)
+        round_s = self.round_seconds(link, cost)
+        length = choose_length(link.other_seconds, every_step, round_s, budget - steps_done)
         if length is not None:
-            local = link.other_seconds + round_s / length + whole_s / left
+            local = link.other_seconds + round_s / length
             self.why = (
                 f"a step's computation estimated at {link.other_seconds * 1e3:.1f} ms; predicted "
                 f"{every_step * 1e3:.1f} ms a step sending every step (cf {every_step_cf:g}), {local * 1e3:.1f} ms "
@@ -152,8 +151,7 @@ class Rounds(Checkpointed):
             return None
         compute = reduce(statistics.median(self.inner))
         self.inner.clear()
-        round_s = round_seconds(cost.link, cost, self.work_seconds or cost.compress_cost)
-        length = fitting_length(compute, round_s, steps_left, done=1)
+        length = fitting_length(compute, self.round_seconds(cost.link, cost), steps_left, done=1)
         if length is None or length == self.every:
             return None
         rank_zero_info(
