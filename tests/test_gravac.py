@@ -3,6 +3,7 @@
 import math
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import pytorch_lightning as pl
@@ -741,6 +742,34 @@ def test_default_smooths_gains_with_bias_correction_and_leaves_the_warm_up_step_
     level["gain"] = 0.4
     paper.run(1)
     assert paper.probes.gains[10] == pytest.approx(0.9 * 0.8 + 0.1 * 0.4)  # the paper's EWMA starts at the first value
+
+
+class StepStarts(pl.Callback):
+    """When GraVAC's timing of the step under way began, as each micro-batch ends."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.starts.append(next(c for c in trainer.callbacks if isinstance(c, GraVAC))._step_start)
+
+
+def _accumulating(rank: int, world_size: int) -> list[float]:
+    starts = StepStarts()
+    trainer = pl.Trainer(strategy=GraVACStrategy("qsgd"), callbacks=[SimulatedLink(search="model"), starts],
+                         max_steps=5, accumulate_grad_batches=4, **trainer_kwargs(world_size))  # fmt: skip
+    trainer.fit(TeacherRegression(), loader())
+    return starts.starts
+
+
+@pytest.mark.distributed
+def test_under_gradient_accumulation_a_step_is_timed_from_its_first_micro_batch():
+    for starts in run_distributed(_accumulating):
+        assert len(starts) == 20
+        for step in range(5):  # four micro-batches a step, one start
+            group = starts[4 * step : 4 * step + 4]
+            assert len(set(group)) == 1, f"step {step} was timed from a later micro-batch"
+        assert len(set(starts)) == 5
 
 
 def test_the_paper_is_one_argument_away_and_dgc_keeps_the_error_fed_gain_by_default():

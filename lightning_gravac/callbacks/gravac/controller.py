@@ -163,8 +163,10 @@ class GraVAC(Controller):
 
         # What a fit measures, not checkpointed: the largest all-reduce the link timer timed, this rank's
         # seconds of a fit's first step (the cost model's `first_step` is the slowest rank's), its samples in the step
-        # under way and the step's start.
+        # under way, the step's start and which step that was (under gradient accumulation a step's first micro-batch
+        # starts it).
         self._timed_bytes, self.first_step_own, self.batch_size, self._step_start = TIMED_BYTES[1], 0.0, 1, 0.0
+        self._timed_step = -1
         #: Whether the next observed step is a fit's first, whose time is not tallied (set at fit start).
         self.warm_up = False
 
@@ -346,7 +348,8 @@ class GraVAC(Controller):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *args: Any
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, *args)
-        self._step_start = time.perf_counter()
+        if self.state.step != self._timed_step:  # the step's first micro-batch: a step is timed from it
+            self._timed_step, self._step_start = self.state.step, time.perf_counter()
         try:
             self.batch_size = extract_batch_size(batch)
         except (MisconfigurationException, RecursionError):
