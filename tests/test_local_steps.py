@@ -293,6 +293,47 @@ def test_the_link_and_the_budget_change_the_choice_as_the_rule_says():
     assert choose_length(0.010, 0.0105, 0.0001, 1000) is None
 
 
+class WideBag(BagStepData):
+    """``BagStepData`` whose table has 1024 rows, its batches drawing from the first 512: a round of two steps changes
+    about 63% of those on each rank, and none of the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(1024, 16, mode="sum")
+        nn.init.normal_(self.bag.weight, std=0.01)
+
+
+def _tables_by_rows(rank: int, world_size: int) -> dict[tuple[str, bool], dict[str, Any]]:
+    out = {}
+    for code, cf in (("fp16", 2), ("qsgd", 8)):
+        for rows in (True, False):
+            pl.seed_everything(0)
+            model = WideBag()
+            strategy = GraVACStrategy(code, local_steps=LocalSteps(every=2, cf=cf), embedding_rows=rows)
+            trace = _fit(strategy, 9, model)
+            out[(code, rows)] = {"after": trace.after, "bytes": strategy.outer.bytes_sent, "losses": trace.losses,
+                                 "untouched": model.bag.weight[512:].detach().clone()}  # fmt: skip
+    return out
+
+
+@pytest.mark.distributed
+def test_a_compressed_round_sends_a_table_by_the_rows_some_rank_changed():
+    ranks = run_distributed(_tables_by_rows, timeout=300)
+    for rank in ranks:
+        # fp16 codes each entry alone (with error feedback): by rows or whole, every step's parameters are the same
+        # bits, and the rows sent are about half the table's.
+        by_rows, whole = rank[("fp16", True)], rank[("fp16", False)]
+        for step, (a, b) in enumerate(zip(by_rows["after"], whole["after"], strict=True)):
+            assert torch.equal(a, b), f"step {step}: the rows sent differ from the whole table"
+        assert by_rows["bytes"] < 0.75 * whole["bytes"]
+        qsgd = rank[("qsgd", True)]
+        assert qsgd["bytes"] < 0.75 * rank[("qsgd", False)]["bytes"]
+        assert torch.equal(qsgd["untouched"], whole["untouched"]), "rows no batch looks up stay as they were"
+        assert sum(qsgd["losses"][-3:]) < sum(qsgd["losses"][:3])
+    for step in (2, 4, 6, 8, 9):  # the ranks are one model after each round
+        assert torch.equal(ranks[0][("qsgd", True)]["after"][step - 1], ranks[1][("qsgd", True)]["after"][step - 1])
+
+
 class SlowFirstStep(LinkOf):
     """The scripted link, the fit's first step 1 s slower (allocations, warm-up): it bounds a step's computation only
     loosely from above."""

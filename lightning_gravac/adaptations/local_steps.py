@@ -8,6 +8,10 @@ anchor, ``anchor <- anchor - lr (avg + momentum terms)``, and every rank continu
 momentum the outer step is the average of the ranks' parameters (post-local SGD) up to the compression; DiLoCo's
 outer Nesterov step is ``lr=0.7, momentum=0.9, nesterov=True``. The inner optimizer's state stays each rank's own.
 
+An embedding table (``nn.Embedding``, ``nn.EmbeddingBag`` with a dense gradient, untied) changes only in the rows
+its round's batches looked up: a compressed round sends each table by the rows some rank changed (which rows, one
+small all-reduce), the rest of its change exactly zero on every rank.
+
 A round also ends at the last step of the budget (``max_steps``), at the last batch of a training epoch and when the
 fit ends, so that the model a checkpoint or a validation at those points sees is the ranks' common one; with error
 feedback the fit's last round is sent whole (its change and the residual), so nothing is left unsent. A
@@ -31,6 +35,7 @@ from lightning_gravac.adaptations.adaptation import Adaptation, Setup, register_
 from lightning_gravac.compressors.base import Compressor, Pattern, Payload, all_finite
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.staged import Staged
+from lightning_gravac.tables import RowTables
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,9 @@ class OuterUpdate(Adaptation):
         self._optimizer: torch.optim.Optimizer | None = None
         self._resumed: dict[str, Tensor] = {}  # this rank's parameters and inner state, for after Lightning's restore
         self._pending: list[_Exchange] = []  # with overlap: the last round's averaging, in flight
+        #: The embedding tables a compressed round sends by the rows some rank changed (the strategy's, found when DDP
+        #: wraps the model; ``GraVACStrategy(embedding_rows=False)`` sends them whole).
+        self.tables = RowTables(enabled=False)
 
     def configure(self, config: LocalSteps, compressor: Compressor, error_feedback: bool) -> None:
         """Run local steps as ``config`` says, sending the outer update with ``compressor``.
@@ -264,9 +272,10 @@ class OuterUpdate(Adaptation):
             self.sent(delta.numel() * delta.element_size(), False)
             handle = dist.all_reduce(delta, async_op=True) if world > 1 else None
             return _Exchange(names, like, world, handle, delta)
-        payload = self.compressor.compress(delta, self.config.cf, key="outer", step=self.rounds)
+        rows = self._changed_rows(names, _split(delta, like), world)
+        payload = self.compressor.compress(rows.select(delta), self.config.cf, key="outer", step=self.rounds)
         if self.error_feedback:
-            sent = self.compressor.decompress(payload).reshape(-1)
+            sent = rows.expand(self.compressor.decompress(payload).reshape(-1), delta)
             for n, rest in zip(names, _split(delta - sent, like), strict=True):
                 self.residual.kept[n] = rest
         layout = Layout.of([payload])
@@ -277,7 +286,23 @@ class OuterUpdate(Adaptation):
         handle = dist.all_gather_single(gathered, packed, async_op=True) if world > 1 else None
         if handle is None:
             gathered.copy_(packed)
-        return _Exchange(names, like, world, handle, delta, gathered, layout, payload)
+        return _Exchange(names, like, world, handle, delta, gathered, layout, payload, rows)
+
+    def _changed_rows(self, names: list[str], parts: list[Tensor], world: int) -> "_Rows":
+        """Which rows of the tables among ``names`` (their changes ``parts``) some rank changed: a MAX all-reduce of a
+        byte a row, the same on every rank. A table none of whose rows stayed unchanged goes whole."""
+        tables = [(i, self.tables.rows[n]) for i, n in enumerate(names) if n in self.tables.rows]
+        if not tables:
+            return _Rows(parts)
+        mask = torch.cat([parts[i].reshape(rows, -1).ne(0).any(1) for i, rows in tables]).to(torch.uint8)
+        self.bytes_sent += mask.numel()
+        self.sent(mask.numel(), False)
+        if world > 1:
+            dist.all_reduce(mask, op=dist.ReduceOp.MAX)
+        # One host sync a round (on CUDA): how many rows go decides the payload's size.
+        changed = {i: idx for (i, _), idx in zip(tables, _split_rows(mask, tables), strict=True)}
+        rows = _Rows(parts, {i: idx for i, idx in changed.items() if idx.numel() < parts[i].shape[0]})
+        return rows if rows.numel else _Rows(parts)  # nothing changed anywhere: the method gets something to code
 
     def _land(self, exchange: "_Exchange") -> list[Tensor]:
         """Wait for ``exchange`` and decode the ranks' mean change, one tensor a parameter."""
@@ -287,12 +312,13 @@ class OuterUpdate(Adaptation):
         if exchange.payload is None:
             return _split(exchange.buffer.div_(world), exchange.like)
         assert self.compressor is not None and exchange.layout is not None and exchange.gathered is not None
+        assert exchange.rows is not None
         _, (stacked,) = exchange.layout.unpack(
             exchange.gathered.view(world, exchange.layout.nbytes), [exchange.payload]
         )
-        mean = torch.empty_like(exchange.buffer)
+        mean = torch.empty(exchange.rows.numel, dtype=exchange.buffer.dtype, device=exchange.buffer.device)
         self.compressor.decode_(mean, stacked, 1.0 / world)
-        return _split(mean, exchange.like)
+        return _split(exchange.rows.expand(mean, exchange.buffer), exchange.like)
 
     def _outer_step(self, averaged: dict[str, Tensor]) -> None:
         """``anchor <- anchor - lr * update``, with the outer momentum where asked; identical on every rank. A
@@ -379,6 +405,62 @@ class _Exchange:
     gathered: Tensor | None = None
     layout: Layout | None = None
     payload: Payload | None = None
+    rows: "_Rows | None" = None
+
+
+class _Rows:
+    """A flat change's entries sent: every parameter's, but for the tables in ``changed`` (a parameter's position ->
+    the indices of its rows some rank changed), only those rows."""
+
+    def __init__(self, parts: list[Tensor], changed: dict[int, Tensor] | None = None) -> None:
+        self.shapes = [p.shape for p in parts]
+        self.changed = changed or {}
+        self.numel = sum(
+            self.changed[i].numel() * (p.numel() // p.shape[0]) if i in self.changed else p.numel()
+            for i, p in enumerate(parts)
+        )
+
+    def select(self, flat: Tensor) -> Tensor:
+        """The entries of ``flat`` (the whole change) that are sent, in order."""
+        if not self.changed:
+            return flat
+        pieces, offset = [], 0
+        for i, shape in enumerate(self.shapes):
+            n = shape.numel()
+            part = flat[offset : offset + n]
+            idx = self.changed.get(i)
+            pieces.append(part if idx is None else part.view(shape[0], -1).index_select(0, idx).reshape(-1))
+            offset += n
+        return torch.cat(pieces)
+
+    def expand(self, sent: Tensor, like: Tensor) -> Tensor:
+        """``sent`` (entries in :meth:`select`'s order) laid out as the whole change ``like``, zero in the rows no
+        rank changed."""
+        if not self.changed:
+            return sent
+        out = torch.zeros_like(like)
+        offset, at = 0, 0
+        for i, shape in enumerate(self.shapes):
+            n, idx = shape.numel(), self.changed.get(i)
+            whole = out[offset : offset + n]
+            if idx is None:
+                whole.copy_(sent[at : at + n])
+                at += n
+            else:
+                width = n // shape[0]
+                whole.view(shape[0], width).index_copy_(0, idx, sent[at : at + idx.numel() * width].view(-1, width))
+                at += idx.numel() * width
+            offset += n
+        return out
+
+
+def _split_rows(mask: Tensor, tables: list[tuple[int, int]]) -> list[Tensor]:
+    """The indices of the rows set in ``mask``, one tensor a table of ``tables`` (position, rows)."""
+    out, offset = [], 0
+    for _, rows in tables:
+        out.append(mask[offset : offset + rows].nonzero().squeeze(1))
+        offset += rows
+    return out
 
 
 def _split(flat: Tensor, like: list[Tensor] | list[nn.Parameter]) -> list[Tensor]:

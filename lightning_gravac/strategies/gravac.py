@@ -67,7 +67,8 @@ class GraVACStrategy(DDPStrategy):
         embedding_rows: on a bucket sent dense with nothing probed, or whole in fp16, send an embedding table
             (``nn.Embedding``, ``nn.EmbeddingBag`` with a dense gradient, not tied to another layer) by the rows some
             rank's step touched: which rows (a byte a row), then those rows, the same sum (bit for bit on two ranks).
-            A table a step touches more than half of goes whole. ``False``: whole tables.
+            A table a step touches more than half of goes whole. A compressed round of local steps sends a table by
+            the rows some rank changed in it. ``False``: whole tables.
         **kwargs: everything :class:`~pytorch_lightning.strategies.DDPStrategy` takes (``start_method``,
             ``timeout``, ``find_unused_parameters``, ...), except a comm hook of your own.
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
@@ -170,6 +171,7 @@ class GraVACStrategy(DDPStrategy):
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
         self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps
+        self.outer.tables = state.rows  # found when DDP wrapped the model; empty with `embedding_rows=False`
         self.outer.sent = lambda nbytes, gathered: state.record(BucketRecord(nbytes, 0, GATHER if gathered else REDUCE))
         # Unbiased methods, casts, signSGD and DGC keep the optimizer's state; so do local SGD and a gradient scaler.
         if movable and state.error_feedback and not self.compressor.passthrough and not self.compressor.owns_feedback:
