@@ -60,7 +60,9 @@ class RowTables:
         names = {id(p): name for name, p in module.named_parameters()}
         tables = untied_tables(module, dense_only=True) if self.enabled and world_size > 1 else []
         self.rows = {
-            names[id(p)]: p.shape[0] for p in tables if p.requires_grad and p.is_contiguous() and id(p) in names
+            names[id(p)]: p.shape[0]
+            for p in tables
+            if p.requires_grad and p.is_contiguous() and p.shape[0] > 0 and id(p) in names
         }
         self.whole_until = {}
 

@@ -8,7 +8,7 @@ held to what the README promises: about dense's.
 
 The default's choice follows the link it times, and a busy machine's loopback can time as a slow link: then it takes
 local steps, whose held-out accuracy at this budget moves by about two points with where its rounds fall. So the
-default here times a scripted 100 Mbit/s link (its slow-link path, compressed steps then rounds of local steps, taken
+default here times a scripted 100 Mbit/s link (its slow-link path, one step sent, then rounds of local steps, taken
 the same way on every run) rather than whatever the machine's load makes of the loopback.
 """
 

@@ -9,8 +9,9 @@ momentum the outer step is the average of the ranks' parameters (post-local SGD)
 outer Nesterov step is ``lr=0.7, momentum=0.9, nesterov=True``. The inner optimizer's state stays each rank's own.
 
 An embedding table (``nn.Embedding``, ``nn.EmbeddingBag`` with a dense gradient, untied) changes only in the rows
-its round's batches looked up: a compressed round sends each table by the rows some rank changed (which rows, one
-small all-reduce), the rest of its change exactly zero on every rank.
+its round's batches looked up (under plain SGD; with momentum, also those a past step touched): a compressed round
+sends each table by the rows some rank changed (which rows, one small all-reduce), the rest of its change exactly
+zero on every rank. A table under weight decay, which moves every row, goes whole.
 
 A round also ends at the last step of the budget (``max_steps``), at the last batch of a training epoch and when the
 fit ends, so that the model a checkpoint or a validation at those points sees is the ranks' common one; with error
@@ -290,8 +291,9 @@ class OuterUpdate(Adaptation):
 
     def _changed_rows(self, names: list[str], parts: list[Tensor], world: int) -> "_Rows":
         """Which rows of the tables among ``names`` (their changes ``parts``) some rank changed: a MAX all-reduce of a
-        byte a row, the same on every rank. A table none of whose rows stayed unchanged goes whole."""
-        tables = [(i, self.tables.rows[n]) for i, n in enumerate(names) if n in self.tables.rows]
+        byte a row, the same on every rank. A table none of whose rows stayed unchanged goes whole; so does one under
+        weight decay, which moves every row each step."""
+        tables = [(i, self.tables.rows[n]) for i, n in enumerate(names) if n in self.tables.rows and self._undecayed(n)]
         if not tables:
             return _Rows(parts)
         mask = torch.cat([parts[i].reshape(rows, -1).ne(0).any(1) for i, rows in tables]).to(torch.uint8)
@@ -303,6 +305,12 @@ class OuterUpdate(Adaptation):
         changed = {i: idx for (i, _), idx in zip(tables, _split_rows(mask, tables), strict=True)}
         rows = _Rows(parts, {i: idx for i, idx in changed.items() if idx.numel() < parts[i].shape[0]})
         return rows if rows.numel else _Rows(parts)  # nothing changed anywhere: the method gets something to code
+
+    def _undecayed(self, name: str) -> bool:
+        """Whether the inner optimizer leaves parameter ``name`` without weight decay (the same on every rank)."""
+        p = self._params[name]
+        groups = self._optimizer.param_groups if self._optimizer is not None else []
+        return all(not g.get("weight_decay") for g in groups if any(q is p for q in g["params"]))
 
     def _land(self, exchange: "_Exchange") -> list[Tensor]:
         """Wait for ``exchange`` and decode the ranks' mean change, one tensor a parameter."""

@@ -236,6 +236,7 @@ class GraVAC(Controller):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
+        self._timed_step = -1  # a fit's first batch starts a step, whatever step a fit before ended at
         model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
         if self.rounds.every:  # resumed in local steps; a first round's length is chosen again from these
             self.cost.model_bytes = model_bytes
@@ -348,15 +349,17 @@ class GraVAC(Controller):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *args: Any
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, *args)
-        if self.state.step != self._timed_step:  # the step's first micro-batch: a step is timed from it
+        first = self.state.step != self._timed_step  # the step's first micro-batch: a step is timed from it
+        if first:
             self._timed_step, self._step_start = self.state.step, time.perf_counter()
         try:
-            self.batch_size = extract_batch_size(batch)
+            size = extract_batch_size(batch)
         except (MisconfigurationException, RecursionError):
             # No tensor to count: the batch counts as one sample (throughputs per batch; the searches compare alike).
             if self.batch_size != 1 or self.window.steps == 0:
                 rank_zero_warn("GraVAC: no batch size found in the batch; throughputs are reported per batch.")
-            self.batch_size = 1
+            size = 1
+        self.batch_size = size if first else self.batch_size + size  # the step's samples, over its micro-batches
 
     def step_seconds(self, stats: StepStats) -> float:
         """This rank's time for the step that produced ``stats`` (forward, backward, communication, optimizer).
@@ -430,9 +433,11 @@ class GraVAC(Controller):
             # The first window's choice needs a step's computation: the slowest rank's first step, alike on every rank.
             own = torch.tensor([self.first_step_own], dtype=torch.float64)
             cost.first_step = (float((own if reduce is None else reduce(own, dist.ReduceOp.MAX))[0]), self.cf)
-            # Local steps as soon as the first step bounds a step's computation from above (its warm-up counted in):
-            # where they pay with that bound, they pay with the computation the window would measure.
-            self._consider_rounds(cost.first_step_link(self.rungs))
+            # Local steps as soon as the fit's first step bounds a step's computation from above (its warm-up counted
+            # in): where they pay with that bound, they pay with the computation the window would measure. Not after
+            # a resumed run's first step: the uninterrupted run did not consider them there.
+            if self.state.step == 1:
+                self._consider_rounds(cost.first_step_link(self.rungs))
         if window.interval == "step" and window.advance():
             self._end_window(reduce)
         sent, self.cf = self.cf, self.choose()

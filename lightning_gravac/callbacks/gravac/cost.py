@@ -157,7 +157,8 @@ class CostModel(Checkpointed):
     same on every rank, so every rank predicts alike.
 
     Attributes:
-        link: the step's cost model fitted at the last window's end; ``None`` before the first (checkpointed).
+        link: the step's cost model fitted at the last window's end, or the first step's estimate where the default
+            switched to local steps after it; ``None`` before either (checkpointed).
         compress_cost: the seconds a step the method's selection, encoding and decoding cost when compressing: timed at
             fit start, then measured on the steps sent compressed (checkpointed).
         cast_cost: the seconds of the fp16 rung's casts a step (checkpointed).
@@ -218,7 +219,7 @@ class CostModel(Checkpointed):
         return link
 
     def known_link(self) -> Link | None:
-        """The step's cost model fitted at the last window's end, else the fit-start timing's; ``None`` before both."""
+        """The step's cost model (:attr:`link`), else the fit-start timing's; ``None`` before both."""
         return self.link if self.link is not None else self.timed_link()
 
     def seconds_by_factor(self, rungs: tuple[float, ...]) -> Callable[[float], float] | None:

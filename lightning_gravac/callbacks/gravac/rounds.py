@@ -40,7 +40,8 @@ OUTER_METHOD, OUTER_CF = "qsgd", LocalSteps.cf
 
 def round_seconds(link: Link, cost: CostModel, work: float, cf: float = OUTER_CF) -> float:
     """A round's communication by the cost model: one message and the payload of the whole model at ``cf``, gathered,
-    and ``work``, the seconds of the round's own work (:attr:`Rounds.work_seconds`)."""
+    and ``work``, the seconds of the round's own work (:attr:`Rounds.work_seconds`). An upper bound where embedding
+    tables go by the rows a round changed (their mask a small all-reduce more)."""
     dense = cost.model_bytes or cost.dense_bytes
     per_message = link.per_step / max(1, cost.buckets)
     return per_message + moved_bytes(dense / cf, dense, cost.world_size) * link.seconds_per_byte + work
