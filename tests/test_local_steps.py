@@ -499,28 +499,23 @@ def _whole_and_resumed(ckpt_dir: str, make: Callable[[], pl.LightningModule], at
             "resumed_start": resumed_start}  # fmt: skip
 
 
-def _first_round_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+def _resumed_on(rank: int, world_size: int, ckpt_dir: str, link: type[LinkOf], at: int) -> dict[str, Any]:
+    """:func:`_whole_and_resumed` of the default on the scripted 1 Mbit/s ``link``, checkpointed after step ``at``."""
     from lightning_gravac.strategies import default_controller
 
-    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(1e6)
-    return _whole_and_resumed(ckpt_dir, StepData, at=3)
+    default_controller._default_controller = lambda method, alone: link(1e6)
+    return _whole_and_resumed(ckpt_dir, StepData, at=at)
 
 
 @pytest.mark.distributed
 def test_a_run_resumed_within_the_first_round_chooses_its_length_again_alike(tmp_path):
     # Saved after step 3: two local steps into the first round of 4 (from step 1), before it measured a step.
-    for rank in run_distributed(_first_round_resumed, timeout=300, ckpt_dir=str(tmp_path)):
+    ranks = run_distributed(_resumed_on, timeout=300, ckpt_dir=str(tmp_path), link=SlowBeforeTheSwitch, at=3)
+    for rank in ranks:
         assert rank["every"] == rank["resumed_every"] == 8
         assert len(rank["resumed"]) == 57
         for step, (a, b) in enumerate(zip(rank["whole"][3:], rank["resumed"], strict=True), start=4):
             assert torch.equal(a, b), f"step {step} differs from the uninterrupted run"
-
-
-def _first_window_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
-    from lightning_gravac.strategies import default_controller
-
-    default_controller._default_controller = lambda method, alone: SlowFirstStep(1e6)
-    return _whole_and_resumed(ckpt_dir, StepData, at=1)
 
 
 @pytest.mark.distributed
@@ -528,7 +523,7 @@ def test_a_run_resumed_after_its_first_step_switches_where_the_uninterrupted_run
     # The fit's first step took 1 s (its warm-up): no switch after it, rounds from the first window's end (step 3).
     # Resumed after step 1, the resumed fit's own first step is not the fit's first: it does not decide again. (The
     # first window's own factors follow the resumed fit's first step, which is not checkpointed: not bit for bit.)
-    for rank in run_distributed(_first_window_resumed, timeout=300, ckpt_dir=str(tmp_path)):
+    for rank in run_distributed(_resumed_on, timeout=300, ckpt_dir=str(tmp_path), link=SlowFirstStep, at=1):
         assert (rank["every"], rank["start"]) == (rank["resumed_every"], rank["resumed_start"]) == (8, 3)
 
 
