@@ -436,7 +436,7 @@ class GraVAC(Controller):
             # Local steps as soon as the fit's first step bounds a step's computation from above (its warm-up counted
             # in): where they pay with that bound, they pay with the computation the window would measure. Not after
             # a resumed run's first step: the uninterrupted run did not consider them there.
-            if self.state.step == 1:
+            if self.window.steps == 1:
                 self._consider_rounds(cost.first_step_link(self.rungs))
         if window.interval == "step" and window.advance():
             self._end_window(reduce)
