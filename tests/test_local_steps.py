@@ -24,12 +24,12 @@ from models import LinkOf, loader, trainer_kwargs
 class StepData(pl.LightningModule):
     """A regression whose batch is drawn from (global step, rank), not from the loader: a run resumed mid-epoch (where
     Lightning restarts the epoch's loader) sees the batches the uninterrupted run saw. SGD with momentum 0.9; ``nan_at``
-    makes rank 1's loss NaN at that step."""
+    makes rank 1's loss NaN at that step, ``blow_at`` its gradient 10^4 times larger (its parameters thrown far off)."""
 
-    def __init__(self, nan_at: int = -1) -> None:
+    def __init__(self, nan_at: int = -1, blow_at: int = -1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-        self.nan_at = nan_at
+        self.nan_at, self.blow_at = nan_at, blow_at
         teacher = torch.Generator().manual_seed(7)
         self.register_buffer("w", torch.randn(16, 4, generator=teacher) / 4)
 
@@ -39,6 +39,8 @@ class StepData(pl.LightningModule):
         loss = nn.functional.mse_loss(self.net(x), torch.tanh(x @ self.w))
         if self.global_step == self.nan_at and self.global_rank == 1:
             loss = loss * float("nan")
+        if self.global_step == self.blow_at and self.global_rank == 1:
+            loss = loss * 1e4
         self.log("loss", loss)
         return loss
 
@@ -259,6 +261,82 @@ def test_a_non_finite_inner_step_is_skipped_on_its_rank_and_nothing_is_lost():
     assert torch.equal(r0["after"][3], r1["after"][3]) and torch.equal(r0["after"][7], r1["after"][7])
 
 
+class Momenta(pl.Callback):
+    """This rank's SGD momentum buffers after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.after: list[torch.Tensor | None] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        state = trainer.optimizers[0].state
+        buffers = [state[p].get("momentum_buffer") for p in pl_module.parameters() if p in state]
+        self.after.append(torch.cat([b.reshape(-1).clone() for b in buffers]) if buffers else None)
+
+
+def _blown(rank: int, world_size: int, guard: float | None) -> dict[str, Any]:
+    momenta = Momenta()
+    strategy = GraVACStrategy(local_steps=LocalSteps(every=4, guard=guard, cooldown=3))
+    trace = _fit(strategy, 14, model=StepData(blow_at=5), callbacks=[momenta])
+    return {"after": trace.after, "momenta": momenta.after, "triggers": strategy.outer.triggers}
+
+
+@pytest.mark.distributed
+def test_a_round_that_diverges_is_undone_and_the_next_steps_are_synchronous():
+    r0, r1 = run_distributed(_blown, timeout=300, guard=4.0)
+    # Rank 1 is thrown off at step 6 (global step 5), in the second round (steps 5-8): the round's mean loss is far
+    # above the first round's, so the round is undone. Every rank is back where the round began (the parameters after
+    # step 4) with its own momentum as it was then, as though steps 5-8 had not been taken.
+    assert r0["triggers"] == r1["triggers"] == 1
+    for rank in (r0, r1):
+        assert torch.equal(rank["after"][7], rank["after"][3])
+        assert torch.equal(rank["momenta"][7], rank["momenta"][3])
+        assert all(bool(torch.isfinite(p).all()) for p in rank["after"])
+    assert not torch.equal(r0["momenta"][3], r1["momenta"][3]), "each rank's momentum is its own"
+    # Steps 9-11 are synchronous: the ranks are one model after each; the rounds go on from step 12 (12-14 the last).
+    same = [torch.equal(a, b) for a, b in zip(r0["after"], r1["after"], strict=True)]
+    assert same == [step in (4, 8, 9, 10, 11, 14) for step in range(1, 15)]
+    # Without the guard the blown-up round is averaged in: the ranks' model lands far off.
+    o0, _ = run_distributed(_blown, timeout=300, guard=None)
+    assert o0["triggers"] == 0
+    assert o0["after"][7].norm() > 10 * r0["after"][7].norm()
+
+
+def _blown_and_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+    def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> list[torch.Tensor]:
+        trace = Trace()
+        pl.seed_everything(0)
+        strategy = GraVACStrategy("topk", local_steps=LocalSteps(every=4, cf=10, momentum=0.5, cooldown=5))
+        kwargs = trainer_kwargs(2, enable_checkpointing=True)
+        trainer = pl.Trainer(strategy=strategy, callbacks=[Static(cf=1), trace, *callbacks], max_steps=16, **kwargs)
+        trainer.fit(StepData(blow_at=6), loader(n=4096), ckpt_path=ckpt_path)
+        return trace.after
+
+    every_6 = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=6, save_top_k=-1)
+    whole = fit([every_6])
+    return {
+        "whole": whole,
+        "at_6": fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=6.ckpt"),
+        "at_12": fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=12.ckpt"),
+    }
+
+
+@pytest.mark.distributed
+def test_a_run_resumed_before_a_round_is_undone_or_within_the_hold_after_it_is_bit_for_bit(tmp_path):
+    ranks = run_distributed(_blown_and_resumed, timeout=300, ckpt_dir=str(tmp_path))
+    # Resumed after step 6, two steps into the round that rank 1 throws off at step 7: the round is undone to each
+    # rank's momentum as the round began, restored from the checkpoint. Resumed after step 12: within the synchronous
+    # steps that follow (9-13), with the outer momentum and Top-K's residual dropped.
+    r0, r1 = ranks
+    assert torch.equal(r0["whole"][7], r0["whole"][3]), "the round was undone"
+    assert torch.equal(r0["whole"][11], r1["whole"][11]) and not torch.equal(r0["whole"][14], r1["whole"][14])
+    for rank in ranks:
+        for at in (6, 12):
+            resumed = rank[f"at_{at}"]
+            assert len(resumed) == 16 - at
+            for step, (a, b) in enumerate(zip(rank["whole"][at:], resumed, strict=True), start=at + 1):
+                assert torch.equal(a, b), f"resumed after step {at}: step {step} differs from the uninterrupted run"
+
+
 def test_local_steps_arguments_are_checked():
     with pytest.raises(ValueError, match="not both"):
         GraVACStrategy(local_steps=4, model_averaging_period=4)
@@ -266,6 +344,10 @@ def test_local_steps_arguments_are_checked():
         GraVACStrategy(local_steps=0)
     with pytest.raises(ValueError, match=r"`LocalSteps.momentum` must be in \[0, 1\)"):
         LocalSteps(momentum=1.0)
+    with pytest.raises(ValueError, match=r"`LocalSteps.guard` must be a finite number > 1 or None, got 1"):
+        LocalSteps(guard=1)
+    with pytest.raises(ValueError, match=r"`LocalSteps.cooldown` must be a whole number >= 1, got 0"):
+        LocalSteps(cooldown=0)
     with pytest.raises(ValueError, match="one-round method; 'powersgd'"):
         GraVACStrategy("powersgd", local_steps=4)
     with pytest.raises(ValueError, match="one-round method; 'dgc'"):

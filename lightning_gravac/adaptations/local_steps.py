@@ -17,9 +17,18 @@ A round also ends at the last step of the budget (``max_steps``), at the last ba
 fit ends, so that the model a checkpoint or a validation at those points sees is the ranks' common one; with error
 feedback the fit's last round is sent whole (its change and the residual), so nothing is left unsent. A
 non-finite inner step is skipped on the rank that saw it (its parameters and optimizer state stay as they were;
-no other rank saw its gradient); a non-finite averaged change leaves every rank at the round's anchor.
+no other rank saw its gradient).
+
+Local steps can diverge where synchronous steps do not: each rank steps on its own batch, noisier than the ranks'
+mean, at a learning rate tuned for the mean. A round whose ranks' mean training loss (over the round's inner steps
+that stepped) is above ``guard`` times the lowest of the rounds before it, or whose averaged change is not finite, is
+undone: every rank goes back to the round's start, its parameters and its own inner optimizer state (kept at each
+round's start: one more copy of the optimizer's state), error feedback's residual and the outer momentum dropped.
+The next ``cooldown`` steps (doubled at each further trigger) are synchronous: each step's change averaged whole, as
+a step of stock DDP averages its gradient; then the rounds go on.
 """
 
+import copy
 import math
 import warnings
 from collections.abc import Callable
@@ -51,10 +60,14 @@ class LocalSteps:
         nesterov: Nesterov's form of the outer momentum (DiLoCo's outer step: ``lr=0.7, momentum=0.9``).
         overlap: send a round's change while the next round computes, and apply it one round late (Streaming
             DiLoCo's overlap): each rank then continues from the outer step plus its own progress since.
+        guard: a round whose ranks' mean training loss is above this many times the lowest round's is undone (see
+            the module's docstring); ``None``: no round is undone, and no optimizer state kept for it. As the
+            divergence guard's loss test: 4x, as a few hard batches in a row lift a loss past twice its lowest.
+        cooldown: the synchronous steps after a round is undone (doubled at each further one).
 
     Raises:
-        ValueError: for a round shorter than one step, a factor below 1, a learning rate that is not positive or a
-            momentum outside ``[0, 1)``.
+        ValueError: for a round shorter than one step, a factor below 1, a learning rate that is not positive, a
+            momentum outside ``[0, 1)``, a guard not above 1 or a cooldown below one step.
     """
 
     every: int = 16
@@ -63,6 +76,8 @@ class LocalSteps:
     momentum: float = 0.0
     nesterov: bool = False
     overlap: bool = False
+    guard: float | None = 4.0
+    cooldown: int = 100
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -73,6 +88,10 @@ class LocalSteps:
             raise ValueError(f"`LocalSteps.lr` must be a positive number, got {self.lr!r}.")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"`LocalSteps.momentum` must be in [0, 1), got {self.momentum!r}.")
+        if self.guard is not None and not (math.isfinite(self.guard) and self.guard > 1):
+            raise ValueError(f"`LocalSteps.guard` must be a finite number > 1 or None, got {self.guard!r}.")
+        if isinstance(self.cooldown, bool) or not isinstance(self.cooldown, int) or self.cooldown < 1:
+            raise ValueError(f"`LocalSteps.cooldown` must be a whole number >= 1, got {self.cooldown!r}.")
 
 
 @register_adaptation
@@ -110,6 +129,11 @@ class OuterUpdate(Adaptation):
         self.steps = 0  # inner steps taken in the fit (Lightning's global step)
         self.epoch_ends: Callable[[], bool] = _never  # set at fit start (module-level defaults: the strategy pickles)
         self.bytes_sent = 0  # this fit's outer updates, as each rank put them into the collectives
+        self.holding = 0  # synchronous steps still to take after a round was undone
+        self.triggers = 0  # rounds undone
+        self.lowest: float | None = None  # the lowest round's mean loss since the rounds began or last went on
+        self._loss = torch.zeros(2, dtype=torch.float64)  # this rank's round: its stepped losses' sum and count
+        self._inner: dict[str, dict[str, Any]] = {}  # this rank's inner optimizer state as the round began
         #: Told of each outer update's bytes and whether they were gathered (the strategy records them as a step's).
         self.sent: Callable[[int, bool], None] = _unrecorded
         self._params: dict[str, nn.Parameter] = {}
@@ -145,6 +169,7 @@ class OuterUpdate(Adaptation):
         self.configure(config, compressor, error_feedback)
         self.steps, self.since = steps, 0
         self._set_anchor()
+        self._keep_inner()
 
     @override
     def take_from(self, setup: Setup) -> list[str]:
@@ -156,6 +181,8 @@ class OuterUpdate(Adaptation):
         self._optimizer = setup.optimizers[0]
         self._params = {name: p for name, p in setup.module.named_parameters() if p.requires_grad}
         self._buffers = [b for b in setup.module.buffers() if b.is_floating_point()]
+        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        self._loss = self._loss.to(device)
         return []
 
     def begin_fit(self, steps: int, budget: int, epoch_ends: Callable[[], bool]) -> None:
@@ -168,9 +195,10 @@ class OuterUpdate(Adaptation):
             self._restore_rank()
         if not self.anchor.kept:
             self._set_anchor()
+            self._keep_inner()
 
     @override
-    def after_closure(self) -> None:
+    def after_closure(self, loss: Any = None) -> None:
         if self.config is None:  # every step communicates: the hook handles a non-finite step
             return
         grads = [p.grad for p in self._params.values() if p.grad is not None and p.grad.numel()]
@@ -182,12 +210,20 @@ class OuterUpdate(Adaptation):
             warnings.warn(f"Local steps: a non-finite gradient on rank {rank}, which skips this step.", stacklevel=1)
             for p in self._params.values():
                 p.grad = None  # the optimizer skips a parameter without a gradient: nothing of it is applied
+        elif isinstance(loss, Tensor) and loss.numel() == 1:  # the round's loss, of steps that step (no host sync)
+            value = loss.detach().reshape(()).to(self._loss)
+            finite = torch.isfinite(value)
+            self._loss += torch.stack([torch.where(finite, value, 0.0), finite.to(value)])
 
     @override
     def after_step(self) -> None:
         if self.config is None:
             return
         self.steps += 1
+        if self.holding:  # after a round undone: each step's change averaged whole
+            self.holding -= 1
+            self.end_round(whole=True, drain=True, synchronous=True)
+            return
         self.since += 1
         last = self.budget > 0 and self.steps >= self.budget
         epoch_ends = self.epoch_ends()
@@ -200,33 +236,92 @@ class OuterUpdate(Adaptation):
         if self.config is not None and (self.since > 0 or self._pending or self.landed.kept):
             self.end_round(whole=self.error_feedback, drain=True)
 
-    def end_round(self, whole: bool = False, drain: bool = False) -> None:
+    def end_round(self, whole: bool = False, drain: bool = False, synchronous: bool = False) -> None:
         """End a round; every rank calls it (collectives). Each rank's change over the round is compressed and
         averaged, the outer step taken, and the next round starts from it; with ``overlap``, the change is sent while
         the next round computes and applied at its end, each rank then rebased on the outer step. ``whole``: the
         change and the residual sent uncompressed; ``drain`` (or ``whole``): nothing left in flight, every rank on the
-        common parameters."""
+        common parameters; ``synchronous``: a step of the hold after a round undone, averaged as it is."""
         assert self.config is not None
         overlap = self.config.overlap and not (whole or drain)
         with torch.no_grad():
+            loss = None if synchronous else self._round_loss()
             starts = self.began.kept or self.anchor.kept
             changes = {name: starts[name] - p for name, p in self._params.items()}  # this round's own progress
-            if self._pending or self.landed.kept:
-                self._outer_step(self._take_pending())
-            exchanges = [self._launch(names, changes, whole) for names in self._groups()]
-            if overlap:
-                self._pending = exchanges
-                for name, p in self._params.items():
-                    p.copy_(self.anchor.kept[name] - changes[name])  # rebased on the outer step, own progress kept
-                    self.began.kept[name] = p.detach().clone()
+            applied = self._outer_step(self._take_pending()) if self._pending or self.landed.kept else True
+            if not applied or self._diverged(loss):
+                self._undo(loss)
             else:
-                self._outer_step({n: avg for ex in exchanges for n, avg in zip(ex.names, self._land(ex), strict=True)})
-                self.began.clear()
-                for name, p in self._params.items():
-                    p.copy_(self.anchor.kept[name])
+                exchanges = [self._launch(names, changes, whole) for names in self._groups()]
+                if overlap:
+                    self._pending = exchanges
+                    for name, p in self._params.items():
+                        p.copy_(self.anchor.kept[name] - changes[name])  # rebased on the outer step, own progress kept
+                        self.began.kept[name] = p.detach().clone()
+                else:
+                    averaged = {n: avg for ex in exchanges for n, avg in zip(ex.names, self._land(ex), strict=True)}
+                    if self._outer_step(averaged, plain=synchronous):
+                        self.began.clear()
+                        for name, p in self._params.items():
+                            p.copy_(self.anchor.kept[name])
+                    else:
+                        self._undo(None)
             self._average_buffers()
+            self._keep_inner()
+        self._loss.zero_()
         self.since = 0
         self.rounds += 1
+
+    def _round_loss(self) -> float | None:
+        """The ranks' mean training loss over the round's inner steps that stepped, the same on every rank (one
+        all-reduce of two numbers); ``None`` when no step had a finite loss, or the guard is off."""
+        assert self.config is not None
+        if self.config.guard is None:
+            return None
+        totals = self._loss.clone()
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        total, count = totals.tolist()
+        return total / count if count else None
+
+    def _diverged(self, loss: float | None) -> bool:
+        """Whether the round's mean ``loss`` is above the guard's ratio of the lowest before it (a loss that is not
+        positive is not compared); the lowest is kept."""
+        assert self.config is not None
+        if self.config.guard is None or loss is None:
+            return False
+        if not math.isfinite(loss) or (
+            self.lowest is not None and self.lowest > 0 and loss > self.config.guard * self.lowest
+        ):
+            return True
+        self.lowest = loss if self.lowest is None else min(self.lowest, loss)
+        return False
+
+    def _undo(self, loss: float | None) -> None:
+        """Every rank back at the round's start (the anchor; its own inner optimizer state as the round began), the
+        residual and the outer momentum dropped, and the next steps synchronous (``cooldown``, doubled each time)."""
+        assert self.config is not None
+        for name, p in self._params.items():
+            p.copy_(self.anchor.kept[name])
+        self.began.clear()
+        if self.config.guard is None:
+            rank_zero_warn("Local steps: the averaged change was not finite; every rank goes on from the anchor.")
+            return
+        self._restore_inner()
+        self.reset()  # the residual and the outer momentum
+        self.holding = self.config.cooldown * 2**self.triggers
+        self.triggers += 1
+        self.lowest = None
+        why = (
+            "its averaged change was not finite"
+            if loss is None
+            else (f"the ranks' mean training loss {loss:.4g} is above {self.config.guard:g}x the lowest round's")
+        )
+        rank_zero_warn(
+            f"Local steps diverged: the round ending at step {self.steps} is undone ({why}). Every rank is back at "
+            f"the round's start; the next {self.holding} steps average each step's change whole, then the rounds go "
+            "on. `LocalSteps(guard=None)` turns this off."
+        )
 
     def _groups(self) -> list[list[str]]:
         """The parameters' names by dtype: one flat tensor each."""
@@ -328,14 +423,13 @@ class OuterUpdate(Adaptation):
         self.compressor.decode_(mean, stacked, 1.0 / world)
         return _split(exchange.rows.expand(mean, exchange.buffer), exchange.like)
 
-    def _outer_step(self, averaged: dict[str, Tensor]) -> None:
-        """``anchor <- anchor - lr * update``, with the outer momentum where asked; identical on every rank. A
-        non-finite average leaves the anchor where it was."""
+    def _outer_step(self, averaged: dict[str, Tensor], plain: bool = False) -> bool:
+        """``anchor <- anchor - lr * update``, with the outer momentum where asked (``plain``: the average itself);
+        identical on every rank. Whether it was taken: a non-finite average leaves the anchor where it was."""
         assert self.config is not None
         if not all(all_finite(a) for a in averaged.values()):
-            rank_zero_warn("Local steps: the averaged change was not finite; every rank goes on from the anchor.")
-            return
-        lr, mu = self.config.lr, self.config.momentum
+            return False
+        lr, mu = (1.0, 0.0) if plain else (self.config.lr, self.config.momentum)
         for name, change in averaged.items():
             update = change
             if mu > 0:
@@ -346,10 +440,30 @@ class OuterUpdate(Adaptation):
                     velocity.mul_(mu).add_(change)
                 update = change.add(velocity, alpha=mu) if self.config.nesterov else velocity
             self.anchor.kept[name].sub_(update, alpha=lr)
+        return True
 
     def _set_anchor(self) -> None:
         for name, p in self._params.items():
             self.anchor.kept[name] = p.detach().clone()
+
+    def _keep_inner(self) -> None:
+        """This rank's inner optimizer state as a round begins, for the guard to undo the round (nothing without
+        it)."""
+        if self.config is None or self.config.guard is None or self._optimizer is None:
+            return
+        state = self._optimizer.state
+        self._inner = {name: _copied(state[p]) for name, p in self._params.items() if state.get(p)}
+
+    def _restore_inner(self) -> None:
+        """This rank's inner optimizer state as the round began (a parameter that had none then has none again)."""
+        if self._optimizer is None:
+            return
+        for name, p in self._params.items():
+            kept = self._inner.get(name)
+            if kept is None:
+                self._optimizer.state.pop(p, None)
+            else:
+                self._optimizer.state[p] = _copied(kept)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -361,6 +475,14 @@ class OuterUpdate(Adaptation):
         state = super().state_dict()
         state["since"] = torch.tensor(self.since)
         state["rounds"] = torch.tensor(self.rounds)
+        state["holding"] = torch.tensor(self.holding)
+        state["triggers"] = torch.tensor(self.triggers)
+        state["lowest"] = torch.tensor(math.nan if self.lowest is None else self.lowest, dtype=torch.float64)
+        state["loss"] = self._loss.clone()
+        for name, kept in self._inner.items():
+            for key, value in kept.items():
+                if isinstance(value, Tensor):
+                    state[f"began_inner/{name}/{key}"] = value.clone()
         for name, p in self._params.items():
             state[f"params/{name}"] = p.detach().clone()
         if self._optimizer is not None:
@@ -375,14 +497,24 @@ class OuterUpdate(Adaptation):
         super().load_state_dict(state)
         self.since = int(state["since"]) if "since" in state else 0
         self.rounds = int(state["rounds"]) if "rounds" in state else 0
-        self._resumed = {k: v for k, v in state.items() if k.startswith(("params/", "inner/"))}
+        self.holding = int(state["holding"]) if "holding" in state else 0
+        self.triggers = int(state["triggers"]) if "triggers" in state else 0
+        lowest = float(state["lowest"]) if "lowest" in state else math.nan
+        self.lowest = None if math.isnan(lowest) else lowest
+        if "loss" in state:
+            self._loss = state["loss"].to(self._loss)
+        self._resumed = {k: v for k, v in state.items() if k.startswith(("params/", "inner/", "began_inner/"))}
 
     def _restore_rank(self) -> None:
         """This rank's own parameters and inner optimizer state, saved mid-round (Lightning restored rank 0's)."""
+        self._inner = {}
         with torch.no_grad():
             for key, value in self._resumed.items():
                 kind, rest = key.split("/", 1)
-                if kind == "params" and rest in self._params:
+                if kind == "began_inner":
+                    name, slot = rest.rsplit("/", 1)
+                    self._inner.setdefault(name, {})[slot] = value.to(self._params[name].device)
+                elif kind == "params" and rest in self._params:
                     self._params[rest].copy_(value)
                 elif kind == "inner" and self._optimizer is not None:
                     name, slot = rest.rsplit("/", 1)
@@ -390,6 +522,11 @@ class OuterUpdate(Adaptation):
                     if isinstance(held, Tensor):
                         held.copy_(value)
         self._resumed = {}
+
+
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's optimizer state, copied (its tensors cloned)."""
+    return {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in state.items()}
 
 
 def _never() -> bool:
