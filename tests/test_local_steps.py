@@ -465,6 +465,56 @@ def test_the_default_switches_to_local_steps_where_the_link_and_the_budget_say()
     assert (r0["warm-up"]["every"], r0["warm-up"]["start"]) == (8, 3)
 
 
+class NormedStepData(StepData):
+    """``StepData`` behind a batch norm of its inputs; what running mean each step's forward saw, after DDP's
+    pre-forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append(self.norm.running_mean.clone())
+        g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
+        x = torch.randn(32, 16, generator=g) + self.global_rank  # the ranks' batches differ in their mean
+        return nn.functional.mse_loss(self.net(self.norm(x)), torch.tanh(x @ self.w))
+
+
+class RunningMeans(pl.Callback):
+    """This rank's batch norm running mean after every step."""
+
+    def __init__(self) -> None:
+        self.after: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.after.append(pl_module.norm.running_mean.clone())
+
+
+def _default_with_buffers(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_gravac.strategies import default_controller
+
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6)
+    model, means = NormedStepData(), RunningMeans()
+    strategy = GraVACStrategy()
+    _fit(strategy, 64, model=model, callbacks=[means])
+    controller = next(c for c in model.trainer.callbacks if isinstance(c, GraVAC))
+    return {"seen": model.seen, "after": means.after, "rounds": (controller.rounds.every, controller.rounds.start)}
+
+
+@pytest.mark.distributed
+def test_local_steps_the_default_starts_leave_each_ranks_buffers_its_own_within_a_round():
+    r0, r1 = run_distributed(_default_with_buffers, timeout=300)
+    assert r0["rounds"] == (8, 1)
+    # From the first local step on, each forward sees the running mean this rank's last step left (averaged at each
+    # round's end): DDP no longer broadcasts rank 0's buffers at every forward, a collective a step.
+    for rank in (r0, r1):
+        for step in range(2, 64):
+            assert torch.equal(rank["seen"][step], rank["after"][step - 1]), step
+    assert not torch.equal(r0["after"][4], r1["after"][4]), "within a round each rank's statistics are its own"
+    assert torch.equal(r0["after"][8], r1["after"][8]), "averaged at the round's end"
+
+
 class Owed(pl.Callback):
     """How many residuals error feedback holds before each step, and at step ``at`` (the first local one) what plain
     SGD makes of this rank's own gradient plus what it owed, against what the step did."""

@@ -217,6 +217,10 @@ class GraVACStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None:
             self.compression_state.begin_step(module.trainer.current_epoch)
+        if self.outer and isinstance(self.model, DistributedDataParallel) and self.model.forward_sync_buffers:
+            # Local steps the default started mid-fit: DDP was built syncing buffers at every forward, a collective a
+            # step that local steps do without (their rounds average the buffers).
+            self.model.forward_sync_buffers = False
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
             # On CUDA, reading the scale is one small device sync a step (written for CUDA, tested on CPU).
