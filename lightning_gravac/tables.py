@@ -2,12 +2,16 @@
 
 An embedding table's gradient is zero outside the rows its batch looked up. On a step sent dense or in fp16 the hook
 sends such a table by the rows some rank touched (``communicators.RowsReduced``): the same sum as a dense all-reduce,
-in a fraction of the bytes. A table whose steps touch most of its rows is sent whole, and checked again later.
+in a fraction of the bytes. A table whose steps touch most of its rows is sent whole, and checked again later. A round
+of local steps sends a table's change by the rows some rank changed the same way (``adaptations.OuterUpdate``): which
+rows, :func:`row_mask` reduced by MAX over the ranks and read by :func:`set_rows`; what goes, :class:`ByRows`.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 #: A table is sent by its rows while the rows some rank touched are at most this share of it; above, whole.
 ROWS_SHARE = 0.5
@@ -83,6 +87,59 @@ class RowTables:
             return True
         self.whole_until[name] = step + WHOLE_FOR
         return False
+
+
+def row_mask(tables: Sequence[Tensor], rows: Sequence[int]) -> Tensor:
+    """A byte a row of each of ``tables`` (``rows[k]`` rows in ``tables[k]``): 1 where the row holds an entry that is
+    not zero. Reduced by MAX over the ranks, it marks the rows some rank touched."""
+    return torch.cat([t.reshape(n, -1).ne(0).any(1) for t, n in zip(tables, rows, strict=True)]).to(torch.uint8)
+
+
+def set_rows(mask: Tensor, rows: Sequence[int]) -> list[Tensor]:
+    """The indices of the rows set in ``mask`` (laid out as :func:`row_mask` lays it out), one tensor a table. How
+    many there are is read on the host: one sync with a CUDA device a table."""
+    out, offset = [], 0
+    for n in rows:
+        out.append(mask[offset : offset + n].nonzero().view(-1))
+        offset += n
+    return out
+
+
+class ByRows:
+    """Tensors sent entry by entry, but for the tables in ``chosen`` (a tensor's position -> the indices of the rows
+    that go), only those rows."""
+
+    def __init__(self, chosen: dict[int, Tensor] | None = None) -> None:
+        self.chosen = chosen or {}
+
+    def numel(self, parts: Sequence[Tensor]) -> int:
+        """The entries of ``parts`` that go."""
+        return sum(
+            self.chosen[i].numel() * (p.numel() // p.shape[0]) if i in self.chosen else p.numel()
+            for i, p in enumerate(parts)
+        )
+
+    def select(self, parts: Sequence[Tensor]) -> list[Tensor]:
+        """The entries of each of ``parts`` that go, flat, in order."""
+        return [
+            p.reshape(p.shape[0], -1).index_select(0, self.chosen[i]).reshape(-1) if i in self.chosen else p.reshape(-1)
+            for i, p in enumerate(parts)
+        ]
+
+    def place(self, sent: Tensor, parts: Sequence[Tensor]) -> None:
+        """``sent`` (flat, in :meth:`select`'s order) written into ``parts``, cast to each one's dtype: a table's
+        chosen rows (its other rows left as they are), every other part whole."""
+        at = 0
+        for i, p in enumerate(parts):
+            rows = self.chosen.get(i)
+            if rows is None:
+                p.copy_(sent[at : at + p.numel()].view_as(p))
+                at += p.numel()
+            else:
+                width = p.numel() // p.shape[0]
+                values = sent[at : at + rows.numel() * width].view(-1, width)
+                p.view(p.shape[0], width).index_copy_(0, rows, values.to(p.dtype))
+                at += rows.numel() * width
 
 
 def sparse_parameters(module: nn.Module) -> set[int]:

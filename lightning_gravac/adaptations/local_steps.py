@@ -45,7 +45,7 @@ from lightning_gravac.adaptations.adaptation import Adaptation, Setup, register_
 from lightning_gravac.compressors.base import Compressor, Pattern, Payload, all_finite
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.staged import Staged
-from lightning_gravac.tables import RowTables
+from lightning_gravac.tables import ByRows, RowTables, row_mask, set_rows
 
 
 @dataclass(frozen=True)
@@ -369,9 +369,10 @@ class OuterUpdate(Adaptation):
             handle = dist.all_reduce(delta, async_op=True) if world > 1 else None
             return _Exchange(names, like, world, handle, delta)
         rows = self._changed_rows(names, _split(delta, like), world)
-        payload = self.compressor.compress(rows.select(delta), self.config.cf, key="outer", step=self.rounds)
+        selected = torch.cat(rows.select(_split(delta, like))) if rows.chosen else delta
+        payload = self.compressor.compress(selected, self.config.cf, key="outer", step=self.rounds)
         if self.error_feedback:
-            sent = rows.expand(self.compressor.decompress(payload).reshape(-1), delta)
+            sent = _expanded(rows, self.compressor.decompress(payload).reshape(-1), delta, like)
             for n, rest in zip(names, _split(delta - sent, like), strict=True):
                 self.residual.kept[n] = rest
         layout = Layout.of([payload])
@@ -384,22 +385,23 @@ class OuterUpdate(Adaptation):
             gathered.copy_(packed)
         return _Exchange(names, like, world, handle, delta, gathered, layout, payload, rows)
 
-    def _changed_rows(self, names: list[str], parts: list[Tensor], world: int) -> "_Rows":
+    def _changed_rows(self, names: list[str], parts: list[Tensor], world: int) -> ByRows:
         """Which rows of the tables among ``names`` (their changes ``parts``) some rank changed: a MAX all-reduce of a
         byte a row, the same on every rank. A table none of whose rows stayed unchanged goes whole; so does one under
         weight decay, which moves every row each step."""
-        tables = [(i, self.tables.rows[n]) for i, n in enumerate(names) if n in self.tables.rows and self._undecayed(n)]
-        if not tables:
-            return _Rows(parts)
-        mask = torch.cat([parts[i].reshape(rows, -1).ne(0).any(1) for i, rows in tables]).to(torch.uint8)
+        positions = [i for i, n in enumerate(names) if n in self.tables.rows and self._undecayed(n)]
+        if not positions:
+            return ByRows()
+        rows = [self.tables.rows[names[i]] for i in positions]
+        mask = row_mask([parts[i] for i in positions], rows)
         self.bytes_sent += mask.numel()
         self.sent(mask.numel(), False)
         if world > 1:
             dist.all_reduce(mask, op=dist.ReduceOp.MAX)
-        # One host sync a round (on CUDA): how many rows go decides the payload's size.
-        changed = {i: idx for (i, _), idx in zip(tables, _split_rows(mask, tables), strict=True)}
-        rows = _Rows(parts, {i: idx for i, idx in changed.items() if idx.numel() < parts[i].shape[0]})
-        return rows if rows.numel else _Rows(parts)  # nothing changed anywhere: the method gets something to code
+        # One host sync a table a round (on CUDA): how many rows go decides the payload's size.
+        changed = zip(positions, set_rows(mask, rows), strict=True)
+        by_rows = ByRows({i: idx for i, idx in changed if idx.numel() < parts[i].shape[0]})
+        return by_rows if by_rows.numel(parts) else ByRows()  # nothing changed anywhere: the method gets something
 
     def _undecayed(self, name: str) -> bool:
         """Whether the inner optimizer leaves parameter ``name`` without weight decay (the same on every rank)."""
@@ -419,9 +421,10 @@ class OuterUpdate(Adaptation):
         _, (stacked,) = exchange.layout.unpack(
             exchange.gathered.view(world, exchange.layout.nbytes), [exchange.payload]
         )
-        mean = torch.empty(exchange.rows.numel, dtype=exchange.buffer.dtype, device=exchange.buffer.device)
+        numel = exchange.rows.numel(exchange.like)
+        mean = torch.empty(numel, dtype=exchange.buffer.dtype, device=exchange.buffer.device)
         self.compressor.decode_(mean, stacked, 1.0 / world)
-        return _split(exchange.rows.expand(mean, exchange.buffer), exchange.like)
+        return _split(_expanded(exchange.rows, mean, exchange.buffer, exchange.like), exchange.like)
 
     def _outer_step(self, averaged: dict[str, Tensor], plain: bool = False) -> bool:
         """``anchor <- anchor - lr * update``, with the outer momentum where asked (``plain``: the average itself);
@@ -550,61 +553,16 @@ class _Exchange:
     gathered: Tensor | None = None
     layout: Layout | None = None
     payload: Payload | None = None
-    rows: "_Rows | None" = None
+    rows: ByRows | None = None
 
 
-class _Rows:
-    """A flat change's entries sent: every parameter's, but for the tables in ``changed`` (a parameter's position ->
-    the indices of its rows some rank changed), only those rows."""
-
-    def __init__(self, parts: list[Tensor], changed: dict[int, Tensor] | None = None) -> None:
-        self.shapes = [p.shape for p in parts]
-        self.changed = changed or {}
-        self.numel = sum(
-            self.changed[i].numel() * (p.numel() // p.shape[0]) if i in self.changed else p.numel()
-            for i, p in enumerate(parts)
-        )
-
-    def select(self, flat: Tensor) -> Tensor:
-        """The entries of ``flat`` (the whole change) that are sent, in order."""
-        if not self.changed:
-            return flat
-        pieces, offset = [], 0
-        for i, shape in enumerate(self.shapes):
-            n = shape.numel()
-            part = flat[offset : offset + n]
-            idx = self.changed.get(i)
-            pieces.append(part if idx is None else part.view(shape[0], -1).index_select(0, idx).reshape(-1))
-            offset += n
-        return torch.cat(pieces)
-
-    def expand(self, sent: Tensor, like: Tensor) -> Tensor:
-        """``sent`` (entries in :meth:`select`'s order) laid out as the whole change ``like``, zero in the rows no
-        rank changed."""
-        if not self.changed:
-            return sent
-        out = torch.zeros_like(like)
-        offset, at = 0, 0
-        for i, shape in enumerate(self.shapes):
-            n, idx = shape.numel(), self.changed.get(i)
-            whole = out[offset : offset + n]
-            if idx is None:
-                whole.copy_(sent[at : at + n])
-                at += n
-            else:
-                width = n // shape[0]
-                whole.view(shape[0], width).index_copy_(0, idx, sent[at : at + idx.numel() * width].view(-1, width))
-                at += idx.numel() * width
-            offset += n
-        return out
-
-
-def _split_rows(mask: Tensor, tables: list[tuple[int, int]]) -> list[Tensor]:
-    """The indices of the rows set in ``mask``, one tensor a table of ``tables`` (position, rows)."""
-    out, offset = [], 0
-    for _, rows in tables:
-        out.append(mask[offset : offset + rows].nonzero().squeeze(1))
-        offset += rows
+def _expanded(rows: ByRows, sent: Tensor, like: Tensor, params: list[nn.Parameter]) -> Tensor:
+    """``sent`` (the entries ``rows`` selects) laid out as the flat change ``like`` of ``params``, zero in the rows no
+    rank changed."""
+    if not rows.chosen:
+        return sent
+    out = torch.zeros_like(like)
+    rows.place(sent, _split(out, params))
     return out
 
 

@@ -21,6 +21,7 @@ from lightning_gravac.strategies.communicators.settle import (
     views_like,
 )
 from lightning_gravac.strategies.communicators.work import Work
+from lightning_gravac.tables import ByRows, row_mask, set_rows
 
 
 class DenseProbed(Communicator):
@@ -78,11 +79,12 @@ class RowsReduced(Communicator):
     def send(self, work: Work) -> Future[Tensor]:
         state, plain = work.state, work.plain
         assert plain is not None  # `communicator_for` sends only plain buckets here
-        tables = [(i, state.rows.rows[work.names[i]]) for i in plain.rows]  # (position, rows) of each table by rows
+        positions = plain.rows  # the tables by rows
+        rows = [state.rows.rows[work.names[i]] for i in positions]
         chosen: dict[int, Tensor] = {}  # a table's position -> the rows it sends
         mask_bytes = 0
-        if tables:  # else a half step whose tables all go whole this time
-            touched = torch.cat([work.grads[i].view(rows, -1).ne(0).any(1) for i, rows in tables]).to(torch.uint8)
+        if positions:  # else a half step whose tables all go whole this time
+            touched = row_mask([work.grads[i] for i in positions], rows)
             mask_bytes = touched.numel()
             group = state.process_group
             first = dist.all_reduce(touched, op=dist.ReduceOp.MAX, group=group, async_op=True).get_future()
@@ -90,28 +92,14 @@ class RowsReduced(Communicator):
                 first.wait()
             except Exception as error:
                 raise failure(state, "all-reduce of the embedding tables' touched rows", error) from error
-            offset = 0
-            for i, rows in tables:
-                union = touched[offset : offset + rows].bool()
-                offset += rows
-                indices = union.nonzero().view(-1)
+            for i, indices in zip(positions, set_rows(touched, rows), strict=True):
                 if state.rows.observe(work.names[i], indices.numel(), state.step):
                     chosen[i] = indices
-        parts = [
-            work.grads[i].view(work.grads[i].shape[0], -1).index_select(0, chosen[i]) if i in chosen else grad
-            for i, grad in enumerate(work.grads)
-        ]
-        flat = torch.cat([part.reshape(-1) for part in parts])
+        by_rows = ByRows(chosen)
+        flat = torch.cat(by_rows.select(work.grads))
 
         def scatter(summed: Tensor) -> Tensor:
-            at = 0
-            for i, (grad, part) in enumerate(zip(work.grads, parts, strict=True)):
-                values = summed[at : at + part.numel()].view_as(part)
-                at += part.numel()
-                if i in chosen:  # the other rows are zero here as on every rank
-                    grad.view(grad.shape[0], -1).index_copy_(0, chosen[i], values.to(grad.dtype))
-                else:
-                    grad.copy_(values)
+            by_rows.place(summed, work.grads)  # a table's other rows are zero here as on every rank
             return work.buffer
 
         if plain.half:
