@@ -98,9 +98,10 @@ class LocalSteps:
 class OuterUpdate(Adaptation):
     """The rounds of local steps and their outer update (see the module's docstring); inactive unless configured.
 
-    State: the anchor (the ranks' common parameters at the round's start) and the outer momentum, the same on every
-    rank; error feedback's residual and, in a checkpoint, this rank's parameters and inner optimizer state mid-round,
-    its own. All by parameter name.
+    State: the anchor (the ranks' common parameters at the round's start), the outer momentum and the guard's counts,
+    the same on every rank; error feedback's residual, the round's loss so far, the inner optimizer state as the round
+    began (with the guard) and, in a checkpoint, this rank's parameters and inner optimizer state mid-round, its own.
+    All by parameter name.
     """
 
     name = "outer"
@@ -116,8 +117,8 @@ class OuterUpdate(Adaptation):
         self.residual: Staged
         self.began: Staged
         self.landed: Staged
-        # Changes of parameters, not gradients: a gradient scaler leaves them alone; the divergence guard drops the
-        # residual and the outer momentum, and the round goes on.
+        # Changes of parameters, not gradients: a gradient scaler leaves them alone; the controller's divergence guard
+        # drops the residual and the outer momentum, and the round goes on (a round undone drops them too).
         self.add_state("anchor", "anchor", reset=False)
         self.add_state("velocity", "velocity")
         self.add_state("residual", "residual")
