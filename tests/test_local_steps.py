@@ -3,6 +3,7 @@ gloo ranks: nothing sent within a round, the ranks one model at each round's end
 resume mid-round, a non-finite inner step skipped, and the arguments checked."""
 
 import pickle
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins.precision import Precision
 from torch import nn
 
 from lightning_gravac import GraVAC, GraVACStrategy, LocalSteps, Static
@@ -273,16 +275,32 @@ class Momenta(pl.Callback):
         self.after.append(torch.cat([b.reshape(-1).clone() for b in buffers]) if buffers else None)
 
 
-def _blown(rank: int, world_size: int, guard: float | None) -> dict[str, Any]:
+class ClosureFirst(Precision):
+    """Runs the step's closure itself, then the optimizer's step without one: as fp16's gradient scaler does."""
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        closure()
+        return optimizer.step(**kwargs)
+
+
+def _blown(rank: int, world_size: int, guard: float | None, closure_first: bool = False) -> dict[str, Any]:
     momenta = Momenta()
     strategy = GraVACStrategy(local_steps=LocalSteps(every=4, guard=guard, cooldown=3))
-    trace = _fit(strategy, 14, model=StepData(blow_at=5), callbacks=[momenta])
-    return {"after": trace.after, "momenta": momenta.after, "triggers": strategy.outer.triggers}
+    plugins = [ClosureFirst()] if closure_first else []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace = _fit(strategy, 14, model=StepData(blow_at=5), callbacks=[momenta], plugins=plugins)
+    said = [str(w.message) for w in caught if "Local steps diverged" in str(w.message)]
+    return {"after": trace.after, "momenta": momenta.after, "triggers": strategy.outer.triggers, "said": said}
 
 
 @pytest.mark.distributed
-def test_a_round_that_diverges_is_undone_and_the_next_steps_are_synchronous():
-    r0, r1 = run_distributed(_blown, timeout=300, guard=4.0)
+@pytest.mark.parametrize("closure_first", [False, True], ids=["optimizer-runs-closure", "precision-runs-closure"])
+def test_a_round_that_diverges_is_undone_and_the_next_steps_are_synchronous(closure_first):
+    r0, r1 = run_distributed(_blown, timeout=300, guard=4.0, closure_first=closure_first)
+    # Told by the ranks' mean training loss, whoever runs the step's closure (under fp16's scaler, the precision
+    # plugin does, before the optimizer's step).
+    assert len(r0["said"]) == 1 and "mean training loss" in r0["said"][0]
     # Rank 1 is thrown off at step 6 (global step 5), in the second round (steps 5-8): the round's mean loss is far
     # above the first round's, so the round is undone. Every rank is back where the round began (the parameters after
     # step 4) with its own momentum as it was then, as though steps 5-8 had not been taken.
@@ -295,6 +313,8 @@ def test_a_round_that_diverges_is_undone_and_the_next_steps_are_synchronous():
     # Steps 9-11 are synchronous: the ranks are one model after each; the rounds go on from step 12 (12-14 the last).
     same = [torch.equal(a, b) for a, b in zip(r0["after"], r1["after"], strict=True)]
     assert same == [step in (4, 8, 9, 10, 11, 14) for step in range(1, 15)]
+    if closure_first:
+        return
     # Without the guard the blown-up round is averaged in: the ranks' model lands far off.
     o0, _ = run_distributed(_blown, timeout=300, guard=None)
     assert o0["triggers"] == 0

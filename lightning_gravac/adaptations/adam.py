@@ -236,7 +236,7 @@ class AdamMoments(Adaptation):
             param.grad = grad
 
     @override
-    def after_closure(self, loss: Any = None) -> None:
+    def after_closure(self) -> None:
         self._hidden.extend(self.step_())
 
     @override

@@ -133,9 +133,8 @@ class Adaptation(ABC):
         """A bucket arrived: commit what the step staged when ``finite``, drop it when not (``pending``: the bucket's
         new residuals, ``None`` where sent in full; ``averaged``: its averaged gradients when sent dense)."""
 
-    def after_closure(self, loss: Any = None) -> None:
-        """Inside the optimizer's step, after the closure: the gradients the optimizer is about to apply are final;
-        ``loss`` is what the closure returned (Lightning's: the step's training loss, or ``None``)."""
+    def after_closure(self) -> None:
+        """Inside the optimizer's step, after the closure: the gradients the optimizer is about to apply are final."""
 
     def after_step(self) -> None:
         """After the optimizer's own step."""

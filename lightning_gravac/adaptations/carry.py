@@ -167,7 +167,7 @@ class Carry:
             def run() -> Any:
                 result = closure() if closure is not None else None
                 for part in parts:
-                    part.after_closure(result)
+                    part.after_closure()
                 return result
 
             return step(closure=run, **step_kwargs)

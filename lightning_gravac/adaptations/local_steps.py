@@ -61,8 +61,8 @@ class LocalSteps:
         overlap: send a round's change while the next round computes, and apply it one round late (Streaming
             DiLoCo's overlap): each rank then continues from the outer step plus its own progress since.
         guard: a round whose ranks' mean training loss is above this many times the lowest round's is undone (see
-            the module's docstring); ``None``: no round is undone, and no optimizer state kept for it. As the
-            divergence guard's loss test: 4x, as a few hard batches in a row lift a loss past twice its lowest.
+            the module's docstring); ``None``: no round is undone, and no optimizer state kept for it. 4x, the
+            divergence guard's ratio for its loss: a few hard batches in a row lift a loss past twice its lowest.
         cooldown: the synchronous steps after a round is undone (doubled at each further one).
 
     Raises:
@@ -135,6 +135,7 @@ class OuterUpdate(Adaptation):
         self.lowest: float | None = None  # the lowest round's mean loss since the rounds began or last went on
         self._loss = torch.zeros(2, dtype=torch.float64)  # this rank's round: its stepped losses' sum and count
         self._inner: dict[str, dict[str, Any]] = {}  # this rank's inner optimizer state as the round began
+        self._step_loss: Tensor | None = None  # the closure's loss this step (:meth:`take_loss`)
         #: Told of each outer update's bytes and whether they were gathered (the strategy records them as a step's).
         self.sent: Callable[[int, bool], None] = _unrecorded
         self._params: dict[str, nn.Parameter] = {}
@@ -198,8 +199,15 @@ class OuterUpdate(Adaptation):
             self._set_anchor()
             self._keep_inner()
 
+    def take_loss(self, loss: Any) -> None:
+        """What the step's closure returned (Lightning's: its training loss; ``None`` under manual optimization): the
+        round's loss counts it if the step steps. The strategy wraps the closure, so the loss is seen however the step
+        runs it (under fp16's gradient scaler, the precision plugin calls it before the optimizer's step)."""
+        self._step_loss = loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
+
     @override
-    def after_closure(self, loss: Any = None) -> None:
+    def after_closure(self) -> None:
+        loss, self._step_loss = self._step_loss, None
         if self.config is None:  # every step communicates: the hook handles a non-finite step
             return
         grads = [p.grad for p in self._params.values() if p.grad is not None and p.grad.numel()]
@@ -211,7 +219,7 @@ class OuterUpdate(Adaptation):
             warnings.warn(f"Local steps: a non-finite gradient on rank {rank}, which skips this step.", stacklevel=1)
             for p in self._params.values():
                 p.grad = None  # the optimizer skips a parameter without a gradient: nothing of it is applied
-        elif isinstance(loss, Tensor) and loss.numel() == 1:  # the round's loss, of steps that step (no host sync)
+        elif loss is not None:  # the round's loss, of steps that step (no host sync)
             value = loss.detach().reshape(()).to(self._loss)
             finite = torch.isfinite(value)
             self._loss += torch.stack([torch.where(finite, value, 0.0), finite.to(value)])
@@ -250,6 +258,9 @@ class OuterUpdate(Adaptation):
             starts = self.began.kept or self.anchor.kept
             changes = {name: starts[name] - p for name, p in self._params.items()}  # this round's own progress
             applied = self._outer_step(self._take_pending()) if self._pending or self.landed.kept else True
+            if not applied and self.config.guard is None:  # the round in flight is lost; this one goes on
+                rank_zero_warn("Local steps: the averaged change was not finite; every rank goes on from the anchor.")
+                applied = True
             if not applied or self._diverged(loss):
                 self._undo(loss)
             else:
@@ -321,7 +332,7 @@ class OuterUpdate(Adaptation):
         rank_zero_warn(
             f"Local steps diverged: the round ending at step {self.steps} is undone ({why}). Every rank is back at "
             f"the round's start; the next {self.holding} steps average each step's change whole, then the rounds go "
-            "on. `LocalSteps(guard=None)` turns this off."
+            "on. Where local steps are asked for, `LocalSteps(guard=None)` turns this off."
         )
 
     def _groups(self) -> list[list[str]]:
@@ -511,13 +522,14 @@ class OuterUpdate(Adaptation):
 
     def _restore_rank(self) -> None:
         """This rank's own parameters and inner optimizer state, saved mid-round (Lightning restored rank 0's)."""
-        self._inner = {}
+        began: dict[str, dict[str, Tensor]] = {}
         with torch.no_grad():
             for key, value in self._resumed.items():
                 kind, rest = key.split("/", 1)
                 if kind == "began_inner":
                     name, slot = rest.rsplit("/", 1)
-                    self._inner.setdefault(name, {})[slot] = value.to(self._params[name].device)
+                    if name in self._params:
+                        began.setdefault(name, {})[slot] = value
                 elif kind == "params" and rest in self._params:
                     self._params[rest].copy_(value)
                 elif kind == "inner" and self._optimizer is not None:
@@ -525,7 +537,22 @@ class OuterUpdate(Adaptation):
                     held = self._optimizer.state.get(self._params.get(name), {}).get(slot)  # type: ignore[arg-type]
                     if isinstance(held, Tensor):
                         held.copy_(value)
+            self._inner = {name: self._kept_as_saved(name, slots) for name, slots in began.items()}
         self._resumed = {}
+
+    def _kept_as_saved(self, name: str, saved: dict[str, Tensor]) -> dict[str, Any]:
+        """Parameter ``name``'s inner state as its round began, from a checkpoint's tensors (``saved``): each on the
+        device and in the dtype the optimizer holds that slot in (Adam's step count stays on the CPU), its other
+        slots (not tensors) as the optimizer holds them now."""
+        live = self._optimizer.state.get(self._params[name], {}) if self._optimizer is not None else {}
+        kept: dict[str, Any] = {k: copy.deepcopy(v) for k, v in live.items() if not isinstance(v, Tensor)}
+        for slot, value in saved.items():
+            held = live.get(slot)
+            if isinstance(held, Tensor) and held.shape == value.shape:
+                kept[slot] = held.detach().clone().copy_(value)
+            else:
+                kept[slot] = value.to(self._params[name].device)
+        return kept
 
 
 def _copied(state: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,6 @@ takes under stock DDP.
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
@@ -312,7 +311,7 @@ class MomentumCorrection(Adaptation):
         self._deferred.clear()
 
     @override
-    def after_closure(self, loss: Any = None) -> None:
+    def after_closure(self) -> None:
         self.apply_deferred()
 
     def apply_deferred(self) -> None:

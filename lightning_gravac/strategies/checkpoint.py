@@ -30,7 +30,9 @@ def gather_rows(tensors: dict[str, Any], world_size: int, group: Any = None) -> 
     names = sorted(name for name, t in tensors.items() if isinstance(t, torch.Tensor))
     if not names:
         return {}
-    local = torch.cat([tensors[n].detach().contiguous().reshape(-1).view(torch.uint8) for n in names])
+    # One buffer on one device: an accelerator's where any tensor is on one (a counter kept on the CPU joins it).
+    device = next((tensors[n].device for n in names if tensors[n].device.type != "cpu"), torch.device("cpu"))
+    local = torch.cat([tensors[n].detach().to(device).contiguous().reshape(-1).view(torch.uint8) for n in names])
     if world_size > 1:
         gathered = torch.empty(world_size * local.numel(), dtype=local.dtype, device=local.device)
         dist.all_gather_single(gathered, local, group=group)

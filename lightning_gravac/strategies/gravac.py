@@ -1,5 +1,6 @@
 """GraVACStrategy: DDP whose gradients cross the network compressed."""
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,14 @@ from lightning_gravac.strategies.default_controller import allow_rounds, attach_
 from lightning_gravac.strategies.default_method import choose_method, method_of
 from lightning_gravac.strategies.hook import gravac_hook
 from lightning_gravac.tables import sparse_parameters
+
+#: DDP's switch for syncing buffers at every forward: ``forward_sync_buffers`` where torch has it, else the older
+#: ``broadcast_buffers`` (both a constructor argument and an attribute).
+_BUFFER_SYNC = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
 
 _OWN_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
 
@@ -217,10 +226,11 @@ class GraVACStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None:
             self.compression_state.begin_step(module.trainer.current_epoch)
-        if self.outer and isinstance(self.model, DistributedDataParallel) and self.model.forward_sync_buffers:
+        model, asked = self.model, _BUFFER_SYNC in self._ddp_kwargs or "broadcast_buffers" in self._ddp_kwargs
+        if self.outer and not asked and isinstance(model, DistributedDataParallel) and getattr(model, _BUFFER_SYNC):
             # Local steps the default started mid-fit: DDP was built syncing buffers at every forward, a collective a
             # step that local steps do without (their rounds average the buffers).
-            self.model.forward_sync_buffers = False
+            setattr(model, _BUFFER_SYNC, False)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
             # On CUDA, reading the scale is one small device sync a step (written for CUDA, tested on CPU).
@@ -235,8 +245,15 @@ class GraVACStrategy(DDPStrategy):
         model: "pl.LightningModule | torch.nn.Module | None" = None,
         **kwargs: Any,
     ) -> Any:
+        outer = self.outer
+
+        def closure_seen() -> Any:
+            result = closure()
+            outer.take_loss(result)  # local steps' guard watches the training loss
+            return result
+
         with self.compression_state.carry.stepping(optimizer):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            return super().optimizer_step(optimizer, closure_seen if outer else closure, model, **kwargs)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -278,7 +295,7 @@ class GraVACStrategy(DDPStrategy):
         largest_trainable(model)
         passed = self._ddp_kwargs
         # Local steps average the buffers at each round's end, not with a collective at every forward.
-        local = {"forward_sync_buffers": False} if self.outer else {}
+        local = {_BUFFER_SYNC: False} if self.outer else {}
         self._ddp_kwargs = {"gradient_as_bucket_view": True, **local, **passed}
         try:
             return super()._setup_model(model)
