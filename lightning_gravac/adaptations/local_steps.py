@@ -259,7 +259,7 @@ class OuterUpdate(Adaptation):
             changes = {name: starts[name] - p for name, p in self._params.items()}  # this round's own progress
             applied = self._outer_step(self._take_pending()) if self._pending or self.landed.kept else True
             if not applied and self.config.guard is None:  # the round in flight is lost; this one goes on
-                rank_zero_warn("Local steps: the averaged change was not finite; every rank goes on from the anchor.")
+                _say_lost()
                 applied = True
             if not applied or self._diverged(loss):
                 self._undo(loss)
@@ -279,7 +279,8 @@ class OuterUpdate(Adaptation):
                     else:
                         self._undo(None)
             self._average_buffers()
-            self._keep_inner()
+            if not self.holding:  # a round begins next (a hold's steps keep the state its last one leaves)
+                self._keep_inner()
         self._loss.zero_()
         self.since = 0
         self.rounds += 1
@@ -317,7 +318,7 @@ class OuterUpdate(Adaptation):
             p.copy_(self.anchor.kept[name])
         self.began.clear()
         if self.config.guard is None:
-            rank_zero_warn("Local steps: the averaged change was not finite; every rank goes on from the anchor.")
+            _say_lost()
             return
         self._restore_inner()
         self.reset()  # the residual and the outer momentum
@@ -558,6 +559,10 @@ class OuterUpdate(Adaptation):
 def _copied(state: dict[str, Any]) -> dict[str, Any]:
     """One parameter's optimizer state, copied (its tensors cloned)."""
     return {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in state.items()}
+
+
+def _say_lost() -> None:
+    rank_zero_warn("Local steps: the averaged change was not finite; every rank goes on from the anchor.")
 
 
 def _never() -> bool:
