@@ -263,6 +263,33 @@ def test_a_non_finite_inner_step_is_skipped_on_its_rank_and_nothing_is_lost():
     assert torch.equal(r0["after"][3], r1["after"][3]) and torch.equal(r0["after"][7], r1["after"][7])
 
 
+def _skipped_and_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+    def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> list[torch.Tensor]:
+        trace = Trace()
+        pl.seed_everything(0)
+        kwargs = trainer_kwargs(2, enable_checkpointing=True)
+        trainer = pl.Trainer(
+            strategy=GraVACStrategy(local_steps=4), callbacks=[trace, *callbacks], max_steps=6, **kwargs
+        )
+        trainer.fit(StepData(nan_at=0), loader(n=4096), ckpt_path=ckpt_path)
+        return trace.after
+
+    whole = fit([ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)])
+    return {"whole": whole, "resumed": fit([], ckpt_path=f"{ckpt_dir}/epoch=0-step=1.ckpt")}
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_where_one_rank_has_no_optimizer_state_yet_saves_and_resumes_bit_for_bit(tmp_path):
+    # Rank 1 skipped the first step (NaN): saved after it, rank 0 has SGD's momentum buffers and rank 1 none. The
+    # gather of every rank's state must not assume the same slots on each, and the resumed rank 1 must not keep the
+    # buffers Lightning restored from rank 0's optimizer.
+    ranks = run_distributed(_skipped_and_resumed, timeout=300, ckpt_dir=str(tmp_path))
+    for rank in ranks:
+        assert len(rank["resumed"]) == 5
+        for step, (a, b) in enumerate(zip(rank["whole"][1:], rank["resumed"], strict=True), start=2):
+            assert torch.equal(a, b), f"step {step} differs from the uninterrupted run"
+
+
 class Momenta(pl.Callback):
     """This rank's SGD momentum buffers after every optimizer step."""
 

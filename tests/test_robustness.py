@@ -286,18 +286,30 @@ def _gather_every_dtype(rank, world_size):
         "flag": torch.tensor(rank == 1),
         "empty": torch.zeros(0, 3),
         "not a tensor": "left out",
+        f"only on rank {rank}": torch.arange(3 + rank, dtype=torch.float64) + rank,  # a slot one rank has not made
     }
     dist.init_process_group("gloo")
-    return tensors, gather_rows(tensors, world_size)
+    gathered, absent = gather_rows(tensors, world_size)
+    try:  # one name in two shapes: an error on every rank, not a hang
+        gather_rows({"moment": torch.zeros(2 + rank)}, world_size)
+        mismatch = ""
+    except ValueError as error:
+        mismatch = str(error)
+    return tensors, gathered, absent, mismatch
 
 
 @pytest.mark.distributed
 def test_checkpoint_gather_keeps_every_rank_state_bit_for_bit_in_every_dtype():
-    ranks = run_distributed(_gather_every_dtype)
-    for rank, (_, gathered) in enumerate(ranks):
-        assert sorted(gathered) == sorted(n for n in ranks[0][0] if n != "not a tensor")
+    ranks = run_distributed(_gather_every_dtype, timeout=120)
+    names = {n for mine, *_ in ranks for n in mine} - {"not a tensor"}
+    for rank, (_, gathered, absent, mismatch) in enumerate(ranks):
+        assert sorted(gathered) == sorted(names)
+        assert absent == {"only on rank 0": [1], "only on rank 1": [0]}
+        assert "'moment'" in mismatch
         for name, rows in gathered.items():
-            for r, (mine, _) in enumerate(ranks):
+            for r, (mine, *_) in enumerate(ranks):
+                if name not in mine:
+                    continue
                 original = mine[name]
                 assert rows.dtype == original.dtype and rows.shape == (2, *original.shape), (rank, name)
                 # Bit for bit: the bytes, not a rounding that happens to compare equal.

@@ -524,20 +524,30 @@ class OuterUpdate(Adaptation):
     def _restore_rank(self) -> None:
         """This rank's own parameters and inner optimizer state, saved mid-round (Lightning restored rank 0's)."""
         began: dict[str, dict[str, Tensor]] = {}
+        inner: dict[str, dict[str, Tensor]] = {}
         with torch.no_grad():
             for key, value in self._resumed.items():
                 kind, rest = key.split("/", 1)
-                if kind == "began_inner":
+                if kind == "params" and rest in self._params:
+                    self._params[rest].copy_(value)
+                elif kind in ("began_inner", "inner"):
                     name, slot = rest.rsplit("/", 1)
                     if name in self._params:
-                        began.setdefault(name, {})[slot] = value
-                elif kind == "params" and rest in self._params:
-                    self._params[rest].copy_(value)
-                elif kind == "inner" and self._optimizer is not None:
-                    name, slot = rest.rsplit("/", 1)
-                    held = self._optimizer.state.get(self._params.get(name), {}).get(slot)  # type: ignore[arg-type]
-                    if isinstance(held, Tensor):
-                        held.copy_(value)
+                        (began if kind == "began_inner" else inner).setdefault(name, {})[slot] = value
+            if self._optimizer is not None and any(k.startswith("params/") for k in self._resumed):
+                # Lightning restored rank 0's optimizer state on every rank: each parameter's becomes this rank's own,
+                # none where this rank had none (it had skipped every step so far as non-finite).
+                for name, p in self._params.items():
+                    if name not in inner:
+                        self._optimizer.state.pop(p, None)
+                        continue
+                    live = self._optimizer.state[p]
+                    for slot, value in self._kept_as_saved(name, inner[name]).items():
+                        held = live.get(slot)
+                        if isinstance(held, Tensor) and isinstance(value, Tensor) and held.shape == value.shape:
+                            held.copy_(value)  # in place: the optimizer's own tensor
+                        else:
+                            live[slot] = value
             self._inner = {name: self._kept_as_saved(name, slots) for name, slots in began.items()}
         self._resumed = {}
 
@@ -551,8 +561,8 @@ class OuterUpdate(Adaptation):
             held = live.get(slot)
             if isinstance(held, Tensor) and held.shape == value.shape:
                 kept[slot] = held.detach().clone().copy_(value)
-            else:
-                kept[slot] = value.to(self._params[name].device)
+            else:  # a slot the live state lacks: a step count (a scalar) on the CPU as torch's optimizers keep it
+                kept[slot] = value.clone() if value.dim() == 0 else value.to(self._params[name].device)
         return kept
 
 

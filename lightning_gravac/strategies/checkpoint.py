@@ -6,6 +6,7 @@ stacked by rank; on as many ranks it restores bit for bit, on another number eac
 saved ones (:meth:`~lightning_gravac.adaptations.Adaptation.reshard`), which keeps the update the ranks owed in sum.
 """
 
+import math
 from typing import Any
 
 import torch
@@ -19,20 +20,48 @@ from lightning_gravac.state import CompressionState
 CHECKPOINT_KEY = "gravac"
 
 
-def gather_rows(tensors: dict[str, Any], world_size: int, group: Any = None) -> dict[str, torch.Tensor]:
-    """Every rank's tensors (the same names, shapes and dtypes on each), stacked along a leading rank dimension, on CPU,
-    bit for bit.
+def gather_rows(
+    tensors: dict[str, Any], world_size: int, group: Any = None
+) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """Every rank's tensors stacked along a leading rank dimension, on CPU, bit for bit, and the ranks that had no
+    tensor of each name (their rows are zeros).
 
-    One collective for all of them: their bytes are concatenated into one ``uint8`` buffer, so a float64 residual, an
-    integer counter or a bfloat16 buffer comes back exactly as it was (a float32 buffer would round the first and
-    could not hold the second). Every rank must call it, on the same names.
+    The ranks first exchange their tensors' names, shapes and dtypes (a small object gather): where one rank has a
+    tensor another lacks (an optimizer slot a rank has not made yet, having skipped every step so far as non-finite),
+    the union is gathered and the absence recorded, where a single gather of unequal sizes would fail or
+    hang. A name held in different shapes or dtypes is an error raised on every rank alike. Then one collective for
+    all of them: their bytes concatenated into one ``uint8`` buffer, so a float64 residual, an integer counter or a
+    bfloat16 buffer comes back exactly as it was. Every rank must call it.
     """
-    names = sorted(name for name, t in tensors.items() if isinstance(t, torch.Tensor))
-    if not names:
-        return {}
+    mine = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    specs = {name: (tuple(t.shape), t.dtype) for name, t in mine.items()}
+    every: list[Any] = [specs]
+    if world_size > 1:
+        # An object gather (pickled names, shapes and dtypes): the sizes must agree before the tensor gather can.
+        every = [None] * world_size
+        dist.all_gather_object(every, specs, group=group)
+    union: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for rank_specs in every:
+        for name, spec in rank_specs.items():
+            if union.setdefault(name, spec) != spec:
+                raise ValueError(
+                    f"GraVACStrategy: the checkpoint's state {name!r} has shape and dtype {union[name]} on one rank "
+                    f"and {spec} on another; every rank must hold a state of one shape and dtype."
+                )
+    if not union:
+        return {}, {}
+    names = sorted(union)
+    absent = {name: [r for r, rank_specs in enumerate(every) if name not in rank_specs] for name in names}
     # One buffer on one device: an accelerator's where any tensor is on one (a counter kept on the CPU joins it).
-    device = next((tensors[n].device for n in names if tensors[n].device.type != "cpu"), torch.device("cpu"))
-    local = torch.cat([tensors[n].detach().to(device).contiguous().reshape(-1).view(torch.uint8) for n in names])
+    device = next((t.device for t in mine.values() if t.device.type != "cpu"), torch.device("cpu"))
+    local = torch.cat(
+        [
+            mine[n].detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+            if n in mine
+            else torch.zeros(union[n][0], dtype=union[n][1], device=device).reshape(-1).view(torch.uint8)
+            for n in names
+        ]
+    )
     if world_size > 1:
         gathered = torch.empty(world_size * local.numel(), dtype=local.dtype, device=local.device)
         dist.all_gather_single(gathered, local, group=group)
@@ -41,14 +70,15 @@ def gather_rows(tensors: dict[str, Any], world_size: int, group: Any = None) -> 
     rows = gathered.view(world_size, local.numel()).cpu()
     out, offset = {}, 0
     for name in names:
-        tensor = tensors[name]
-        size = tensor.numel() * tensor.element_size()
+        shape, dtype = union[name]
+        numel = math.prod(shape)
+        size = numel * dtype.itemsize
         # Copied into a tensor of the saved dtype through its bytes: a slice of the rows need not be aligned for one.
-        stacked = torch.empty((world_size, *tensor.shape), dtype=tensor.dtype)
-        stacked.view(world_size, tensor.numel()).view(torch.uint8).copy_(rows[:, offset : offset + size])
+        stacked = torch.empty((world_size, *shape), dtype=dtype)
+        stacked.view(world_size, numel).view(torch.uint8).copy_(rows[:, offset : offset + size])
         out[name] = stacked
         offset += size
-    return out
+    return out, {name: ranks for name, ranks in absent.items() if ranks}
 
 
 def saved_compression(state: CompressionState, world_size: int) -> dict[str, Any]:
@@ -59,11 +89,20 @@ def saved_compression(state: CompressionState, world_size: int) -> dict[str, Any
     saved: dict[str, Any] = {
         **state.carried.saved(),  # the step count and the units the residuals are in (fp16 scaling)
         "world_size": world_size,
-        "residuals": gather_rows(carry["residuals"], ranks),
-        "compressor": gather_rows(state.compressor.state_dict(), ranks),
     }
+    absent: dict[str, dict[str, list[int]]] = {}  # by section, the names some rank had no tensor of
+
+    def stacked(section: str, tensors: dict[str, Any]) -> None:
+        saved[section], absent[section] = gather_rows(tensors, ranks)
+
+    stacked("residuals", carry["residuals"])
+    stacked("compressor", state.compressor.state_dict())
     for part in state.carry.adaptations:
-        saved[part.name] = gather_rows(carry[part.name], ranks) if part.per_rank else carry[part.name]
+        if part.per_rank:
+            stacked(part.name, carry[part.name])
+        else:
+            saved[part.name] = carry[part.name]
+    saved["absent"] = {section: names for section, names in absent.items() if names}
     return saved
 
 
@@ -82,12 +121,22 @@ def restore_compression(
             "each rank starts from the mean of the saved residuals, which preserves the pending update."
         )
 
-    def mine(stacked: dict[str, torch.Tensor], reshard: Any = Adaptation.reshard) -> dict[str, torch.Tensor]:
-        return {name: reshard(t, rank, same_world).to(device) for name, t in stacked.items()}
+    absent: dict[str, dict[str, list[int]]] = saved.get("absent", {})
 
-    state.compressor.load_state_dict(dict(mine(saved.get("compressor", {}))))
-    restored: dict[str, dict[str, Any]] = {"residuals": mine(residuals)}
+    def mine(section: str, reshard: Any = Adaptation.reshard) -> dict[str, torch.Tensor]:
+        """This rank's tensors of ``section``: none of a name this rank did not have (on as many ranks), and on
+        another number of ranks the reshard of the rows of the ranks that had it."""
+        out = {}
+        for name, t in saved.get(section, {}).items():
+            missing = absent.get(section, {}).get(name, [])
+            if same_world and rank in missing:
+                continue
+            rows = t[[r for r in range(t.shape[0]) if r not in missing]] if missing and not same_world else t
+            out[name] = reshard(rows, rank, same_world).to(device)
+        return out
+
+    state.compressor.load_state_dict(dict(mine("compressor")))
+    restored: dict[str, dict[str, Any]] = {"residuals": mine("residuals")}
     for part in state.carry.adaptations:
-        entry = saved.get(part.name, {})
-        restored[part.name] = mine(entry, part.reshard) if part.per_rank else entry
+        restored[part.name] = mine(part.name, part.reshard) if part.per_rank else saved.get(part.name, {})
     state.carry.load_state_dict(restored)
