@@ -1,0 +1,130 @@
+"""Local steps under AdamW: Adam's own inner steps against inner steps with its second moment held, fidelity only.
+
+    python benchmarks/adam_local_steps.py --task gpt [--optimizer task] [--steps 120] [--rows dense held local8 ...]
+
+A matrix task (``benchmarks/matrix.py``) on two gloo ranks on this machine's loopback (the link does not change a
+trajectory), the held-out metric after ``--steps``. The first tenth of the run is sent whole (every row), as the
+default's warm-up under Adam sends it; then, by row:
+
+- ``dense``: AdamW on the averaged gradient all run;
+- ``held``: every step averaged, Adam's bias-corrected second moment held from the warm-up's end (1-bit Adam's
+  freeze, without compression);
+- ``local<H>``: rounds of ``H`` local steps of AdamW from the warm-up's end, each round's change averaged in QSGD's
+  4-bit codes (``OuterUpdate``, as the default starts it mid-fit);
+- ``local<H> held``: the same rounds, each inner step AdamW with the second moment held from the warm-up's end.
+
+``--optimizer adamw`` trains an SGD task with AdamW (the matrix's learning rates). Prints one JSON line a row.
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import matrix
+
+from lightning_gravac import GraVACStrategy, LocalSteps, Static
+from lightning_gravac.adaptations import OuterUpdate
+from lightning_gravac.launch import run_distributed
+
+
+class HeldAdamW(torch.optim.AdamW):
+    """AdamW whose bias-corrected second moment is held from step ``hold_from`` on: each parameter's step is then
+    its first moment over the held ``sqrt(v_hat) + eps`` (momentum SGD with a fixed per-coordinate step size)."""
+
+    hold_from = math.inf
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        first = next(iter(self.state.values()), None)
+        if first is None or float(first["step"]) < self.hold_from:
+            super().step()
+            return loss
+        for group in self.param_groups:
+            (beta1, beta2), lr, decay, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "held" not in state:
+                    state["held"] = (state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))).sqrt_().add_(eps)
+                state["step"] += 1
+                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                p.mul_(1 - lr * decay)
+                p.addcdiv_(state["exp_avg"], state["held"], value=-lr / (1 - beta1 ** float(state["step"])))
+        return loss
+
+
+class StartRounds(pl.Callback):
+    """Rounds of ``every`` local steps from step ``at`` on, started as the default starts them mid-fit."""
+
+    def __init__(self, at: int, every: int) -> None:
+        self.at, self.every = at, every
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.every and trainer.global_step == self.at:
+            state = trainer.strategy.compression_state
+            state.carry.get(OuterUpdate).start(LocalSteps(every=self.every), state.compressor, False, state.step)
+            state.config.local_sgd_from = state.step
+
+
+def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimizer: str) -> dict[str, Any]:
+    warm_up = math.ceil(0.1 * steps)
+    held = row == "held" or row.endswith(" held")
+    every = int(row.removeprefix("local").removesuffix(" held")) if row.startswith("local") else 0
+
+    def adamw(make: Any) -> Any:
+        opt = make()
+        if not (held and isinstance(opt, torch.optim.AdamW)):
+            return opt
+        group = opt.param_groups[0]
+        out = HeldAdamW([p for g in opt.param_groups for p in g["params"]], lr=group["lr"], betas=group["betas"],
+                        eps=group["eps"], weight_decay=group["weight_decay"])  # fmt: skip
+        out.hold_from = warm_up
+        return out
+
+    make_task, use_adamw = matrix.make_task, matrix.use_adamw
+
+    def task_with_held(name: str, scale: float, momentum_in_optimizer: bool = True) -> dict[str, Any]:
+        spec = make_task(name, scale, momentum_in_optimizer)
+        own = spec["model"].configure_optimizers
+        spec["model"].configure_optimizers = lambda: adamw(own)
+        return spec
+
+    def adamw_held(model: pl.LightningModule, lr: float) -> None:
+        use_adamw(model, lr)
+        own = model.configure_optimizers
+        model.configure_optimizers = lambda: adamw(own)  # type: ignore[method-assign]
+
+    matrix.make_task, matrix.use_adamw = task_with_held, adamw_held
+    # QSGD at factor 1 sends every step whole, bit for bit stock DDP's; the rounds' change in its 4-bit codes.
+    matrix.make_row = lambda *_, **__: (GraVACStrategy("qsgd"), [Static(cf=1), StartRounds(warm_up, every)])
+    return matrix._train(rank, world_size, task=task, row=row, scale=0.25, steps=steps, cap=1e9, optimizer=optimizer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=matrix.TASKS, default="gpt")
+    parser.add_argument("--optimizer", choices=("task", "adamw"), default="task")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--rows", nargs="+", default=["dense", "held", "local8", "local8 held"])
+    args = parser.parse_args()
+    for row in args.rows:
+        out = run_distributed(
+            _train, world_size=2, timeout=3600, task=args.task, row=row, steps=args.steps, optimizer=args.optimizer
+        )[0]
+        print(json.dumps({"task": args.task, "row": row, "held_out": out["held_out"], "local": out["local"]}))
+
+
+if __name__ == "__main__":
+    main()
