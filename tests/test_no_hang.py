@@ -141,6 +141,7 @@ def _stalled(rank: int, world_size: int, timeout_s: float, stall_s: float) -> tu
     return "finished", time.monotonic() - start
 
 
+@pytest.mark.slow  # waits out a process group's timeout
 @pytest.mark.distributed
 def test_a_rank_stalled_in_the_hook_fails_the_other_within_the_timeout_naming_the_compressor():
     timeout_s, stall_s = 5.0, 40.0

@@ -149,6 +149,7 @@ def test_the_run_summary_weighs_the_factors_by_bytes_and_says_when_more_was_sent
     assert "sent more on some steps" in summary.table(1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("offline", ["download", "files"])
 def test_a_recipe_without_its_data_ends_with_one_line_on_rank_zero(offline, tmp_path):
