@@ -483,10 +483,11 @@ def _default_on_a_scripted_link(rank: int, world_size: int) -> dict[str, Any]:
         default_controller._default_controller = lambda method, alone, k=link, b=bits_per_second: k(b)
         strategy = GraVACStrategy()
         trace = _fit(strategy, steps)
-        controller = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC))
+        controller = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, LinkOf))
         out[name] = {
             "method": strategy.compressor.name, "every": controller.rounds.every, "start": controller.rounds.start,
             "rounds": strategy.outer.rounds, "after": trace.after, "losses": trace.losses,
+            "timed": controller.rounds_timed,
         }  # fmt: skip
     return out
 
@@ -508,6 +509,8 @@ def test_the_default_switches_to_local_steps_where_the_link_and_the_budget_say()
     assert slow["losses"][-1] < 0.5 * slow["losses"][0]
     assert r0["short"]["every"] == 0, "a budget of 20 steps holds no 7 rounds"
     assert r0["fast"]["every"] == 0, "on a fast link sending every step costs too little to save a tenth"
+    # A round's own work is timed once where rounds could pay, never where they could not whatever it took.
+    assert (r0["slow"]["timed"], r0["warm-up"]["timed"], r0["short"]["timed"], r0["fast"]["timed"]) == (1, 1, 0, 0)
     # A first step of 1 s bounds the computation too loosely for rounds to pay; the first window (3 steps) measures it.
     assert (r0["warm-up"]["every"], r0["warm-up"]["start"]) == (8, 3)
 

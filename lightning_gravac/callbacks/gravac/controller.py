@@ -169,6 +169,7 @@ class GraVAC(Controller):
         self._timed_step = -1
         #: Whether the next observed step is a fit's first, whose time is not tallied (set at fit start).
         self.warm_up = False
+        self._timing: pl.Trainer | None = None  # the fit's trainer while a round's own work is still to be timed
 
     @override
     def fit_to_model(self, largest: int) -> None:
@@ -237,6 +238,7 @@ class GraVAC(Controller):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_fit_start(trainer, pl_module)
         self._timed_step = -1  # a fit's first batch starts a step, whatever step a fit before ended at
+        self._timing = None
         model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
         if self.rounds.every:  # resumed in local steps; a first round's length is chosen again from these
             self.cost.model_bytes = model_bytes
@@ -287,8 +289,7 @@ class GraVAC(Controller):
             cost.take_half(*self.measure_half(trainer), fresh)
         if not self.state.compressor.passthrough:
             cost.take_compression(self.measure_compression(trainer), fresh)
-        if self.rounds.allowed and not self.rounds.every:
-            self.rounds.work_seconds = self.measure_round(trainer, self.rounds.method(self.state))
+        self._timing = trainer  # a round's own work is timed later, where rounds could pay (`_consider_rounds`)
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the compression group's all-reduce, the same on every rank
@@ -464,7 +465,14 @@ class GraVAC(Controller):
         cost model keeps (the first round's measure is set against its estimate)."""
         rounds = self.rounds
         if rounds.allowed and not rounds.every:
-            length = rounds.consider(self.cost, link, self.choose(), self.rungs, self.state.step, self.budget.steps)
+            every_step_cf, steps, budget = self.choose(), self.state.step, self.budget.steps
+            # A round's own work is timed once, the first time rounds could pay whatever it takes: a fit on a fast
+            # link does without. Every rank calls this alike (the timing is a collective): its inputs are reduced.
+            timer = self._timing
+            if timer is not None and rounds.could_pay(self.cost, link, every_step_cf, self.rungs, steps, budget):
+                rounds.work_seconds = self.measure_round(timer, rounds.method(self.state))
+                self._timing = None
+            length = rounds.consider(self.cost, link, every_step_cf, self.rungs, steps, budget)
             if length is not None:
                 self.cost.link = link
                 rounds.every, rounds.start = length, self.state.step

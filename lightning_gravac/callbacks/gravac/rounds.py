@@ -132,6 +132,18 @@ class Rounds(Checkpointed):
             )
         return length
 
+    def could_pay(self, cost: CostModel, link: Link | None, every_step_cf: float, rungs: tuple[float, ...],
+                  steps_done: int, budget: float) -> bool:  # fmt: skip
+        """Whether :meth:`consider` could switch whatever a round's own work takes: whether the longest round the
+        budget allows, its work taking no time, would save enough. Only then is that work worth timing."""
+        if not self.allowed or self.every or link is None or budget <= 0:
+            return False
+        allowed = [h for h in LENGTHS if h * MIN_ROUNDS <= budget - steps_done]
+        if not allowed:
+            return False
+        every_step = cost.seconds(link, every_step_cf, cost.dense_bytes, rungs)
+        return saves_enough(link.other_seconds + round_seconds(link, cost, 0.0) / allowed[-1], every_step)
+
     def first_round(self, seconds: float, first: bool, ended: bool, cost: CostModel, steps_left: float,
                     reduce: Callable[[float], float]) -> int | None:  # fmt: skip
         """After each local step of the first round (``seconds`` this one's; ``first``: the first local step;
