@@ -85,10 +85,12 @@ def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimize
 
     def adamw(make: Any) -> Any:
         opt = make()
-        if not (held and isinstance(opt, torch.optim.AdamW)):
+        if not held:
             return opt
+        if type(opt) is not torch.optim.AdamW or len(opt.param_groups) != 1:
+            raise SystemExit(f"A held row needs one group of torch's AdamW (--optimizer adamw); the task has {opt!r}.")
         group = opt.param_groups[0]
-        out = HeldAdamW([p for g in opt.param_groups for p in g["params"]], lr=group["lr"], betas=group["betas"],
+        out = HeldAdamW(group["params"], lr=group["lr"], betas=group["betas"],
                         eps=group["eps"], weight_decay=group["weight_decay"])  # fmt: skip
         out.hold_from = warm_up
         return out

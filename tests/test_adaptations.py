@@ -65,6 +65,28 @@ def test_a_part_is_one_class_and_one_registration(monkeypatch):
     assert trace.sums.kept == {} and carry.state_dict()["trace"] == {}
 
 
+def test_a_state_some_rank_did_not_have_is_restored_as_none_there_and_resharded_by_what_it_means(monkeypatch):
+    monkeypatch.setattr(adaptation, "_REGISTRY", list(adaptation._REGISTRY))
+    register_adaptation(_Trace)
+    carry = Carry()
+    state = CompressionState(get_compressor("topk"), error_feedback=True, carry=carry)
+    saved = saved_compression(state, world_size=1)
+    # Saved on 3 ranks: rank 1 had neither a residual of `w` nor a running sum of it (its rows are the gather's zeros).
+    rows = torch.stack([torch.full((2,), 3.0), torch.zeros(2), torch.full((2,), 6.0)])
+    saved.update(world_size=3, residuals={"w": rows}, trace={"s/w": rows.clone()})
+    saved["absent"] = {"residuals": {"w": [1]}, "trace": {"s/w": [1]}}
+    trace = carry.get(_Trace)
+    restore_compression(state, saved, world_size=3, rank=1, device=torch.device("cpu"))
+    assert "w" not in carry.residuals and "w" not in trace.sums.kept  # on as many ranks: none, as it had
+    restore_compression(state, saved, world_size=3, rank=2, device=torch.device("cpu"))
+    assert torch.equal(carry.residuals.get("w"), torch.full((2,), 6.0)) and torch.equal(trace.sums.kept["w"], rows[2])
+    # On another number: a residual is what a rank owed, none for rank 1, so the mean counts its zeros in and the
+    # ranks still owe the same in sum; a state that is not owed is the mean of the ranks that had it.
+    restore_compression(state, saved, world_size=2, rank=0, device=torch.device("cpu"))
+    assert torch.equal(carry.residuals.get("w"), torch.full((2,), 3.0))
+    assert torch.equal(trace.sums.kept["w"], torch.full((2,), 4.5))
+
+
 def test_a_checkpoint_without_a_parts_entry_restores_it_empty():
     carry = Carry()
     carry.load_state_dict({"residuals": {}})

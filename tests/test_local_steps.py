@@ -26,12 +26,13 @@ from models import LinkOf, loader, trainer_kwargs
 class StepData(pl.LightningModule):
     """A regression whose batch is drawn from (global step, rank), not from the loader: a run resumed mid-epoch (where
     Lightning restarts the epoch's loader) sees the batches the uninterrupted run saw. SGD with momentum 0.9; ``nan_at``
-    makes rank 1's loss NaN at that step, ``blow_at`` its gradient 10^4 times larger (its parameters thrown far off)."""
+    makes rank ``nan_rank``'s loss NaN at that step, ``blow_at`` rank 1's gradient 10^4 times larger (its parameters
+    thrown far off)."""
 
-    def __init__(self, nan_at: int = -1, blow_at: int = -1) -> None:
+    def __init__(self, nan_at: int = -1, blow_at: int = -1, nan_rank: int = 1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-        self.nan_at, self.blow_at = nan_at, blow_at
+        self.nan_at, self.blow_at, self.nan_rank = nan_at, blow_at, nan_rank
         teacher = torch.Generator().manual_seed(7)
         self.register_buffer("w", torch.randn(16, 4, generator=teacher) / 4)
 
@@ -39,7 +40,7 @@ class StepData(pl.LightningModule):
         g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
         x = torch.randn(32, 16, generator=g)
         loss = nn.functional.mse_loss(self.net(x), torch.tanh(x @ self.w))
-        if self.global_step == self.nan_at and self.global_rank == 1:
+        if self.global_step == self.nan_at and self.global_rank == self.nan_rank:
             loss = loss * float("nan")
         if self.global_step == self.blow_at and self.global_rank == 1:
             loss = loss * 1e4
@@ -263,7 +264,7 @@ def test_a_non_finite_inner_step_is_skipped_on_its_rank_and_nothing_is_lost():
     assert torch.equal(r0["after"][3], r1["after"][3]) and torch.equal(r0["after"][7], r1["after"][7])
 
 
-def _skipped_and_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+def _skipped_and_resumed(rank: int, world_size: int, ckpt_dir: str, nan_rank: int) -> dict[str, Any]:
     def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> list[torch.Tensor]:
         trace = Trace()
         pl.seed_everything(0)
@@ -271,7 +272,7 @@ def _skipped_and_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str,
         trainer = pl.Trainer(
             strategy=GraVACStrategy(local_steps=4), callbacks=[trace, *callbacks], max_steps=6, **kwargs
         )
-        trainer.fit(StepData(nan_at=0), loader(n=4096), ckpt_path=ckpt_path)
+        trainer.fit(StepData(nan_at=0, nan_rank=nan_rank), loader(n=4096), ckpt_path=ckpt_path)
         return trace.after
 
     whole = fit([ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)])
@@ -279,11 +280,12 @@ def _skipped_and_resumed(rank: int, world_size: int, ckpt_dir: str) -> dict[str,
 
 
 @pytest.mark.distributed
-def test_a_checkpoint_where_one_rank_has_no_optimizer_state_yet_saves_and_resumes_bit_for_bit(tmp_path):
-    # Rank 1 skipped the first step (NaN): saved after it, rank 0 has SGD's momentum buffers and rank 1 none. The
-    # gather of every rank's state must not assume the same slots on each, and the resumed rank 1 must not keep the
-    # buffers Lightning restored from rank 0's optimizer.
-    ranks = run_distributed(_skipped_and_resumed, timeout=300, ckpt_dir=str(tmp_path))
+@pytest.mark.parametrize("nan_rank", [0, 1])
+def test_a_checkpoint_where_one_rank_has_no_optimizer_state_yet_saves_and_resumes_bit_for_bit(tmp_path, nan_rank):
+    # One rank skipped the first step (NaN): saved after it, the other has SGD's momentum buffers and it has none. The
+    # gather of every rank's state must not assume the same slots on each; resumed, a rank that had none must not
+    # keep the buffers Lightning restored from rank 0's optimizer, and rank 1 must get its own where rank 0 had none.
+    ranks = run_distributed(_skipped_and_resumed, timeout=300, ckpt_dir=str(tmp_path), nan_rank=nan_rank)
     for rank in ranks:
         assert len(rank["resumed"]) == 5
         for step, (a, b) in enumerate(zip(rank["whole"][1:], rank["resumed"], strict=True), start=2):

@@ -562,7 +562,8 @@ class OuterUpdate(Adaptation):
             if isinstance(held, Tensor) and held.shape == value.shape:
                 kept[slot] = held.detach().clone().copy_(value)
             else:  # a slot the live state lacks: a step count (a scalar) on the CPU as torch's optimizers keep it
-                kept[slot] = value.clone() if value.dim() == 0 else value.to(self._params[name].device)
+                # unless capturable or fused (untested on CUDA here: no GPU)
+                kept[slot] = value.cpu().clone() if value.dim() == 0 else value.to(self._params[name].device)
         return kept
 
 

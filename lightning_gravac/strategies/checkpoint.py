@@ -21,7 +21,7 @@ CHECKPOINT_KEY = "gravac"
 
 
 def gather_rows(
-    tensors: dict[str, Any], world_size: int, group: Any = None
+    tensors: dict[str, Any], world_size: int, group: Any = None, device: torch.device | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
     """Every rank's tensors stacked along a leading rank dimension, on CPU, bit for bit, and the ranks that had no
     tensor of each name (their rows are zeros).
@@ -31,7 +31,8 @@ def gather_rows(
     the union is gathered and the absence recorded, where a single gather of unequal sizes would fail or
     hang. A name held in different shapes or dtypes is an error raised on every rank alike. Then one collective for
     all of them: their bytes concatenated into one ``uint8`` buffer, so a float64 residual, an integer counter or a
-    bfloat16 buffer comes back exactly as it was. Every rank must call it.
+    bfloat16 buffer comes back exactly as it was, on ``device`` (the strategy's: the same kind on every rank, which
+    NCCL needs; ``None``: an accelerator's where this rank holds a tensor on one). Every rank must call it.
     """
     mine = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     specs = {name: (tuple(t.shape), t.dtype) for name, t in mine.items()}
@@ -52,8 +53,8 @@ def gather_rows(
         return {}, {}
     names = sorted(union)
     absent = {name: [r for r, rank_specs in enumerate(every) if name not in rank_specs] for name in names}
-    # One buffer on one device: an accelerator's where any tensor is on one (a counter kept on the CPU joins it).
-    device = next((t.device for t in mine.values() if t.device.type != "cpu"), torch.device("cpu"))
+    if device is None:  # an accelerator's where any tensor is on one (a counter kept on the CPU joins it)
+        device = next((t.device for t in mine.values() if t.device.type != "cpu"), torch.device("cpu"))
     local = torch.cat(
         [
             mine[n].detach().to(device).contiguous().reshape(-1).view(torch.uint8)
@@ -81,9 +82,10 @@ def gather_rows(
     return out, {name: ranks for name, ranks in absent.items() if ranks}
 
 
-def saved_compression(state: CompressionState, world_size: int) -> dict[str, Any]:
+def saved_compression(state: CompressionState, world_size: int, device: torch.device | None = None) -> dict[str, Any]:
     """The compression's checkpoint entry: every rank's residuals, method state and per-rank adaptation state
-    stacked by rank, the rest once. Every rank calls it (a collective), rank 0 writes it."""
+    stacked by rank, the rest once, gathered through ``device`` (the strategy's). Every rank calls it (a
+    collective), rank 0 writes it."""
     ranks = world_size if dist.is_initialized() else 1
     carry = state.carry.state_dict()
     saved: dict[str, Any] = {
@@ -93,7 +95,7 @@ def saved_compression(state: CompressionState, world_size: int) -> dict[str, Any
     absent: dict[str, dict[str, list[int]]] = {}  # by section, the names some rank had no tensor of
 
     def stacked(section: str, tensors: dict[str, Any]) -> None:
-        saved[section], absent[section] = gather_rows(tensors, ranks)
+        saved[section], absent[section] = gather_rows(tensors, ranks, device=device)
 
     stacked("residuals", carry["residuals"])
     stacked("compressor", state.compressor.state_dict())
@@ -123,20 +125,23 @@ def restore_compression(
 
     absent: dict[str, dict[str, list[int]]] = saved.get("absent", {})
 
-    def mine(section: str, reshard: Any = Adaptation.reshard) -> dict[str, torch.Tensor]:
-        """This rank's tensors of ``section``: none of a name this rank did not have (on as many ranks), and on
-        another number of ranks the reshard of the rows of the ranks that had it."""
+    def mine(section: str, reshard: Any = Adaptation.reshard, owed: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's tensors of ``section``: none of a name this rank did not have (on as many ranks). On another
+        number of ranks, the reshard of the rows of the ranks that had it, or with ``owed`` (a residual: a rank
+        without one owed nothing) of every rank's floating rows, the zeros of those that had none counted in."""
         out = {}
-        for name, t in saved.get(section, {}).items():
+        for name, stacked in saved.get(section, {}).items():
             missing = absent.get(section, {}).get(name, [])
             if same_world and rank in missing:
                 continue
-            rows = t[[r for r in range(t.shape[0]) if r not in missing]] if missing and not same_world else t
+            rows = stacked
+            if missing and not same_world and not (owed and stacked.is_floating_point()):
+                rows = stacked[[r for r in range(stacked.shape[0]) if r not in missing]]
             out[name] = reshard(rows, rank, same_world).to(device)
         return out
 
-    state.compressor.load_state_dict(dict(mine("compressor")))
-    restored: dict[str, dict[str, Any]] = {"residuals": mine("residuals")}
+    state.compressor.load_state_dict(dict(mine("compressor", owed=True)))
+    restored: dict[str, dict[str, Any]] = {"residuals": mine("residuals", owed=True)}
     for part in state.carry.adaptations:
         restored[part.name] = mine(part.name, part.reshard) if part.per_rank else saved.get(part.name, {})
     state.carry.load_state_dict(restored)

@@ -274,7 +274,7 @@ class GraVACStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Lightning calls this on every rank and rank 0 alone writes: every rank's state is gathered to it.
-        checkpoint[CHECKPOINT_KEY] = saved_compression(self.compression_state, self.world_size)
+        checkpoint[CHECKPOINT_KEY] = saved_compression(self.compression_state, self.world_size, self.root_device)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
