@@ -542,12 +542,12 @@ class OuterUpdate(Adaptation):
                         self._optimizer.state.pop(p, None)
                         continue
                     live = self._optimizer.state[p]
-                    for slot, value in self._kept_as_saved(name, inner[name]).items():
+                    for slot, value in inner[name].items():
                         held = live.get(slot)
-                        if isinstance(held, Tensor) and isinstance(value, Tensor) and held.shape == value.shape:
+                        if isinstance(held, Tensor) and held.shape == value.shape:
                             held.copy_(value)  # in place: the optimizer's own tensor
                         else:
-                            live[slot] = value
+                            live[slot] = _placed(value, p)
             self._inner = {name: self._kept_as_saved(name, slots) for name, slots in began.items()}
         self._resumed = {}
 
@@ -561,15 +561,20 @@ class OuterUpdate(Adaptation):
             held = live.get(slot)
             if isinstance(held, Tensor) and held.shape == value.shape:
                 kept[slot] = held.detach().clone().copy_(value)
-            else:  # a slot the live state lacks: a step count (a scalar) on the CPU as torch's optimizers keep it
-                # unless capturable or fused (untested on CUDA here: no GPU)
-                kept[slot] = value.cpu().clone() if value.dim() == 0 else value.to(self._params[name].device)
+            else:
+                kept[slot] = _placed(value, self._params[name])
         return kept
 
 
 def _copied(state: dict[str, Any]) -> dict[str, Any]:
     """One parameter's optimizer state, copied (its tensors cloned)."""
     return {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in state.items()}
+
+
+def _placed(value: Tensor, param: Tensor) -> Tensor:
+    """A saved optimizer slot the live state lacks, where torch's optimizers keep it: a step count (a scalar) on the
+    CPU (unless capturable or fused; untested on CUDA here: no GPU), any other with its parameter."""
+    return value.cpu().clone() if value.dim() == 0 else value.to(param.device)
 
 
 def _say_lost() -> None:

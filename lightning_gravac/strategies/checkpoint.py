@@ -52,7 +52,6 @@ def gather_rows(
     if not union:
         return {}, {}
     names = sorted(union)
-    absent = {name: [r for r, rank_specs in enumerate(every) if name not in rank_specs] for name in names}
     if device is None:  # an accelerator's where any tensor is on one (a counter kept on the CPU joins it)
         device = next((t.device for t in mine.values() if t.device.type != "cpu"), torch.device("cpu"))
     local = torch.cat(
@@ -79,6 +78,7 @@ def gather_rows(
         stacked.view(world_size, numel).view(torch.uint8).copy_(rows[:, offset : offset + size])
         out[name] = stacked
         offset += size
+    absent = {name: [r for r, rank_specs in enumerate(every) if name not in rank_specs] for name in names}
     return out, {name: ranks for name, ranks in absent.items() if ranks}
 
 

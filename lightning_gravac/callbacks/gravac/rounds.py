@@ -67,11 +67,16 @@ def fitting_length(compute: float, round_s: float, steps_left: float, done: int 
     """The shortest round whose communication adds at most :data:`WITHIN_LIMIT` of ``compute`` a step, else the
     longest, among those that keep the fit's rounds (``done`` of them already) at :data:`MIN_ROUNDS` or more; ``None``
     when none does."""
-    allowed = [h for h in LENGTHS if h * (MIN_ROUNDS - done) <= steps_left]
+    allowed = allowed_lengths(steps_left, done)
     if not allowed:
         return None
     fitting = [h for h in allowed if round_s / h <= WITHIN_LIMIT * compute]
     return fitting[0] if fitting else allowed[-1]
+
+
+def allowed_lengths(steps_left: float, done: int = 0) -> list[int]:
+    """The round lengths that keep the fit's rounds (``done`` of them already) at :data:`MIN_ROUNDS` or more."""
+    return [h for h in LENGTHS if h * (MIN_ROUNDS - done) <= steps_left]
 
 
 @dataclass(kw_only=True)
@@ -138,7 +143,7 @@ class Rounds(Checkpointed):
         budget allows, its work taking no time, would save enough. Only then is that work worth timing."""
         if not self.allowed or self.every or link is None or budget <= 0:
             return False
-        allowed = [h for h in LENGTHS if h * MIN_ROUNDS <= budget - steps_done]
+        allowed = allowed_lengths(budget - steps_done)
         if not allowed:
             return False
         every_step = cost.seconds(link, every_step_cf, cost.dense_bytes, rungs)
