@@ -11,7 +11,9 @@ default's warm-up under Adam sends it; then, by row:
   freeze, without compression);
 - ``local<H>``: rounds of ``H`` local steps of AdamW from the warm-up's end, each round's change averaged in QSGD's
   4-bit codes (``OuterUpdate``, as the default starts it mid-fit);
-- ``local<H> held``: the same rounds, each inner step AdamW with the second moment held from the warm-up's end.
+- ``local<H> held``: the same rounds, each inner step AdamW with the second moment held from the warm-up's end;
+- ``held refresh<K>``: as ``held``, the held value replaced by the exact running one every ``K`` steps;
+- ``held per tensor``: as ``held``, each tensor's held value rescaled by how the mean of its exact one moved.
 
 ``--optimizer adamw`` trains an SGD task with AdamW (the matrix's learning rates). Prints one JSON line a row.
 """
@@ -36,9 +38,16 @@ from lightning_gravac.launch import run_distributed
 
 class HeldAdamW(torch.optim.AdamW):
     """AdamW whose bias-corrected second moment is held from step ``hold_from`` on: each parameter's step is then
-    its first moment over the held ``sqrt(v_hat) + eps`` (momentum SGD with a fixed per-coordinate step size)."""
+    its first moment over the held ``sqrt(v_hat) + eps`` (momentum SGD with a fixed per-coordinate step size).
+
+    Two ways to move the held value, each told the exact average's running second moment (which Adam keeps updating
+    here, unread otherwise): ``refresh`` > 0 takes it every ``refresh`` steps (0/1 Adam's refresh with the exact
+    value, the best any refresh from compressed traffic could do); ``per_tensor`` rescales each tensor's held value
+    by how its mean moved (one number a tensor, what a few scalars a step could share)."""
 
     hold_from = math.inf
+    refresh = 0
+    per_tensor = False
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -57,11 +66,17 @@ class HeldAdamW(torch.optim.AdamW):
                     continue
                 state = self.state[p]
                 if "held" not in state:
-                    state["held"] = (state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))).sqrt_().add_(eps)
+                    state["held"] = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))  # v_hat at the hold
                 state["step"] += 1
+                t = float(state["step"])
                 state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                exact = state["exp_avg_sq"] / (1 - beta2**t)
+                if self.refresh and (t - 1 - self.hold_from) % self.refresh == self.refresh - 1:
+                    state["held"] = exact
+                held = state["held"] * (exact.mean() / state["held"].mean()) if self.per_tensor else state["held"]
                 p.mul_(1 - lr * decay)
-                p.addcdiv_(state["exp_avg"], state["held"], value=-lr / (1 - beta1 ** float(state["step"])))
+                p.addcdiv_(state["exp_avg"], held.sqrt().add_(eps), value=-lr / (1 - beta1**t))
         return loss
 
 
@@ -80,7 +95,7 @@ class StartRounds(pl.Callback):
 
 def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimizer: str) -> dict[str, Any]:
     warm_up = math.ceil(0.1 * steps)
-    held = row == "held" or row.endswith(" held")
+    held = row == "held" or row.endswith(" held") or row.startswith("held ")
     every = int(row.removeprefix("local").removesuffix(" held")) if row.startswith("local") else 0
 
     def adamw(make: Any) -> Any:
@@ -93,6 +108,8 @@ def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimize
         out = HeldAdamW(group["params"], lr=group["lr"], betas=group["betas"],
                         eps=group["eps"], weight_decay=group["weight_decay"])  # fmt: skip
         out.hold_from = warm_up
+        out.refresh = int(row.removeprefix("held refresh")) if row.startswith("held refresh") else 0
+        out.per_tensor = row == "held per tensor"
         return out
 
     make_task, use_adamw = matrix.make_task, matrix.use_adamw
