@@ -451,9 +451,10 @@ def _train(
     optimizer: str,
     sgd_lr: float | None = None,
     evals: int = 0,
+    seed: int = 0,
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
-    pl.seed_everything(0)
+    pl.seed_everything(seed)
     dgc = row.startswith("dgc")
     spec = make_task(task, scale, momentum_in_optimizer=not dgc)
     momentum = spec["momentum"] if optimizer == "task" else 0.0  # the task's SGD momentum, which DGC applies itself
@@ -498,6 +499,7 @@ def _run(task: str, row: str, args: argparse.Namespace, steps: int, cap: float) 
     return run_distributed(
         _train, world_size=2, timeout=cap * 2 + 600, task=task, row=row, scale=args.scale, steps=steps, cap=cap,
         optimizer=args.optimizer, sgd_lr=args.sgd_lr, evals=args.evals if steps == args.steps else 0,
+        seed=getattr(args, "seed", 0),
     )[0]  # fmt: skip
 
 
@@ -921,6 +923,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument(
         "--repeats", type=int, default=1, help="times each task is run (tables: medians, paired regrets' range)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the seed of the models' initialisation, dropout and shuffling"
     )
     parser.add_argument(
         "--report", metavar="JSON", help="write the tables and the heatmap again from a saved run's matrix.json"
