@@ -1,5 +1,5 @@
 """Two small 2-rank fits whose mid-run checkpoints are kept in ``tests/data/``: the format a release saved, which
-every later version must load and resume bit for bit (``tests/test_saved_checkpoints.py``).
+every later version must load and resume to the uninterrupted run's weights (``tests/test_saved_checkpoints.py``).
 
 Top-level, so that spawned ranks can import it. ``python tests/saved_runs.py`` (from the repository root) runs each
 fit whole, keeps its checkpoint at :data:`SAVED_AT` steps with the whole run's final weights beside it, and writes
