@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +37,15 @@ from lightning_gravac.adaptations import OuterUpdate
 from lightning_gravac.launch import run_distributed
 
 
-class HeldAdamW(torch.optim.AdamW):
-    """AdamW whose bias-corrected second moment is held from step ``hold_from`` on: each parameter's step is then
-    its first moment over the held ``sqrt(v_hat) + eps`` (momentum SGD with a fixed per-coordinate step size).
+class SwitchedAdamW(torch.optim.AdamW):
+    """torch's AdamW until its parameters have taken ``switch`` steps; from then on each parameter with a gradient is
+    stepped by :meth:`switched_step` (its step count not yet advanced)."""
 
-    Two ways to move the held value, each told the exact average's running second moment (which Adam keeps updating
-    here, unread otherwise): ``refresh`` > 0 takes it every ``refresh`` steps (0/1 Adam's refresh with the exact
-    value, the best any refresh from compressed traffic could do); ``per_tensor`` rescales each tensor's held value
-    by how its mean moved (one number a tensor, what a few scalars a step could share)."""
+    switch = math.inf
 
-    hold_from = math.inf
-    refresh = 0
-    per_tensor = False
+    def after_switch(self) -> bool:
+        first = next(iter(self.state.values()), None)
+        return first is not None and float(first["step"]) >= self.switch
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -55,29 +53,72 @@ class HeldAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        first = next(iter(self.state.values()), None)
-        if first is None or float(first["step"]) < self.hold_from:
+        if not self.after_switch():
             super().step()
             return loss
         for group in self.param_groups:
-            (beta1, beta2), lr, decay, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "held" not in state:
-                    state["held"] = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))  # v_hat at the hold
-                state["step"] += 1
-                t = float(state["step"])
-                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                exact = state["exp_avg_sq"] / (1 - beta2**t)
-                if self.refresh and (t - 1 - self.hold_from) % self.refresh == self.refresh - 1:
-                    state["held"] = exact
-                held = state["held"] * (exact.mean() / state["held"].mean()) if self.per_tensor else state["held"]
-                p.mul_(1 - lr * decay)
-                p.addcdiv_(state["exp_avg"], held.sqrt().add_(eps), value=-lr / (1 - beta1**t))
+                if p.grad is not None:
+                    self.switched_step(p, group, self.state[p])
         return loss
+
+    def switched_step(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def of(cls, opt: torch.optim.Optimizer) -> Any:
+        """The same optimizer as this class: ``opt`` must be one group of torch's AdamW (exits otherwise)."""
+        if type(opt) is not torch.optim.AdamW or len(opt.param_groups) != 1:
+            raise SystemExit(f"This row needs one group of torch's AdamW (--optimizer adamw); the task has {opt!r}.")
+        group = opt.param_groups[0]
+        return cls(group["params"], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                   weight_decay=group["weight_decay"])  # fmt: skip
+
+
+def wrap_optimizers(wrap: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]) -> None:
+    """Make the matrix's tasks (their own optimizer, or AdamW by ``--optimizer adamw``) train with ``wrap`` of it."""
+    make_task, use_adamw = matrix.make_task, matrix.use_adamw
+
+    def task(name: str, scale: float, momentum_in_optimizer: bool = True) -> dict[str, Any]:
+        spec = make_task(name, scale, momentum_in_optimizer)
+        own = spec["model"].configure_optimizers
+        spec["model"].configure_optimizers = lambda: wrap(own())
+        return spec
+
+    def adamw(model: pl.LightningModule, lr: float) -> None:
+        use_adamw(model, lr)
+        own = model.configure_optimizers
+        model.configure_optimizers = lambda: wrap(own())  # type: ignore[method-assign]
+
+    matrix.make_task, matrix.use_adamw = task, adamw
+
+
+class HeldAdamW(SwitchedAdamW):
+    """AdamW whose bias-corrected second moment is held from step ``switch`` on: each parameter's step is then its
+    first moment over the held ``sqrt(v_hat) + eps`` (momentum SGD with a fixed per-coordinate step size).
+
+    Two ways to move the held value, each told the exact average's running second moment (which Adam keeps updating
+    here, unread otherwise): ``refresh`` > 0 takes it every ``refresh`` steps (0/1 Adam's refresh with the exact
+    value, the best any refresh from compressed traffic could do); ``per_tensor`` rescales each tensor's held value
+    by how its mean moved (one number a tensor, what a few scalars a step could share)."""
+
+    refresh = 0
+    per_tensor = False
+
+    def switched_step(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        (beta1, beta2), lr, decay, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
+        if "held" not in state:
+            state["held"] = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))  # v_hat at the hold
+        state["step"] += 1
+        t = float(state["step"])
+        state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        exact = state["exp_avg_sq"] / (1 - beta2**t)
+        if self.refresh and (t - 1 - self.switch) % self.refresh == self.refresh - 1:
+            state["held"] = exact
+        held = state["held"] * (exact.mean() / state["held"].mean()) if self.per_tensor else state["held"]
+        p.mul_(1 - lr * decay)
+        p.addcdiv_(state["exp_avg"], held.sqrt().add_(eps), value=-lr / (1 - beta1**t))
 
 
 class StartRounds(pl.Callback):
@@ -98,34 +139,16 @@ def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimize
     held = row == "held" or row.endswith(" held") or row.startswith("held ")
     every = int(row.removeprefix("local").removesuffix(" held")) if row.startswith("local") else 0
 
-    def adamw(make: Any) -> Any:
-        opt = make()
+    def held_or_not(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if not held:
             return opt
-        if type(opt) is not torch.optim.AdamW or len(opt.param_groups) != 1:
-            raise SystemExit(f"A held row needs one group of torch's AdamW (--optimizer adamw); the task has {opt!r}.")
-        group = opt.param_groups[0]
-        out = HeldAdamW(group["params"], lr=group["lr"], betas=group["betas"],
-                        eps=group["eps"], weight_decay=group["weight_decay"])  # fmt: skip
-        out.hold_from = warm_up
+        out = HeldAdamW.of(opt)
+        out.switch = warm_up
         out.refresh = int(row.removeprefix("held refresh")) if row.startswith("held refresh") else 0
         out.per_tensor = row == "held per tensor"
         return out
 
-    make_task, use_adamw = matrix.make_task, matrix.use_adamw
-
-    def task_with_held(name: str, scale: float, momentum_in_optimizer: bool = True) -> dict[str, Any]:
-        spec = make_task(name, scale, momentum_in_optimizer)
-        own = spec["model"].configure_optimizers
-        spec["model"].configure_optimizers = lambda: adamw(own)
-        return spec
-
-    def adamw_held(model: pl.LightningModule, lr: float) -> None:
-        use_adamw(model, lr)
-        own = model.configure_optimizers
-        model.configure_optimizers = lambda: adamw(own)  # type: ignore[method-assign]
-
-    matrix.make_task, matrix.use_adamw = task_with_held, adamw_held
+    wrap_optimizers(held_or_not)
     # QSGD at factor 1 sends every step whole, bit for bit stock DDP's; the rounds' change in its 4-bit codes.
     matrix.make_row = lambda *_, **__: (GraVACStrategy("qsgd"), [Static(cf=1), StartRounds(warm_up, every)])
     return matrix._train(rank, world_size, task=task, row=row, scale=0.25, steps=steps, cap=1e9, optimizer=optimizer)

@@ -27,58 +27,39 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).parent))
 import matrix
+from adam_local_steps import SwitchedAdamW, wrap_optimizers
 
 from lightning_gravac.launch import run_distributed
 
 ROWS = ("dense", "check", "per-rank", "blended")
 
 
-class AveragedSteps(torch.optim.AdamW):
+class AveragedSteps(SwitchedAdamW):
     """AdamW until step ``switch``; from then on ``.grad`` holds the averaged step direction the hook made (or, in
     the ``check`` row, the averaged first moment), applied with AdamW's decoupled decay and bias correction."""
 
-    switch = math.inf
     row = "dense"
 
-    def after_switch(self) -> bool:
-        first = next(iter(self.state.values()), None)
-        return first is not None and float(first["step"]) >= self.switch
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.after_switch():
-            super().step()
-            return loss
-        for group in self.param_groups:
-            (beta1, beta2), lr, decay, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] += 1
-                t = float(state["step"])
-                p.mul_(1 - lr * decay)
-                if self.row == "check":  # the averaged moment: the whole batch's gradient and second moment follow
-                    m = p.grad
-                    g = (m - beta1 * state["exp_avg"]) / (1 - beta1)
-                    state["exp_avg"].copy_(m)
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                    denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(eps)
-                    p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
-                else:
-                    p.add_(p.grad, alpha=-lr / (1 - beta1**t))
-        return loss
+    def switched_step(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        (beta1, beta2), lr, decay, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
+        state["step"] += 1
+        t = float(state["step"])
+        p.mul_(1 - lr * decay)
+        if self.row == "check":  # the averaged moment: the whole batch's gradient and second moment follow
+            m = p.grad
+            g = (m - beta1 * state["exp_avg"]) / (1 - beta1)
+            state["exp_avg"].copy_(m)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(eps)
+            p.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+        else:
+            p.add_(p.grad, alpha=-lr / (1 - beta1**t))
 
 
 def direction_hook(optimizer_of: Any) -> Any:
@@ -119,34 +100,18 @@ def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimize
     made: list[AveragedSteps] = []
 
     def averaged(opt: torch.optim.Optimizer) -> AveragedSteps:
-        if type(opt) is not torch.optim.AdamW or len(opt.param_groups) != 1:
-            raise SystemExit(f"This needs one group of torch's AdamW (--optimizer adamw); the task has {opt!r}.")
-        group = opt.param_groups[0]
-        out = AveragedSteps(group["params"], lr=group["lr"], betas=group["betas"],
-                            eps=group["eps"], weight_decay=group["weight_decay"])  # fmt: skip
+        out = AveragedSteps.of(opt)
         out.switch, out.row = (math.inf if row == "dense" else math.ceil(0.1 * steps)), row
         made.append(out)
         return out
 
-    make_task, use_adamw = matrix.make_task, matrix.use_adamw
-
-    def task_averaged(name: str, scale: float, momentum_in_optimizer: bool = True) -> dict[str, Any]:
-        spec = make_task(name, scale, momentum_in_optimizer)
-        own = spec["model"].configure_optimizers
-        spec["model"].configure_optimizers = lambda: averaged(own())
-        return spec
-
-    def adamw_averaged(model: pl.LightningModule, lr: float) -> None:
-        use_adamw(model, lr)
-        own = model.configure_optimizers
-        model.configure_optimizers = lambda: averaged(own())  # type: ignore[method-assign]
+    wrap_optimizers(averaged)
 
     class Hooked(DDPStrategy):
         def _register_ddp_hooks(self) -> None:
             assert self.model is not None
             self.model.register_comm_hook(None, direction_hook(lambda: made[-1]))
 
-    matrix.make_task, matrix.use_adamw = task_averaged, adamw_averaged
     matrix.make_row = lambda *_, **__: (Hooked(), [])
     return matrix._train(rank, world_size, task=task, row=row, scale=0.25, steps=steps, cap=1e9, optimizer=optimizer)
 
