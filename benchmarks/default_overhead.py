@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.25)
     parser.add_argument("--json", help="also write the raw figures here")
     args = parser.parse_args()
-    run_args = argparse.Namespace(scale=args.scale, optimizer="task", sgd_lr=None, evals=0, steps=args.steps)
+    run_args = argparse.Namespace(scale=args.scale, optimizer="task", sgd_lr=None, evals=0, steps=args.steps, seed=0)
     results: dict[str, Any] = {}
     for task in args.tasks:
         runs: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}

@@ -499,7 +499,7 @@ def _run(task: str, row: str, args: argparse.Namespace, steps: int, cap: float) 
     return run_distributed(
         _train, world_size=2, timeout=cap * 2 + 600, task=task, row=row, scale=args.scale, steps=steps, cap=cap,
         optimizer=args.optimizer, sgd_lr=args.sgd_lr, evals=args.evals if steps == args.steps else 0,
-        seed=getattr(args, "seed", 0),
+        seed=args.seed,
     )[0]  # fmt: skip
 
 
