@@ -70,8 +70,9 @@ def test_the_module_lists_its_recipes_and_explains_its_commands(tmp_path):
     assert "trainer.max_steps=5" in helped.stdout  # an override example
 
 
-def _run(args: list[str], timeout: int, module: bool = False, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    # As a user runs it: a fresh interpreter, no launcher variables, no W&B key (so offline), one thread a rank.
+def _run(args: list[str], timeout: int, cwd: Path, module: bool = False) -> subprocess.CompletedProcess:
+    # As a user runs it: a fresh interpreter, no launcher variables, no W&B key (so offline), one thread a rank; in a
+    # directory of the test's own, where Lightning and the recipe write what they write by default.
     drop = {*LAUNCHER_VARIABLES, "WANDB_API_KEY", "WANDB_MODE"}
     env = {k: v for k, v in os.environ.items() if k not in drop} | {"OMP_NUM_THREADS": "1", "NETRC": "/nonexistent"}
     entry = ["-m", "lightning_gravac"] if module else [str(ROOT / "recipes" / "run.py")]
@@ -110,7 +111,7 @@ def test_recipe_trains_two_steps_on_synthetic_data_with_two_cpu_ranks(recipe, tm
     ]  # fmt: skip
     if "cifar" in recipe:
         overrides.append("data.init_args.num_workers=0")
-    done = _run([recipe, *overrides], 420)
+    done = _run([recipe, *overrides], 420, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "traffic saved" in done.stdout
     (run_dir,) = tmp_path.glob("wandb/offline-run-*")
