@@ -28,6 +28,8 @@ REACHABLE = {
     "dgc": [10, 100],
     "efsignsgd": [32],
     "fp16": [2],
+    "int4": [8],  # 4.25 bits an entry at 128-entry blocks: 7.5x
+    "int8": [4],
     "natural": [4],  # a byte an entry
     "none": [1],
     "onebit": [25.6],  # 256 bits and 2 fp32 means a column of 256 fp32 entries

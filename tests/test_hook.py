@@ -143,6 +143,8 @@ CASES = {
     "efsignsgd-bucket-gather": Case("efsignsgd", 32, "bucket", 25, GATHER),
     "qsgd-layer-gather": Case("qsgd", 10, "layer", 25, GATHER),
     "terngrad-layer-gather": Case("terngrad", 16, "layer", 25, GATHER),
+    "int8-layer-gather": Case("int8", 4, "layer", 0.005, GATHER),
+    "int4-bucket-gather": Case("int4", 8, "bucket", 25, GATHER),
     # The method added through docs/design.md's path: no change to the hook or the communicators.
     "natural-layer-gather": Case("natural", 4, "layer", 25, GATHER),
 }

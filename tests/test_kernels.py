@@ -474,6 +474,25 @@ def test_qsgd_kernel_on_threads_with_nan_and_inf_buckets_packs_the_eager_bits(bu
             assert torch.equal(fast.nan_to_num(), slow.nan_to_num())
 
 
+@pytest.mark.parametrize("block_size", [96, 100, 200_000])  # whole groups of 8 codes, cut groups, fewer than threads
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_block_code_kernel_packs_and_decodes_the_eager_bits(name, block_size, eager, threads):
+    # Above the multi-thread threshold, with a block of zeros (scale 0: every code the zero level), a negative zero, a
+    # block holding an inf and one holding a NaN (sent non-finite both ways), and ties at half a level.
+    g = _student(300_003, 7)
+    g[:block_size] = 0.0
+    g[block_size + 3] = -0.0
+    g[250_000], g[280_000] = math.inf, math.nan
+    method = get_compressor(name, block_size=block_size)
+    for fast, slow in zip(*_quantized_both_ways(method, g, method.fixed_cf, -g.flip(0), eager), strict=True):
+        if fast.dtype == torch.float64 and fast.dim() == 0:  # the energy: NaN both ways
+            assert math.isnan(fast) == math.isnan(slow)
+        else:
+            assert torch.equal(fast.nan_to_num(), slow.nan_to_num())
+    for *_, decoded, _ in _quantized_both_ways(method, g, method.fixed_cf, g, eager):
+        assert torch.equal(decoded[:block_size], torch.zeros(block_size)) and not decoded[:block_size].signbit().any()
+
+
 @pytest.mark.parametrize("clip_std", [2.5, None])
 def test_terngrad_kernel_packs_and_decodes_the_eager_bits(clip_std, eager, threads):
     g = _student(50_003, 3)

@@ -11,6 +11,7 @@ from lightning_gravac.compressors.base import (
     sparse_k,
     validate_cf,
 )
+from lightning_gravac.compressors.blockwise import BlockCode, Int4, Int8
 from lightning_gravac.compressors.cast import BF16, FP16
 from lightning_gravac.compressors.dgc import DGC
 from lightning_gravac.compressors.efsignsgd import EFSignSGD
@@ -34,8 +35,11 @@ __all__ = [
     "FP16",
     "QSGD",
     "AdaQ",
+    "BlockCode",
     "Compressor",
     "EFSignSGD",
+    "Int4",
+    "Int8",
     "MultiRound",
     "Natural",
     "NoCompression",

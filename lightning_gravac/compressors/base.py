@@ -97,6 +97,9 @@ class Compressor(ABC):
             no factor to search.
         near_lossless: whether what is sent is the gradient up to rounding (a 16-bit cast, or nothing done), so that
             an optimizer that scales each coordinate (Adam) trains as with dense gradients.
+        near_exact: whether every entry is sent every step within a small bound of its block's scale (the block
+            codes), so that the optimizer's state stays in the optimizer and an adaptive one (Adam) takes the decoded
+            gradient as it takes a dense one; error feedback carries the rounding to the next step.
         wire_dtype: for a method whose payload is one tensor of the input's numel in this dtype (the casts), which
             :meth:`compress_into` writes into a buffer the caller keeps; ``None`` for every other method.
     """
@@ -110,6 +113,7 @@ class Compressor(ABC):
     layerwise: ClassVar[bool] = False
     fixed_cf: ClassVar[float | None] = None
     near_lossless: ClassVar[bool] = False
+    near_exact: ClassVar[bool] = False
     wire_dtype: ClassVar[torch.dtype | None] = None
 
     @property

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_gravac.compressors import kernels
-from lightning_gravac.compressors.base import Compressor, Payload, note_clamped, register_compressor
-from lightning_gravac.compressors.packing import pack_bits, unpack_bits
+from lightning_gravac.compressors.base import Payload, note_clamped, register_compressor
+from lightning_gravac.compressors.levels import LevelCodes, code_bits
+from lightning_gravac.compressors.packing import pack_bits
 from lightning_gravac.compressors.select import stream_key
 from lightning_gravac.compressors.uniform import uniforms
 
@@ -17,7 +18,7 @@ _NORM_BITS = 32
 
 
 @register_compressor
-class QSGD(Compressor):
+class QSGD(LevelCodes):
     """Per bucket ``v`` of ``bucket_size`` entries: ``||v|| sign(v_i) l_i / s``, with the level ``l_i`` in ``0..s``
     drawn by stochastic rounding of ``s |v_i| / ||v||`` to a neighbouring integer, so that the expectation is ``v_i``.
 
@@ -43,6 +44,7 @@ class QSGD(Compressor):
         if bucket_size < 1:
             raise ValueError(f"`bucket_size` must be >= 1, got {bucket_size!r}.")
         self.levels, self.bucket_size, self.seed = levels, bucket_size, seed
+        self.group = bucket_size
         self.rank = 0
 
     def setup(self, world_size: int, rank: int = 0) -> None:
@@ -73,54 +75,19 @@ class QSGD(Compressor):
         scales = s / norms.clamp(min=torch.finfo(torch.float32).tiny)
         stream = stream_key(self.seed, step, key, self.rank)
         if kernels.usable(flat):  # draws, levels and bits in one pass
-            packed = kernels.qsgd_encode(flat, scales, self.bucket_size, s, _bits(s), stream)
+            packed = kernels.qsgd_encode(flat, scales, self.bucket_size, s, code_bits(s), stream)
         else:
             buckets = F.pad(flat, (0, -flat.numel() % self.bucket_size)).view(-1, self.bucket_size)
             noise = uniforms(stream, buckets.numel(), flat.device).view_as(buckets)
             level = buckets.abs().mul_(scales.unsqueeze(1)).add_(noise).floor_().clamp_(max=s)
             level.nan_to_num_(nan=0.0)  # 0 times a zero bucket's infinite scale (s / tiny overflows for s >= 4)
-            packed = pack_bits(level.copysign_(buckets).add_(s).view(-1)[: flat.numel()], _bits(s))
+            packed = pack_bits(level.copysign_(buckets).add_(s).view(-1)[: flat.numel()], code_bits(s))
         # `s` is derived from `cf` identically on every rank: it decodes locally and never crosses the network.
         levels = torch.tensor(s)
         payload = Payload((packed, norms), tensor.shape, tensor.dtype, derived=(levels,))
         if flat.numel() >= self.bucket_size:  # a smaller tensor pays a whole bucket's norm: its size sets its factor
             note_clamped(self, cf, self.achieved_cf(payload))
         return payload
-
-    def decompress(self, payload: Payload) -> Tensor:
-        packed, norms = payload.wire
-        numel = payload.shape.numel()
-        s = int(payload.derived[0])
-        out = torch.zeros(numel, dtype=torch.float32, device=packed.device)
-        if kernels.usable(out) and packed.is_contiguous():  # (code - s) * step, as below, in one pass
-            kernels.codes_add_(out, packed, _bits(s), s, (norms / s).float().contiguous(), self.bucket_size, 1.0)
-            return out.to(payload.dtype).view(payload.shape)
-        codes = unpack_bits(packed, _bits(s), numel).float().sub_(s)
-        values = F.pad(codes, (0, -numel % self.bucket_size)).view(-1, self.bucket_size)
-        values.mul_((norms / s).unsqueeze(1))
-        return values.view(-1)[:numel].to(payload.dtype).view(payload.shape)
-
-    def sent_sq_norm(self, payload: Payload) -> Tensor:
-        # Per bucket, the integer sum of the squared levels times (norm / s)^2: from the packed codes alone.
-        packed, norms = payload.wire
-        # fp32 payloads only: a 16-bit one decodes with one more rounding, which the closed form does not see.
-        if not (payload.dtype == torch.float32 and kernels.usable(norms) and packed.is_contiguous()):
-            return super().sent_sq_norm(payload)
-        s = int(payload.derived[0])
-        levels = kernels.codes_sq(packed, payload.shape.numel(), _bits(s), s, self.bucket_size)
-        steps = (norms / s).float().double()  # decoding's fp32 step
-        return (levels.double() * steps.square()).sum()
-
-    def aggregate_(self, out: Tensor, stacked: Payload, scale: float) -> None:
-        # Each rank's decoded values times `scale` (rounded), added in rank order; one pass a rank with the kernel.
-        s = int(stacked.derived[0])
-        for packed, norms in zip(*stacked.wire, strict=True):
-            steps = (norms / s).float().contiguous()
-            if kernels.usable(out) and packed.is_contiguous():
-                kernels.codes_add_(out, packed, _bits(s), s, steps, self.bucket_size, scale)
-            else:
-                row = Payload((packed, norms), stacked.shape, stacked.dtype, derived=stacked.derived)
-                out.add_(self.decompress(row).view(-1).mul_(scale))
 
     def __repr__(self) -> str:
         return f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"
@@ -134,8 +101,3 @@ def _bucket_norms(flat: Tensor, size: int) -> Tensor:
     if whole == flat.numel():
         return norms
     return torch.cat([norms, torch.linalg.vector_norm(flat[whole:]).view(1)])
-
-
-def _bits(levels: int) -> int:
-    """Bits of a code in ``[0, 2 levels]``."""
-    return math.ceil(math.log2(2 * levels + 1))

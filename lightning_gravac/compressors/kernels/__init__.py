@@ -7,15 +7,15 @@ block's peak takes two row reductions (``amax``, ``amin``), the entries above a 
 threads, with the same results bit for bit (``tests/test_kernels.py`` checks them against the eager path): block peaks
 and scans (the sparsifiers; of ``-x`` without a negated copy, and both signs' peaks in one read, for AdaQ), the sparse
 decode (``index_add_``'s sums, prefetching the positions), error feedback's sum, DGC's momentum and velocity update,
-sign packing, decoding and the majority vote, counter-based draws, QSGD's and TernGrad's codes and their decode, the
-codes' exact integer energy (the statistics header), 1-bit SGD's column sums (in float64, a single column in float32
-lanes of 32 entries first: close to the eager float32 sums, not equal) and decode, natural compression's bytes and
-decode, and the 16-bit casts with both header norms in the same pass. Not bit for bit by design: the float64 norms
-found beside a pass (error feedback's ``||x||^2``: summed exactly per entry, where the eager path sums fp32 chunk
-norms), TernGrad's standard deviation and extremes in one read (the deviation in float64, accurate where the eager fp32
-``std`` is not), and PowerSGD's three products with the gradient, ``M Q``, ``M^T P`` and ``M += alpha P Q^T``, at
-ranks up to 32 where the CPU has AVX-512 (BLAS is slow on these tall-skinny products on some CPUs; these sum in another
-order, to about BLAS's accuracy).
+sign packing, decoding and the majority vote, counter-based draws, QSGD's, TernGrad's and the block codes' codes and
+their decode, the codes' exact integer energy (the statistics header), 1-bit SGD's column sums (in float64, a single
+column in float32 lanes of 32 entries first: close to the eager float32 sums, not equal) and decode, natural
+compression's bytes and decode, and the 16-bit casts with both header norms in the same pass. Not bit for bit by design:
+the float64 norms found beside a pass (error feedback's ``||x||^2``: summed exactly per entry, where the eager path sums
+fp32 chunk norms), TernGrad's standard deviation and extremes in one read (the deviation in float64, accurate where the
+eager fp32 ``std`` is not), and PowerSGD's three products with the gradient, ``M Q``, ``M^T P`` and ``M += alpha P
+Q^T``, at ranks up to 32 where the CPU has AVX-512 (BLAS is slow on these tall-skinny products on some CPUs; these sum
+in another order, to about BLAS's accuracy).
 
 The package: this module wraps each kernel in a function of tensors; ``library.py`` builds, caches and loads the shared
 library, with one table of the C functions' ctypes signatures; the C files hold a family of kernels each, named for it
@@ -164,6 +164,18 @@ def qsgd_encode(values: Tensor, scales: Tensor, bucket: int, levels: int, bits: 
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
     _loaded().lg_qsgd_encode(
         values.data_ptr(), n, scales.data_ptr(), bucket, levels, bits, stream, out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
+def block_encode(values: Tensor, scales: Tensor, block: int, levels: int, bits: int) -> Tensor:
+    """The block codes' packed codes of the flat fp32 ``values`` in one pass: entry ``i`` of block ``b`` gets
+    ``min(floor(|x| scales[b] + 1/2), levels)`` (the nearest level) with ``x``'s sign, plus ``levels``, in ``bits``
+    bits; ``scales`` (fp32) is ``levels / absmax_b`` per block, 0 for a block of zeros. The eager path's bits."""
+    n = values.numel()
+    out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
+    _loaded().lg_block_encode(
+        values.data_ptr(), n, scales.data_ptr(), block, levels, bits, out.data_ptr(), torch.get_num_threads()
     )
     return out
 

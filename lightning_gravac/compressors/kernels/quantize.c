@@ -1,7 +1,7 @@
 /*
- * Stochastic quantization (qsgd, terngrad) in one pass: uniform draws from the counter-based generator (common.h)
- * instead of a gradient-sized tensor of random numbers, and the codes packed as they are made; TernGrad's statistics;
- * the codes' decode and their exact energy.
+ * Quantization in one pass: stochastic (qsgd, terngrad), with uniform draws from the counter-based generator
+ * (common.h) instead of a gradient-sized tensor of random numbers, or to the nearest level (the block codes), the codes
+ * packed as they are made; TernGrad's statistics; the codes' decode and their exact energy.
  */
 #include "common.h"
 
@@ -95,8 +95,9 @@ static inline int code_at(const uint8_t *packed, int64_t nbytes, int bits, int64
     default: { const int bits = 8; call; } break;                                                                     \
     }
 
-/* QSGD's level of one entry: min(floor(|x| * scale + u), s) with the sign of x, offset by s (a code in [0, 2s]). */
-static inline uint8_t qsgd_code(float x, float scale, float u, int s)
+/* One entry's level, min(floor(|x| * scale + u), s), with the sign of x, offset by s (a code in [0, 2s]): QSGD's with
+ * u a draw, the nearest level with u = 1/2. */
+static inline uint8_t level_code(float x, float scale, float u, int s)
 {
     float y = fabsf(x) * scale + u;
     y = y >= 0.0f ? y : 0.0f; /* NaN (0 times a zero bucket's infinite scale): level 0, as the eager path */
@@ -110,10 +111,13 @@ static void pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t 
     CONSTANT_BITS(for (int64_t g = 0; g < groups; g++) put_codes(out + g * bits, codes + g * 8, bits));
 }
 
-/* QSGD: `scales[b]` is s / max(norm of bucket b, FLT_MIN) as float32 (computed by the caller, as the eager path). */
-void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits, uint64_t stream,
-                    uint8_t *out, int threads)
+/* The packed codes of `x`, bucket b's entries scaled by `scales[b]`: a level is floor(|x| scale + u) with u the
+ * stream's draw i (QSGD's stochastic rounding), or with u = 1/2 where `draws` is 0 (rounding to the nearest level, the
+ * block codes'). `draws` is a constant at each call, so each caller's loop is compiled without the other's branch. */
+static inline void encode_codes(const float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits,
+                                uint64_t stream, const int draws, uint8_t *out, int threads)
 {
+#define LEVEL_U(i) (draws ? uniform_at(stream, (i)) : 0.5f)
     if (bucket % 8 == 0) {
         /* A chunk of PACKS groups at a time: its codes into a byte each (a loop of draws and levels alone, which
          * vectorizes, a bucket at a time with its scale read once), then packed from cache at a constant width (one
@@ -129,14 +133,30 @@ void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t buck
                 float scale = scales[b];
                 last = (b + 1) * bucket < end ? (b + 1) * bucket : end;
                 for (int64_t i = first; i < last; i++)
-                    codes[i - start] = qsgd_code(x[i], scale, uniform_at(stream, i), s);
+                    codes[i - start] = level_code(x[i], scale, LEVEL_U(i), s);
             }
             pack_groups(codes, (end - start) / 8, bits, out + chunk * PACKS * bits);
         }
-        PACK_TAIL(qsgd_code(x[i], scales[i / bucket], uniform_at(stream, i), s));
+        PACK_TAIL(level_code(x[i], scales[i / bucket], LEVEL_U(i), s));
     } else {
-        PACK_CODES(qsgd_code(x[i], scales[i / bucket], uniform_at(stream, i), s));
+        PACK_CODES(level_code(x[i], scales[i / bucket], LEVEL_U(i), s));
     }
+#undef LEVEL_U
+}
+
+/* QSGD: `scales[b]` is s / max(norm of bucket b, FLT_MIN) as float32 (computed by the caller, as the eager path). */
+void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits, uint64_t stream,
+                    uint8_t *out, int threads)
+{
+    encode_codes(x, n, scales, bucket, s, bits, stream, 1, out, threads);
+}
+
+/* The block codes: `scales[b]` is s / (largest magnitude of block b) as float32, 0 for a block of zeros (computed by
+ * the caller, as the eager path); each entry rounded to the nearest level (a tie away from zero). */
+void lg_block_encode(const float *x, int64_t n, const float *scales, int64_t block, int s, int bits, uint8_t *out,
+                     int threads)
+{
+    encode_codes(x, n, scales, block, s, bits, 0, 0, out, threads);
 }
 
 /* TernGrad's statistics in one read: the standard deviation (n - 1 in the denominator) and the smallest and largest
