@@ -171,6 +171,10 @@ class GraVACStrategy(DDPStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            # Validating, testing or predicting: Lightning sets up no optimizer and wraps no DDP model, so nothing is
+            # sent and there is nothing to adapt (as under stock DDP).
+            return
         # Optimizers exist from here on; no gradient has been communicated yet.
         state, module = self.compression_state, self.lightning_module
         movable = self._hook_can_hold_optimizer_state()
