@@ -194,3 +194,36 @@ def test_the_mirror_writes_removes_and_leaves_alone(tmp_path):
     mirror.write()
     assert not (into / "gone").exists()
     assert (into / "__init__.py").read_text() == "from lightning_gravac.lightning._package import *\n"
+
+
+@pytest.mark.parametrize(
+    ("trainer_of", "gravac_of", "right_of"),
+    [
+        ("lightning.pytorch", "lightning_gravac", "lightning_gravac.lightning"),
+        ("pytorch_lightning", "lightning_gravac.lightning", "lightning_gravac"),
+    ],
+    ids=["lightning-trainer", "pytorch_lightning-trainer"],
+)
+def test_a_strategy_given_to_the_other_packages_trainer_names_the_right_import(trainer_of, gravac_of, right_of):
+    trainer_pl, gravac, right = map(importlib.import_module, (trainer_of, gravac_of, right_of))
+    expected = rf"^GraVACStrategy from `{gravac_of}` is built on .*`from {right_of} import GraVACStrategy`\.$"
+    with pytest.raises(ValueError, match=expected) as raised:
+        trainer_pl.Trainer(accelerator="cpu", devices=2, strategy=gravac.GraVACStrategy("topk"), logger=False)
+    assert "\n" not in str(raised.value)
+    # The right pair builds as before.
+    trainer = trainer_pl.Trainer(accelerator="cpu", devices=2, strategy=right.GraVACStrategy("topk"), logger=False)
+    assert type(trainer.strategy) is right.GraVACStrategy
+
+
+def test_a_controller_of_the_other_package_is_refused_before_a_default_joins_it():
+    import lightning.pytorch as lpl
+
+    import lightning_gravac
+    import lightning_gravac.lightning as unified
+    from lightning_gravac.lightning.zoo import TeacherRegression
+
+    trainer = lpl.Trainer(strategy=unified.GraVACStrategy("topk"), callbacks=[lightning_gravac.Static(cf=2)],
+                          max_steps=1, **trainer_kwargs(1))  # fmt: skip
+    expected = "^Static from `lightning_gravac` is built on `pytorch_lightning`, .*`from lightning_gravac.lightning"
+    with pytest.raises(ValueError, match=expected):
+        trainer.fit(TeacherRegression(width=8), loader(n=64))

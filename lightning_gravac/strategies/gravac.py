@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_gravac._flavours import mixed_up, other, visible_to_the_other_trainer
 from lightning_gravac._validation import whole
 from lightning_gravac.adaptations import LocalSteps, MomentumCorrection, OuterUpdate, Setup
 from lightning_gravac.callbacks.controller import largest_trainable
@@ -111,6 +112,8 @@ class GraVACStrategy(DDPStrategy):
                 f"GraVACStrategy registers its own DDP comm hook; remove {', '.join(clashing)} "
                 "or use DDPStrategy for a hook of your own."
             )
+        # A user of the other Lightning package who passes this class to its Trainer gets mixed_up's line.
+        visible_to_the_other_trainer(type(self), pl.__name__)
         if local_steps is not None and model_averaging_period is not None:
             raise ValueError("Pass `local_steps` or `model_averaging_period`, not both.")
         rounds = LocalSteps(every=local_steps) if isinstance(local_steps, int) else local_steps
@@ -163,7 +166,18 @@ class GraVACStrategy(DDPStrategy):
                 largest_trainable(module)
         super().setup_environment()
 
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer has handed over its accelerator: the first sight this strategy has of which package built it.
+        if not isinstance(self.accelerator, pl.accelerators.Accelerator):
+            raise mixed_up(type(self).__name__, pl.__name__)
+        super()._configure_launcher()
+
     def _attach_controller(self, trainer: "pl.Trainer") -> None:
+        # A callback of the other flavour is not found among the controllers: it would run beside a default one.
+        callbacks: list[object] = trainer.callbacks  # type: ignore[attr-defined]  # set by the callback connector
+        if stray := next((c for c in callbacks if not isinstance(c, pl.Callback)), None):
+            raise mixed_up(type(stray).__name__, other(pl.__name__))
         # Known before the process group: the devices and nodes the trainer was given.
         alone = self.num_nodes * len(self.parallel_devices or []) == 1
         self._default_controller = attach_controller(trainer, self.compressor, alone, bool(self.outer))
