@@ -8,7 +8,7 @@ Overrides use omegaconf's dotted syntax, e.g. ``trainer.max_steps=50 model.init_
 
 import sys
 
-from lightning_gravac.cli import run_recipe
+from lightning_gravac.cli import in_one_line, run_recipe
 
 if __name__ == "__main__":
-    run_recipe(sys.argv[1:])
+    in_one_line(run_recipe, sys.argv[1:])

@@ -97,6 +97,24 @@ def test_quickstart_runs_prints_the_summary_plots_and_logs_to_wandb_offline(tmp_
     assert {"gravac/gain", "gravac/achieved_cf", "train_loss"} <= set().union(*map(set, history(run_dir)))
 
 
+@pytest.mark.parametrize(
+    ("args", "module", "said"),
+    [
+        (["quickstart", "trainer.strategy.init_args.compressor=tpok"], True,
+         "lightning_gravac: GraVACStrategy: Unknown compressor 'tpok'. Known compressors: "),
+        (["quickstart", "trainer.callbacks[0].init_args.epsilon=0"], False,
+         "lightning_gravac: GraVAC: `epsilon` must be in (0, 1], got 0.0"),
+    ],
+    ids=["compressor-by-module", "epsilon-by-run.py"],
+)  # fmt: skip
+def test_an_argument_a_class_refuses_is_said_in_one_line_without_the_parsers_traceback(args, module, said, tmp_path):
+    done = _run(args, 120, cwd=tmp_path, module=module)
+    assert done.returncode == 1, done.stderr[-3000:]
+    refused = [line for line in done.stderr.splitlines() if line.startswith("lightning_gravac: ")]
+    assert len(refused) == 1 and refused[0].startswith(said), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Namespace(" not in done.stderr and "Union" not in done.stderr
+
+
 MODEL_RECIPES = [r for r in ALL_RECIPES if r != QUICKSTART]  # run from the checkout, by `recipes/run.py NAME`
 
 
