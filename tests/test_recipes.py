@@ -168,6 +168,29 @@ def test_the_run_summary_weighs_the_factors_by_bytes_and_says_when_more_was_sent
     assert "sent more on some steps" in summary.table(1.0)
 
 
+def test_the_run_summary_says_a_metric_never_logged_was_not_measured_and_plots_what_it_has(tmp_path):
+    from lightning_gravac import RunSummary
+
+    summary = RunSummary(monitor="val_ppl")
+    steps = [
+        {"step": 1.0 + i, "gravac/cf": 10.0, "gravac/bytes_sent": 10.0, "gravac/bytes_dense": 100.0} for i in range(3)
+    ]
+    summary.history, summary.logged = steps, ["loss"]
+    table = summary.table(1.0)
+    rows = {line[:14].strip(): line[14:].strip() for line in table.splitlines()}
+    assert rows["val_ppl"] == "not measured" and "nan" not in table
+    assert "No metric named 'val_ppl' was logged (logged: loss)" in table
+    summary.save_plot(tmp_path / "gravac.png")
+    assert summary.plotted == ["cf"]
+    # Measured on some steps, or only when training ended (a validation after the last step): its last value.
+    summary.history = [*steps[:2], {**steps[2], "val_ppl": 120.0}]
+    assert "not measured" not in summary.table(1.0) and "120" in summary.table(1.0)
+    summary.save_plot(tmp_path / "gravac.png")
+    assert summary.plotted == ["cf", "val_ppl"]
+    summary.history, summary.final = steps, 95.0
+    assert {line[:14].strip(): line[14:].strip() for line in summary.table(1.0).splitlines()}["val_ppl"] == "95"
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("offline", ["download", "files"])

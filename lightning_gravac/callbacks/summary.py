@@ -16,12 +16,14 @@ from lightning_gravac.callbacks.controller import Controller, controllers_of
 class RunSummary(Callback):
     """Collects the controller's ``gravac/*`` metrics of every step and prints a table when training ends (rank 0).
 
-    The table: steps, final value of ``monitor``, bytes sent against dense DDP's, the mean compression factor and
-    the wall time. :attr:`history` keeps one row a step for plots and tests. Its place among the callbacks does not
+    The table: steps, last value of ``monitor`` ("not measured" when the module never logged it, with the names it
+    did log), bytes sent against dense DDP's, the mean compression factor and the wall time. :attr:`history` keeps
+    one row a step for plots and tests. Its place among the callbacks does not
     matter: a step is collected once the controller has seen it.
 
     With ``plot`` it also saves ``gravac.png`` in the trainer's log directory: the factor, the gain, the compression
-    throughput (when the controller reports one: GraVAC) and the monitored metric over steps.
+    throughput (when the controller reports one: GraVAC) and the monitored metric over steps, each where it was
+    measured.
 
     Args:
         monitor: the logged metric to report (default ``train_loss``).
@@ -35,6 +37,12 @@ class RunSummary(Callback):
         self._start = 0.0
         self._controller: Controller | None = None
         self._seen = 0
+        #: The names of the metrics the module logged, said when ``monitor`` is not among them, and ``monitor``'s value
+        #: when training ended (a validation after the last step included).
+        self.logged: list[str] = []
+        self.final: float | None = None
+        #: The series the last plot holds: those measured at least once.
+        self.plotted: list[str] = []
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -65,12 +73,14 @@ class RunSummary(Callback):
         """The summary as text."""
         if not self.history:
             return "RunSummary: no compressed step was recorded."
+        measured = [r[self.monitor] for r in self.history if self.monitor in r]
+        last = self.final if self.final is not None else next(reversed(measured), None)
         sent = sum(r["gravac/bytes_sent"] for r in self.history)
         dense = sum(r["gravac/bytes_dense"] for r in self.history)
         asked = len(self.history) / sum(1 / r["gravac/cf"] for r in self.history)
         rows = [
             ("steps", f"{len(self.history)}"),
-            (self.monitor, f"{self.history[-1].get(self.monitor, float('nan')):.4g}"),
+            (self.monitor, "not measured" if last is None else f"{last:.4g}"),
             ("bytes sent", f"{sent / 2**20:.2f} MiB"),
             ("bytes dense DDP", f"{dense / 2**20:.2f} MiB"),
             ("traffic saved", f"{dense / sent:.1f}x"),
@@ -88,11 +98,20 @@ class RunSummary(Callback):
                 "The traffic saved is below what the factors asked for: the method sent more on some steps (a warm-up "
                 "that sends denser, as DGC's; headers and at least one entry a tensor on small layers)."
             )
+        if last is None:
+            logged = ", ".join(self.logged) or "none"
+            table.append(
+                f"No metric named {self.monitor!r} was logged (logged: {logged}): give RunSummary(monitor=...) the "
+                "name the module logs, or log it."
+            )
         return "\n".join(table)
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._collect(trainer)
+        metrics = trainer.callback_metrics
+        self.logged = sorted(name for name in metrics if not name.startswith("gravac/"))
+        self.final = float(metrics[self.monitor]) if self.monitor in metrics else None
         # `Trainer.log_dir` broadcasts from rank 0: every rank must ask for it, not rank 0 alone.
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         self._report(log_dir, time.perf_counter() - self._start)
@@ -102,7 +121,7 @@ class RunSummary(Callback):
         print(self.table(wall_s))
         if self.plot and self.history:
             self.plot_path = self.save_plot(log_dir / "gravac.png")
-            print(f"RunSummary: plot of the factor, gain and {self.monitor} saved to {self.plot_path}")
+            print(f"RunSummary: plot of {', '.join(self.plotted)} over the steps saved to {self.plot_path}")
 
     def save_plot(self, path: Path) -> Path:
         """Plot the factor sent (and the sequential search's candidate), the gain, the compression throughput and the
@@ -128,6 +147,7 @@ class RunSummary(Callback):
             (self.monitor, self.monitor),
         ]
         series = [(key, label) for key, label in series if any(math.isfinite(v) for v in values(key))]
+        self.plotted = [key.removeprefix("gravac/") for key, _ in series]
         fig, axes = plt.subplots(len(series), 1, sharex=True, figsize=(8, 2.4 * len(series)), squeeze=False)
         for ax, (key, label) in zip(axes[:, 0], series, strict=True):
             ax.plot(steps, values(key), lw=1.2, label="sent" if key == "gravac/cf" else None)
