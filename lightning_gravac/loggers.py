@@ -7,6 +7,8 @@ from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_info
 from pytorch_lightning.loggers import WandbLogger as _LightningWandbLogger
+from pytorch_lightning.loggers.logger import rank_zero_experiment
+from typing_extensions import override
 
 
 def wandb_api_key_available() -> bool:
@@ -41,12 +43,21 @@ class WandbLogger(_LightningWandbLogger):
                     f"W&B: no API key found (WANDB_API_KEY or `wandb login`); logging offline to {where}. "
                     f"Upload the run later with: wandb sync {where}/offline-run-*"
                 )
-        run_dir = kwargs.get("save_dir") or kwargs.get("dir")
-        if run_dir:  # W&B looks for a git repository there before creating it, and warns when it does not exist yet
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self._run_dir = kwargs.get("save_dir") or kwargs.get("dir")
         super().__init__(offline=offline, **kwargs)
         if kwargs.get("anonymous") is None:
             # Lightning passes `anonymous=None` to `wandb.init` whatever was asked, and W&B warns that the setting
             # has no effect whenever it is passed: leave it out unless the user set it (`_wandb_init` is Lightning's
             # own record of the arguments it will pass).
             self._wandb_init.pop("anonymous", None)
+
+    @property
+    @rank_zero_experiment
+    @override
+    def experiment(self) -> Any:
+        """The W&B run, started on first use: its directory is made then, so that a run that fails before it logs
+        (a refused argument, missing data) leaves none behind."""
+        if self._experiment is None and self._run_dir:
+            # W&B looks for a git repository there before creating it, and warns when it does not exist yet.
+            Path(self._run_dir).mkdir(parents=True, exist_ok=True)
+        return super().experiment

@@ -113,6 +113,7 @@ def test_an_argument_a_class_refuses_is_said_in_one_line_without_the_parsers_tra
     refused = [line for line in done.stderr.splitlines() if line.startswith("lightning_gravac: ")]
     assert len(refused) == 1 and refused[0].startswith(said), done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "Namespace(" not in done.stderr and "Union" not in done.stderr
+    assert list(tmp_path.iterdir()) == [], "a run that never logged left a W&B folder"
 
 
 MODEL_RECIPES = [r for r in ALL_RECIPES if r != QUICKSTART]  # run from the checkout, by `recipes/run.py NAME`
