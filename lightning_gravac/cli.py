@@ -1,5 +1,6 @@
 """The command line: LightningCLI over any LightningModule and DataModule, with recipes resolved by omegaconf."""
 
+import logging
 import os
 import sys
 import tempfile
@@ -65,6 +66,11 @@ class _Instantiator:
             raise
 
 
+def _no_advertisement(record: logging.LogRecord) -> bool:
+    """Lightning's tip to install its cloud logger, at every Trainer: not about the run."""
+    return "try installing [litlogger]" not in record.getMessage()
+
+
 def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningCLI":
     """``python -m lightning_gravac fit --config recipe.yaml``: the LightningCLI, models and data by class path.
 
@@ -84,10 +90,13 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningC
             self.parser.add_instantiator(instantiator, object)
 
     register_strategies()  # the "gravac" names, for a recipe that asks for the strategy by name
+    logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_no_advertisement)
     with warnings.catch_warnings():
         # LightningCLI warns whenever `args` is given, in case a script meant its own command line; here it is meant:
         # the resolved recipe, or the arguments after `python -m lightning_gravac`.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        # Lightning's own call of an API newer torch deprecates, once a rank: nothing a run's user can change.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         try:
             return CLI(
                 subclass_mode_model=True,

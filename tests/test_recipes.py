@@ -88,6 +88,8 @@ def test_quickstart_runs_prints_the_summary_plots_and_logs_to_wandb_offline(tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "traffic saved" in done.stdout
     assert "logging offline" in done.stderr and "wandb sync" in done.stderr
+    # Quiet: no advertisement of Lightning's logging service, no deprecation inside Lightning twice (once a rank).
+    assert "litlogger" not in done.stderr and "is deprecated" not in done.stderr, done.stderr[-3000:]
     (plot,) = tmp_path.rglob("gravac.png")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "the plot is not a PNG"
     (run_dir,) = tmp_path.glob("wandb/offline-run-*")
