@@ -6,7 +6,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_gravac.adaptations import ErrorFeedback, LocalSteps
+    from lightning_gravac.adaptations import ErrorFeedback, LocalSteps, LocalStepsDiverged
     from lightning_gravac.callbacks import Accordion, Controller, DivergenceGuard, GraVAC, RunSummary, Static
     from lightning_gravac.compressors import Compressor, Payload, get_compressor, list_compressors
     from lightning_gravac.strategies import CompressionState, GraVACStrategy, StepStats
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "lightning_gravac.callbacks": ("Accordion", "Controller", "DivergenceGuard", "GraVAC", "RunSummary", "Static"),
     "lightning_gravac.compressors": ("Compressor", "Payload", "get_compressor", "list_compressors"),
-    "lightning_gravac.adaptations": ("ErrorFeedback", "LocalSteps"),
+    "lightning_gravac.adaptations": ("ErrorFeedback", "LocalSteps", "LocalStepsDiverged"),
     "lightning_gravac.strategies": ("CompressionState", "GraVACStrategy", "StepStats"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
@@ -32,6 +32,7 @@ __all__ = [
     "GraVAC",
     "GraVACStrategy",
     "LocalSteps",
+    "LocalStepsDiverged",
     "Payload",
     "RunSummary",
     "Static",

@@ -14,6 +14,7 @@ from lightning_gravac.adaptations.local_steps import LocalSteps, OuterUpdate  # 
 
 from lightning_gravac.adaptations.carry import Carry
 from lightning_gravac.adaptations.residuals import Encoded, ErrorFeedback, ResidualMode, encode
+from lightning_gravac.adaptations.round_guard import LocalStepsDiverged
 from lightning_gravac.staged import Staged
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Encoded",
     "ErrorFeedback",
     "LocalSteps",
+    "LocalStepsDiverged",
     "MomentumCorrection",
     "OuterUpdate",
     "ResidualMode",

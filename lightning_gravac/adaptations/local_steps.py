@@ -20,12 +20,12 @@ non-finite inner step is skipped on the rank that saw it (its parameters and opt
 no other rank saw its gradient).
 
 Local steps can diverge where synchronous steps do not: each rank steps on its own batch, noisier than the ranks'
-mean, at a learning rate tuned for the mean. A round whose ranks' mean training loss (over the round's inner steps
-that stepped) is above ``guard`` times the lowest of the rounds before it, or whose averaged change is not finite, is
-undone: every rank goes back to the round's start, its parameters and its own inner optimizer state (kept at each
-round's start: one more copy of the optimizer's state), error feedback's residual and the outer momentum dropped.
-The next ``cooldown`` steps (doubled at each further trigger) are synchronous: each step's change averaged whole, as
-a step of stock DDP averages its gradient; then the rounds go on.
+mean, at a learning rate tuned for the mean. A round the guard (:mod:`~lightning_gravac.adaptations.round_guard`)
+finds diverged is undone: every rank goes back to the round's start, its parameters and its own inner optimizer state
+(kept at each round's start: one more copy of the optimizer's state), error feedback's residual and the outer momentum
+dropped. The next ``cooldown`` steps (doubled at each further trigger) are synchronous: each step's change averaged
+whole, as a step of stock DDP averages its gradient; then the rounds go on. A run that cannot go on stops with
+:class:`~lightning_gravac.adaptations.round_guard.LocalStepsDiverged` on every rank.
 """
 
 import copy
@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_gravac.adaptations.adaptation import Adaptation, Setup, register_adaptation
+from lightning_gravac.adaptations.round_guard import RoundGuard
 from lightning_gravac.compressors.base import Compressor, Pattern, Payload, all_finite
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.staged import Staged
@@ -130,10 +130,7 @@ class OuterUpdate(Adaptation):
         self.steps = 0  # inner steps taken in the fit (Lightning's global step)
         self.epoch_ends: Callable[[], bool] = _never  # set at fit start (module-level defaults: the strategy pickles)
         self.bytes_sent = 0  # this fit's outer updates, as each rank put them into the collectives
-        self.holding = 0  # synchronous steps still to take after a round was undone
-        self.triggers = 0  # rounds undone
-        self.lowest: float | None = None  # the lowest round's mean loss since the rounds began or last went on
-        self._loss = torch.zeros(2, dtype=torch.float64)  # this rank's round: its stepped losses' sum and count
+        self.guard = RoundGuard()  # undoes a round that diverged; stops a run that cannot go on
         self._inner: dict[str, dict[str, Any]] = {}  # this rank's inner optimizer state as the round began
         self._step_loss: Tensor | None = None  # the closure's loss this step (:meth:`take_loss`)
         #: Told of each outer update's bytes and whether they were gathered (the strategy records them as a step's).
@@ -160,6 +157,7 @@ class OuterUpdate(Adaptation):
                 "'qsgd' (the default), 'topk', 'randomk', 'signsgd', 'onebit', 'fp16' or 'none'."
             )
         self.config, self.compressor, self.error_feedback = config, compressor, error_feedback
+        self.guard.configure(config.guard, config.cooldown)
 
     @override
     def __bool__(self) -> bool:
@@ -184,7 +182,7 @@ class OuterUpdate(Adaptation):
         self._params = {name: p for name, p in setup.module.named_parameters() if p.requires_grad}
         self._buffers = [b for b in setup.module.buffers() if b.is_floating_point()]
         device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
-        self._loss = self._loss.to(device)
+        self.guard.to(device)
         return []
 
     def begin_fit(self, steps: int, budget: int, epoch_ends: Callable[[], bool]) -> None:
@@ -219,18 +217,15 @@ class OuterUpdate(Adaptation):
             warnings.warn(f"Local steps: a non-finite gradient on rank {rank}, which skips this step.", stacklevel=1)
             for p in self._params.values():
                 p.grad = None  # the optimizer skips a parameter without a gradient: nothing of it is applied
-        elif loss is not None:  # the round's loss, of steps that step (no host sync)
-            value = loss.detach().reshape(()).to(self._loss)
-            finite = torch.isfinite(value)
-            self._loss += torch.stack([torch.where(finite, value, 0.0), finite.to(value)])
+        else:
+            self.guard.stepped(loss)
 
     @override
     def after_step(self) -> None:
         if self.config is None:
             return
         self.steps += 1
-        if self.holding:  # after a round undone: each step's change averaged whole
-            self.holding -= 1
+        if self.guard.hold():  # after a round undone: each step's change averaged whole
             self.end_round(whole=True, drain=True, synchronous=True)
             return
         self.since += 1
@@ -254,14 +249,14 @@ class OuterUpdate(Adaptation):
         assert self.config is not None
         overlap = self.config.overlap and not (whole or drain)
         with torch.no_grad():
-            loss = None if synchronous else self._round_loss()
+            loss = self.guard.close(1 if synchronous else self.since, synchronous)
             starts = self.began.kept or self.anchor.kept
             changes = {name: starts[name] - p for name, p in self._params.items()}  # this round's own progress
             applied = self._outer_step(self._take_pending()) if self._pending or self.landed.kept else True
             if not applied and self.config.guard is None:  # the round in flight is lost; this one goes on
-                _say_lost()
+                self.guard.lost()
                 applied = True
-            if not applied or self._diverged(loss):
+            if not applied or self.guard.diverged(loss):
                 self._undo(loss)
             else:
                 exchanges = [self._launch(names, changes, whole) for names in self._groups()]
@@ -279,36 +274,11 @@ class OuterUpdate(Adaptation):
                     else:
                         self._undo(None)
             self._average_buffers()
-            if not self.holding:  # a round begins next (a hold's steps keep the state its last one leaves)
+            if not self.guard.holding:  # a round begins next (a hold's steps keep the state its last one leaves)
                 self._keep_inner()
-        self._loss.zero_()
+        self.guard.ended()
         self.since = 0
         self.rounds += 1
-
-    def _round_loss(self) -> float | None:
-        """The ranks' mean training loss over the round's inner steps that stepped, the same on every rank (one
-        all-reduce of two numbers); ``None`` when no step had a finite loss, or the guard is off."""
-        assert self.config is not None
-        if self.config.guard is None:
-            return None
-        totals = self._loss.clone()
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        total, count = totals.tolist()
-        return total / count if count else None
-
-    def _diverged(self, loss: float | None) -> bool:
-        """Whether the round's mean ``loss`` is above the guard's ratio of the lowest before it (a loss that is not
-        positive is not compared); the lowest is kept."""
-        assert self.config is not None
-        if self.config.guard is None or loss is None:
-            return False
-        if not math.isfinite(loss) or (
-            self.lowest is not None and self.lowest > 0 and loss > self.config.guard * self.lowest
-        ):
-            return True
-        self.lowest = loss if self.lowest is None else min(self.lowest, loss)
-        return False
 
     def _undo(self, loss: float | None) -> None:
         """Every rank back at the round's start (the anchor; its own inner optimizer state as the round began), the
@@ -318,23 +288,11 @@ class OuterUpdate(Adaptation):
             p.copy_(self.anchor.kept[name])
         self.began.clear()
         if self.config.guard is None:
-            _say_lost()
+            self.guard.lost()
             return
         self._restore_inner()
         self.reset()  # the residual and the outer momentum
-        self.holding = self.config.cooldown * 2**self.triggers
-        self.triggers += 1
-        self.lowest = None
-        why = (
-            "its averaged change was not finite"
-            if loss is None
-            else (f"the ranks' mean training loss {loss:.4g} is above {self.config.guard:g}x the lowest round's")
-        )
-        rank_zero_warn(
-            f"Local steps diverged: the round ending at step {self.steps} is undone ({why}). Every rank is back at "
-            f"the round's start; the next {self.holding} steps average each step's change whole, then the rounds go "
-            "on. Where local steps are asked for, `LocalSteps(guard=None)` turns this off."
-        )
+        self.guard.undo(loss, self.steps)
 
     def _groups(self) -> list[list[str]]:
         """The parameters' names by dtype: one flat tensor each."""
@@ -491,10 +449,7 @@ class OuterUpdate(Adaptation):
         state = super().state_dict()
         state["since"] = torch.tensor(self.since)
         state["rounds"] = torch.tensor(self.rounds)
-        state["holding"] = torch.tensor(self.holding)
-        state["triggers"] = torch.tensor(self.triggers)
-        state["lowest"] = torch.tensor(math.nan if self.lowest is None else self.lowest, dtype=torch.float64)
-        state["loss"] = self._loss.clone()
+        state.update(self.guard.state_dict())
         for name, kept in self._inner.items():
             for key, value in kept.items():
                 if isinstance(value, Tensor):
@@ -513,12 +468,7 @@ class OuterUpdate(Adaptation):
         super().load_state_dict(state)
         self.since = int(state["since"]) if "since" in state else 0
         self.rounds = int(state["rounds"]) if "rounds" in state else 0
-        self.holding = int(state["holding"]) if "holding" in state else 0
-        self.triggers = int(state["triggers"]) if "triggers" in state else 0
-        lowest = float(state["lowest"]) if "lowest" in state else math.nan
-        self.lowest = None if math.isnan(lowest) else lowest
-        if "loss" in state:
-            self._loss = state["loss"].to(self._loss)
+        self.guard.load_state_dict(state)
         self._resumed = {k: v for k, v in state.items() if k.startswith(("params/", "inner/", "began_inner/"))}
 
     def _restore_rank(self) -> None:
@@ -575,10 +525,6 @@ def _placed(value: Tensor, param: Tensor) -> Tensor:
     """A saved optimizer slot the live state lacks, where torch's optimizers keep it: a step count (a scalar) on the
     CPU (unless capturable or fused; untested on CUDA here: no GPU), any other with its parameter."""
     return value.cpu().clone() if value.dim() == 0 else value.to(param.device)
-
-
-def _say_lost() -> None:
-    rank_zero_warn("Local steps: the averaged change was not finite; every rank goes on from the anchor.")
 
 
 def _never() -> bool:
