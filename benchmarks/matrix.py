@@ -132,7 +132,8 @@ FAMILY_SETTINGS = {"qsgd 4-bit": ("qsgd", 8.0), "powersgd cf=100": ("powersgd", 
                    "randomk cf=100": ("randomk", 100.0), "efsignsgd": ("efsignsgd", 32.0),
                    "qsgd 2-bit": ("qsgd", 15.5), "qsgd 3-bit": ("qsgd", 10.0),
                    "qsgd 2-bit ef": ("qsgd", 15.5), "qsgd 3-bit ef": ("qsgd", 10.0),
-                   "qsgd 4-bit ef": ("qsgd", 8.0)}  # fmt: skip
+                   "qsgd 4-bit ef": ("qsgd", 8.0), "int8": ("int8", 4.0), "int4": ("int4", 8.0),
+                   "int8 no ef": ("int8", 4.0), "int4 no ef": ("int4", 8.0)}  # fmt: skip
 FAMILIES = [row for row in FAMILY_SETTINGS if row not in FIXED]
 #: Momentum correction without DGC's momentum factor masking, for the masking study (``--tasks cnn``).
 UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
@@ -308,8 +309,10 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         return ablation(row)
     if row in FAMILY_SETTINGS:
         method, cf = FAMILY_SETTINGS[row]
-        # "ef": error-fed, and SGD's momentum moved into the hook with it (the default leaves it in the optimizer).
-        return GraVACStrategy(method, error_feedback=True if row.endswith(" ef") else None), [Static(cf=cf)]
+        # "ef": error-fed, and SGD's momentum moved into the hook with it (the default leaves it in the optimizer);
+        # "no ef": a method error-fed by default (the block codes) without it.
+        feedback = False if row.endswith(" no ef") else True if row.endswith(" ef") else None
+        return GraVACStrategy(method, error_feedback=feedback), [Static(cf=cf)]
     raise ValueError(row)
 
 

@@ -1,5 +1,6 @@
-"""Adam-like optimizers: before Adam's moments move (the warm-up, or all the run when asked) the default sends dense
-or fp16, an explicit factor warns, and the user can ask to compress the gradients."""
+"""Adam-like optimizers: the default sends the gradient into the optimizer as configured (dense, fp16 or a block code
+by the link), a lossy method is held dense or fp16 (said once), an explicit factor moves Adam's moments after a
+warm-up, and the user can ask to compress the gradients."""
 
 import warnings
 
@@ -12,7 +13,7 @@ from lightning_gravac.launch import run_distributed
 from lightning_gravac.state import CompressionState
 from lightning_gravac.zoo import TeacherRegression
 
-from models import StopAfter, loader, trainer_kwargs
+from models import LinkOf, StopAfter, loader, trainer_kwargs
 
 
 class AdamW(TeacherRegression):
@@ -73,12 +74,12 @@ def _fit(rank, world_size, optimizer, controller, compressor):
 @pytest.mark.parametrize(
     ("optimizer", "controller", "compressor", "sent", "warned"),
     [
-        # The default's warm-up (a tenth of the 100,000-step budget, before Adam's moments move): dense or fp16 by
-        # the measured link, said in an info line, no warning.
-        ("adamw", "default", "topk", {1.0, 2.0}, None),
+        # A lossy method named under GraVAC's default: held dense or fp16 by the measured link all the run, the
+        # optimizer left as it is, said once.
+        ("adamw", "default", "topk", {1.0, 2.0}, "dense or whole in fp16"),
         ("adamw", "held-fp16", "topk", {1.0, 2.0}, "dense or whole in fp16"),  # by the measured link, and said so
-        ("adamw", "slow-link", "topk", {2.0}, None),  # bytes dominate: every step whole in fp16
-        ("adamw", "dear-fp16", "topk", {1.0}, None),  # fp16's sum dearer than its saved bytes
+        ("adamw", "slow-link", "topk", {2.0}, "dense or whole in fp16"),  # bytes dominate: every step whole in fp16
+        ("adamw", "dear-fp16", "topk", {1.0}, "dense or whole in fp16"),  # fp16's sum dearer than its saved bytes
         ("adamw", "no-probe", "topk", {1.0}, "sending dense (factor 1): the link was not measured"),
         ("adamw", "held-dense", "topk", {1.0}, "sending dense (factor 1): asked"),  # asked to hold dense
         ("adamw", "compress", "topk", None, "Prefer"),  # asked to compress: it does, with the warning
@@ -125,3 +126,64 @@ def test_the_fp16_rung_of_an_adam_fit_does_not_outlive_it():
     held.check_rung(module)
     held.cost.half_per_byte = 1e-7  # fp16 modelled far cheaper than fp32: the hold still sends dense
     assert held.rungs and held.choose() == 1.0
+
+
+class _Replay(pl.Callback):
+    """The parameters as the fit starts and, every step, the gradients the optimizer is handed."""
+
+    def __init__(self) -> None:
+        self.start: list[torch.Tensor] = []
+        self.grads: list[list[torch.Tensor]] = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append([p.grad.detach().clone() for p in pl_module.parameters()])
+
+
+def _default_under_adamw(rank, world_size, bits_per_second):
+    from lightning_gravac.strategies import default_controller
+
+    # The zero-argument default, its controller's link scripted: a slow link, where the code pays.
+    default_controller._default_controller = lambda method, alone: LinkOf(bits_per_second)
+    pl.seed_everything(0)
+    model, replay, summary = AdamW(width=64), _Replay(), RunSummary()
+    strategy = GraVACStrategy()
+    trainer = pl.Trainer(strategy=strategy, callbacks=[replay, summary], max_steps=12, **trainer_kwargs(world_size))
+    trainer.fit(model, loader())
+    # The same steps by a fresh AdamW of the same settings, handed the same gradients.
+    params = [p.clone().requires_grad_() for p in replay.start]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    for grads in replay.grads:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+    live = trainer.optimizers[0]
+    return {
+        "method": strategy.compressor.name,
+        "cf": [r["gravac/cf"] for r in summary.history],
+        "same_weights": all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True)),
+        "same_state": all(
+            torch.equal(optimizer.state[a][k], live.state[b][k])
+            for a, b in zip(params, model.parameters(), strict=True)
+            for k in ("exp_avg", "exp_avg_sq")
+        ),
+        "last_grads": replay.grads[-1],
+    }
+
+
+@pytest.mark.distributed
+def test_the_default_under_adamw_sends_block_codes_into_the_unchanged_optimizer():
+    # On a slow link the default sends every step in int8 codes; the optimizer's step is AdamW's own on the decoded
+    # average: a fresh AdamW handed the same gradients ends at the same weights and moments, bit for bit (a frozen
+    # second moment, or a moment moved into the hook, would not).
+    ranks = run_distributed(_default_under_adamw, bits_per_second=1e6, timeout=300)
+    for rank in ranks:
+        assert rank["method"] == "int8"
+        assert set(rank["cf"]) == {4.0}, rank["cf"]
+        assert rank["same_weights"] and rank["same_state"]
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["last_grads"], ranks[1]["last_grads"], strict=True))
+    fast = run_distributed(_default_under_adamw, bits_per_second=1e11, timeout=300)
+    for rank in fast:  # a fast link: dense once the first window has measured a step's computation (free codes before)
+        assert set(rank["cf"][3:]) == {1.0} and rank["same_weights"] and rank["same_state"], rank["cf"]

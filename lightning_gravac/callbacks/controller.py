@@ -151,8 +151,8 @@ class Controller(Callback):
     def _on_adaptive_optimizer(self) -> None:
         """The optimizer divides each coordinate by a running second moment (RMSprop, Adagrad and the like): say what
         compression measured there. A controller that holds dense instead overrides this."""
-        if self.state.carry.sends_from is not None:
-            return  # its moments move after the warm-up: said when that was decided
+        if self.state.carry.sends_from is not None or self.state.compressor.near_exact:
+            return  # its moments move after the warm-up (said when that was decided), or a block code: nothing to say
         rank_zero_warn(
             f"{type(self).__name__}: the optimizer scales each coordinate by a running second moment, "
             f"and {self.state.compressor.name!r} sends lossy gradients, which upset that scaling: the loss can end "

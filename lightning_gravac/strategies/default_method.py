@@ -2,28 +2,29 @@
 names none, one chosen at setup by the optimizer and the model.
 
 Top-K by default; QSGD under ``torch.optim.SGD`` on a model that is not mostly embedding tables (every entry every
-step, unbiased, where Top-K's error feedback delays what it does not send); under Adam or AdamW, its first moment as
-scaled signs with error feedback once the second moment is frozen (1-bit Adam's compression). Decided identically on
+step, unbiased, where Top-K's error feedback delays what it does not send); under an optimizer that scales each
+coordinate (Adam, AdamW, RMSprop, Adagrad), the gradient in block codes with error feedback into the optimizer as the
+user configured it (the controller sends each step dense, fp16 or the code, whichever the link makes fastest), except on
+a model that is mostly embedding tables, whose steps go dense or fp16 by the rows they touched. Decided identically on
 every rank (the model and the optimizers' classes are), before any gradient is sent. Measurements in BENCHMARKS.md
 and ``docs/optimizers.md``.
 """
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_gravac._validation import choice
-from lightning_gravac.adaptations.adam import adam_groups_supported, why_moments_stay
+from lightning_gravac.adaptations.adam import scales_per_coordinate
 from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.state import CompressionState
 from lightning_gravac.tables import EMBEDDING_SHARE, embedding_share, sparse_parameters
 
-#: The method of ``GraVACStrategy()``, and the ones its zero-argument default sends under SGD and, as Adam's first
-#: moment, under Adam and AdamW.
-DEFAULT_METHOD, SGD_METHOD, ADAM_METHOD = "topk", "qsgd", "efsignsgd"
+#: The method of ``GraVACStrategy()``, and the ones its zero-argument default sends under SGD and under an optimizer
+#: that scales each coordinate (Adam).
+DEFAULT_METHOD, SGD_METHOD, ADAM_METHOD = "topk", "qsgd", "int8"
 
 
 _GRANULARITIES = ("layer", "bucket")
@@ -59,18 +60,12 @@ def method_of(compressor: str | Compressor | None, granularity: str, error_feedb
 
 
 def choose_method(
-    state: CompressionState,
-    optimizers: Sequence[torch.optim.Optimizer],
-    module: nn.Module | None,
-    trainer: Any,
-    movable: bool,
+    state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None
 ) -> None:
     """Set ``state``'s method for the zero-argument default (no method, controller, ``error_feedback`` or
-    ``momentum_masking`` given) by ``optimizers``. ``movable``: whether the optimizer's state may move into the hook
-    (``momentum_correction``, no gradient scaler, no local SGD)."""
+    ``momentum_masking`` given) by ``optimizers``."""
     _method_for_sgd(state, optimizers, module)
-    if movable:
-        _method_for_adam(state, optimizers, module, trainer)
+    _method_for_adam(state, optimizers, module)
 
 
 def _method_for_sgd(
@@ -100,26 +95,20 @@ def _method_for_sgd(
 
 
 def _method_for_adam(
-    state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None, trainer: Any
+    state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None
 ) -> None:
-    """Adam's first moment as scaled signs with error feedback once its second is frozen, where Top-K's few entries a
-    step left the moment behind; only where the moments can move (no sparse gradient, supported Adam flags,
-    :func:`~lightning_gravac.adaptations.adam.why_moments_stay`)."""
-    if (module is not None and sparse_parameters(module)) or not optimizers:
+    """The block codes with error feedback under an optimizer that scales each coordinate, the optimizer left as it
+    is; not where a gradient is sparse (sent as it is) or the model is mostly embedding tables (dense or fp16 steps
+    send those by the rows they touched, fewer bytes than a code of the whole table)."""
+    if not (optimizers and scales_per_coordinate(optimizers)) or state.local_sgd_from is not None:
         return
-    if not all(adam_groups_supported(opt) for opt in optimizers):
-        return
-    why = why_moments_stay(module, trainer)
-    if why is not None:
-        tables = " (its embedding tables by the rows each step touched: the same sum)" if state.rows.rows else ""
-        rank_zero_info(
-            f"GraVACStrategy: {why}: Adam keeps its moments, and each step is sent dense or in fp16{tables}."
-        )
+    if module is not None and (sparse_parameters(module) or embedding_share(module) >= EMBEDDING_SHARE):
         return
     method = get_compressor(ADAM_METHOD)
     state.use_method(method, error_feedback=True)
     rank_zero_info(
-        f"GraVACStrategy: the optimizer is {type(optimizers[0]).__name__}, so the default sends its first "
-        f"moment as {method!r} with error feedback once its second moment is frozen (1-bit Adam's scheme), dense "
-        "or fp16 before. `GraVACStrategy('fp16')` casts every step instead."
+        f"GraVACStrategy: the optimizer is {type(optimizers[0]).__name__}, which scales each coordinate, so the "
+        f"default sends the gradient into it unchanged, in {method!r} block codes with error feedback where the link "
+        "makes them faster than dense or fp16. `GraVAC(adam='moment')` sends Adam's first moment in signs with its "
+        "second moment frozen (1-bit Adam: fewer bytes, a changed optimizer; see docs/optimizers.md)."
     )

@@ -68,7 +68,8 @@ class GraVACStrategy(DDPStrategy):
             ``u <- m u + g``, error feedback accumulating what is not sent, and the optimizer's momentum and weight
             decay are set to 0 there (Deep Gradient Compression's momentum correction, for every method; said once).
             Exact at ``cf=1``: stock DDP's updates bit for bit. Gradients seen after ``backward`` (clipping) are then
-            update directions. Not applied under a gradient scaler, whose scale changes. ``False``: the optimizer's.
+            update directions. Not applied under a gradient scaler, whose scale changes, nor with the block codes
+            (``int8``, ``int4``), which leave the optimizer as it is. ``False``: the optimizer's.
         momentum_masking: with momentum correction, restart a parameter's moved momentum from 0 where its entry was
             just sent (Deep Gradient Compression's momentum factor masking; ``None``: on, as published). ``False``
             keeps the whole momentum (heavy-ball delayed by error feedback): faster at a learning rate well inside
@@ -194,14 +195,16 @@ class GraVACStrategy(DDPStrategy):
         movable = self._hook_can_hold_optimizer_state()
         in_trainer = module._trainer if module is not None else None
         if self._method_open and self._default_controller:
-            choose_method(state, self.optimizers, module, in_trainer, movable)
+            choose_method(state, self.optimizers, module)
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
         self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps
         self.outer.tables = state.rows  # found when DDP wrapped the model; empty with `embedding_rows=False`
         self.outer.sent = lambda nbytes, gathered: state.record(BucketRecord(nbytes, 0, GATHER if gathered else REDUCE))
-        # Unbiased methods, casts, signSGD and DGC keep the optimizer's state; so do local SGD and a gradient scaler.
-        if movable and state.error_feedback and not self.compressor.passthrough and not self.compressor.owns_feedback:
+        # Unbiased methods, casts, signSGD, DGC and the block codes keep the optimizer's state; so do local SGD and a
+        # gradient scaler.
+        method = self.compressor
+        if movable and state.error_feedback and not (method.passthrough or method.owns_feedback or method.near_exact):
             # A sparse gradient (`nn.Embedding(sparse=True)`) is sent as it is: its parameters keep their state.
             sparse = sparse_parameters(module) if module is not None else set()
             dense = {i: name for i, name in state.param_names.items() if i not in sparse}

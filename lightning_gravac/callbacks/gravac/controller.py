@@ -20,7 +20,14 @@ from lightning_gravac.adaptations.momentum import MomentumCorrection
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.callbacks.gravac.checkpoint import CHECKPOINT_ORDER, Checkpointed
 from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Link, Tally, moved_in_step
-from lightning_gravac.callbacks.gravac.hold import AdamPolicy, held_factor, hold_warning, rung_allowed
+from lightning_gravac.callbacks.gravac.hold import (
+    HOLDING,
+    AdamPolicy,
+    code_note,
+    held_factor,
+    hold_warning,
+    rung_allowed,
+)
 from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_MIN, Budget, Ladder, Policy
 from lightning_gravac.callbacks.gravac.link_timer import TIMED_BYTES, LinkTimer
 from lightning_gravac.callbacks.gravac.prediction import Decision, kept, masking_weight, progress_per_second, say_choice
@@ -64,10 +71,12 @@ class GraVAC(Controller):
         gain_power: a factor's progress is weighed as ``gain ** gain_power``. ``None``: 1/3 (model), 1 (sequential).
         time_link: measure the link at fit start, before the first step. ``None``: on for the model search.
         adam: under an optimizer that divides each coordinate by a running second moment (Adam, AdamW, RMSprop,
-            Adagrad) and a lossy method: ``"moment"`` holds the first tenth of an Adam or AdamW run as ``"fp16"`` does,
-            then sends each rank's first moment compressed, the second frozen; ``"fp16"`` sends each step dense or
-            whole in fp16, whichever the cost model predicts faster; ``"dense"`` holds factor 1; ``"compress"``
-            searches on the gradients as with SGD.
+            Adagrad) and a lossy method, the optimizer left as configured: ``"gradient"`` sends each step dense, whole
+            in fp16 or, with a block code (``int8``, ``int4``), in that code, whichever the cost model predicts
+            fastest; ``"fp16"`` dense or fp16 only; ``"dense"`` holds factor 1; ``"compress"`` searches on the
+            gradients as with SGD. ``"moment"`` (1-bit Adam's scheme, which changes the optimizer) holds the first
+            tenth of an Adam or AdamW run as ``"fp16"`` does, then sends each rank's first moment compressed, the second
+            frozen (docs/optimizers.md says what it was measured to cost).
         probe_backoff: each probe after the first window that leaves the choice as it was doubles the probes'
             spacing, up to ``probe_every x probe_backoff`` steps. ``None``: 8 (model), 1 (sequential).
         fp16_rung: let the model search send a step whole in fp16 (turned off at setup where it cannot be sent).
@@ -100,7 +109,7 @@ class GraVAC(Controller):
         gain_of: GainOf | None = None,
         gain_power: float | None = None,
         time_link: bool | None = None,
-        adam: AdamPolicy = "moment",
+        adam: AdamPolicy = "gradient",
         probe_backoff: int | None = None,
         fp16_rung: bool | None = None,
         weigh_masking: bool = True,
@@ -129,7 +138,7 @@ class GraVAC(Controller):
                                     ("error_fed", "gradient"))  # fmt: skip
         self.gain_power = nonnegative(defaults["gain_power"] if gain_power is None else gain_power, "gain_power")
         self.time_link = bool(defaults["time_link"] if time_link is None else time_link)
-        self.adam = choice(adam, "adam", ("moment", "fp16", "dense", "compress"))
+        self.adam = choice(adam, "adam", ("gradient", "moment", "fp16", "dense", "compress"))
         probe_backoff = whole(defaults["probe_backoff"] if probe_backoff is None else probe_backoff,
                               "probe_backoff")  # fmt: skip
         #: Whether the model search may send a step whole in fp16 (decided at setup: fp32 gradients, a method whose
@@ -215,7 +224,7 @@ class GraVAC(Controller):
         (:func:`~.hold.rung_allowed`), from the user's choice rather than from what the last fit derived: an Adam fit's
         rung does not outlive that fit. At setup, and again at fit start for layers built in configure_model."""
         fp32 = all(p.dtype == torch.float32 for p in pl_module.parameters() if p.requires_grad)
-        held = self.adaptive_optimizer and self.adam in ("fp16", "moment") and self.rule.models_cost
+        held = self.adaptive_optimizer and self.adam in HOLDING and self.rule.models_cost
         self.fp16_rung = rung_allowed(self.fp16_rung_asked, held, self.state.compressor, fp32, self.ladder.cf_min)
 
     @property
@@ -272,8 +281,10 @@ class GraVAC(Controller):
         if self.holds_for_adam:
             self.cf = self.choose()
             self.apply(self.state)
-            if self.state.carry.sends_from is None:
-                method, rows = self.state.compressor.name, bool(self.state.rows.rows)
+            method, rows = self.state.compressor.name, bool(self.state.rows.rows)
+            if self.adam == "gradient" and self.state.compressor.near_exact:
+                rank_zero_info(code_note(method, bool(self.rungs)))
+            elif self.state.carry.sends_from is None:
                 rank_zero_warn(hold_warning(self.adam, self.rungs, method, rows, self.rule.models_cost, self.fp16_rung))
 
     def _measure_at_start(self, trainer: "pl.Trainer", fresh: bool) -> None:
@@ -489,7 +500,10 @@ class GraVAC(Controller):
         """The factor to send next step: decided from values every rank holds identically."""
         state = self.compression_state
         fixed_cf = state.compressor.fixed_cf if state is not None else None
-        held = held_factor(self.holds_for_adam, self.moments_moved(), self.adam, fixed_cf, self.rungs, self.cost)
+        near_exact = state is not None and state.compressor.near_exact
+        held = held_factor(
+            self.holds_for_adam, self.moments_moved(), self.adam, fixed_cf, self.rungs, self.cost, near_exact
+        )
         return held if held is not None else self.rule.choose(self.decision())
 
     def decision(self) -> Decision:

@@ -1,8 +1,11 @@
-"""What GraVAC sends for an Adam-like optimizer: dense or whole in fp16 while it holds, and what it says of it.
+"""What GraVAC sends for an Adam-like optimizer: dense, whole in fp16 or a near-exact code while it holds, and what it
+says of it.
 
 An optimizer that divides each coordinate by a running second moment (Adam, AdamW, RMSprop, Adagrad) is upset by
-error-fed sparse or quantized gradients, not by a 16-bit cast. So GraVAC holds such an optimizer at dense or fp16:
-all the run, or until Adam's second moment is frozen and its first moment is sent compressed (``adam="moment"``).
+error-fed sparse or coarsely quantized gradients, not by a 16-bit cast or a block code that errs by a fraction of each
+block's range. So GraVAC holds such an optimizer, left as the user configured it, at whichever of dense, fp16 and the
+method's block code (``adam="gradient"``, the default) the link makes fastest: all the run, or (``adam="moment"``, 1-bit
+Adam's scheme, named by the user) until Adam's second moment is frozen and its first moment is sent compressed.
 """
 
 from typing import Literal
@@ -12,7 +15,9 @@ from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import HALF
 
 #: What GraVAC does for an Adam-like optimizer and a lossy method (the ``adam`` argument).
-AdamPolicy = Literal["moment", "fp16", "dense", "compress"]
+AdamPolicy = Literal["gradient", "moment", "fp16", "dense", "compress"]
+#: The policies that hold dense or fp16 (and, with ``"gradient"``, a near-exact code).
+HOLDING = ("gradient", "fp16", "moment")
 
 
 def rung_allowed(asked: bool, held: bool, method: Compressor, fp32: bool, cf_min: float) -> bool:
@@ -25,27 +30,42 @@ def rung_allowed(asked: bool, held: bool, method: Compressor, fp32: bool, cf_min
 
 
 def held_factor(
-    holding: bool, moved: bool, policy: AdamPolicy, fixed_cf: float | None, rungs: tuple[float, ...], cost: CostModel
+    holding: bool,
+    moved: bool,
+    policy: AdamPolicy,
+    fixed_cf: float | None,
+    rungs: tuple[float, ...],
+    cost: CostModel,
+    near_exact: bool = False,
 ) -> float | None:
     """The factor to send next step when Adam decides it, ``None`` when the search does. While ``holding`` an
-    Adam-like optimizer: fp16 if the rung can be sent (``rungs``) and the cost model predicts it saves a tenth of a
-    dense step (before the first window ends, from the fit-start timing alone: the rest of the step is the same for
-    both), else dense. Once Adam's moments have ``moved`` under a method of one factor (``fixed_cf``, scaled signs):
-    dense, fp16 or that factor, whichever the cost model predicts fastest, a lossy one only where it saves a tenth of
-    a step; that factor while the link is unknown. Nothing to search: what a step keeps of the moment is carried by
-    error feedback, and the second moment no longer sees it."""
+    Adam-like optimizer: under ``adam="gradient"`` with a ``near_exact`` method of one factor (a block code), dense,
+    fp16 or that factor, as below; else fp16 if the rung can be sent (``rungs``) and the cost model predicts it saves
+    a tenth of a dense step (before the first window ends, from the fit-start timing alone: the rest of the step is
+    the same for both), else dense. Once Adam's moments have ``moved`` under a method of one factor (``fixed_cf``,
+    scaled signs): dense, fp16 or that factor, whichever the cost model predicts fastest, a lossy one only where it
+    saves a tenth of a step; that factor while the link is unknown. Nothing to search: what a step's code drops is
+    carried by error feedback."""
+    if holding and policy == "gradient" and near_exact and fixed_cf is not None:
+        return _fastest(fixed_cf, rungs, cost)
     if holding:
         seconds = cost.seconds_by_factor(rungs)
         if policy == "dense" or not rungs or seconds is None:
             return DENSE
         return HALF if saves_enough(seconds(HALF), seconds(DENSE)) else DENSE
     if moved and fixed_cf is not None:
-        fixed, seconds = float(fixed_cf or DENSE), cost.seconds_by_factor(rungs)
-        if seconds is None:
-            return fixed
-        lossy = [cf for cf in (*rungs, fixed) if saves_enough(seconds(cf), seconds(DENSE))]
-        return min([DENSE, *lossy], key=lambda cf: (seconds(cf), cf))
+        return _fastest(fixed_cf, rungs, cost)
     return None
+
+
+def _fastest(fixed_cf: float, rungs: tuple[float, ...], cost: CostModel) -> float:
+    """Dense, a rung or ``fixed_cf``, whichever the cost model predicts fastest, a lossy one only where it saves a
+    tenth of a dense step; ``fixed_cf`` while the link is unknown."""
+    fixed, seconds = float(fixed_cf or DENSE), cost.seconds_by_factor(rungs)
+    if seconds is None:
+        return fixed
+    lossy = [cf for cf in (*rungs, fixed) if saves_enough(seconds(cf), seconds(DENSE))]
+    return min([DENSE, *lossy], key=lambda cf: (seconds(cf), cf))
 
 
 def hold_warning(
@@ -53,7 +73,7 @@ def hold_warning(
 ) -> str:
     """What an Adam-like optimizer gets from the hold: dense or fp16 by the link, or dense and why (``method``: the
     method's name; ``rows``: embedding tables are sent by the rows each step touched)."""
-    if rungs and policy in ("fp16", "moment"):
+    if rungs and policy in HOLDING:
         sending = "sending each step dense or whole in fp16, whichever the measured link makes faster"
     else:
         sending = f"sending dense (factor 1): {_why_no_half(policy, method, models_cost, fp16_rung)}"
@@ -62,6 +82,17 @@ def hold_warning(
     return (
         f"GraVAC: the optimizer scales each coordinate by a running second moment (Adam-like), which lossy "
         f"{method!r} gradients upset: {sending}. `GraVAC(adam='compress')` compresses anyway."
+    )
+
+
+def code_note(method: str, fp16_rung: bool) -> str:
+    """What an Adam-like optimizer gets under ``adam="gradient"`` with a block code: the optimizer as configured, each
+    step in whichever of dense, fp16 (where it can be sent) and the code the link makes fastest."""
+    choices = "dense, whole in fp16 or" if fp16_rung else "dense or"
+    return (
+        f"GraVAC: the optimizer scales each coordinate by a running second moment (Adam-like) and is left as "
+        f"configured: each step's gradient is sent {choices} in {method!r} block codes with error feedback, whichever "
+        "the measured link makes fastest."
     )
 
 
