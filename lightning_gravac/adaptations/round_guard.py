@@ -151,18 +151,20 @@ class RoundGuard:
         return True
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The guard's state as tensors (no lowest yet: NaN)."""
-        return {
+        """The guard's state as tensors, every value finite (no lowest yet: no entry, the same on every rank)."""
+        state = {
             "holding": torch.tensor(self.holding),
             "triggers": torch.tensor(self.triggers),
             "stalled": torch.tensor(self.stalled),
             "loss": self._round[:2].clone(),
             "stepped": self._round[2].clone(),
-            "lowest": torch.tensor(math.nan if self.lowest is None else self.lowest, dtype=torch.float64),
         }
+        if self.lowest is not None:
+            state["lowest"] = torch.tensor(self.lowest, dtype=torch.float64)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict` (also one that saved no lowest as NaN)."""
         self.holding = int(state["holding"]) if "holding" in state else 0
         self.triggers = int(state["triggers"]) if "triggers" in state else 0
         self.stalled = int(state["stalled"]) if "stalled" in state else 0

@@ -7,6 +7,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.callbacks import Callback, Checkpoint
 
+from lightning_gravac.adaptations import LocalSteps
 from lightning_gravac.callbacks.controller import Controller, controllers_of
 from lightning_gravac.callbacks.gravac import GraVAC
 from lightning_gravac.callbacks.static import Static
@@ -14,11 +15,11 @@ from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import CompressionState
 
 
-def attach_controller(trainer: Any, method: Compressor, alone: bool, local_steps: bool = False) -> bool:
+def attach_controller(trainer: Any, method: Compressor, alone: bool, local_steps: LocalSteps | None = None) -> bool:
     """Check that ``trainer`` has at most one controller, and add the default when it has none: GraVAC with its
     defaults, or a ``Static`` one where there is no factor to choose (one process, a method that sends the gradient
-    unchanged, or one whose size its encoding fixes, local steps, whose steps send nothing). ``alone``: the trainer
-    runs one process. Returns whether the default was added.
+    unchanged, or one whose size its encoding fixes, ``local_steps``, whose steps send nothing and whose rounds'
+    code their configuration fixes). ``alone``: the trainer runs one process. Returns whether the default was added.
 
     Raises:
         ValueError: when the trainer has several controllers.
@@ -37,8 +38,12 @@ def attach_controller(trainer: Any, method: Compressor, alone: bool, local_steps
         )
     if controllers:
         return False
-    default = Static(cf=1) if local_steps else _default_controller(method, alone)
-    rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
+    if local_steps is not None:  # a controller at cf 1 only reports: the line says what the rounds send
+        default: Controller = Static(cf=1)
+        rank_zero_info(f"GraVACStrategy: no controller among the callbacks; {_rounds_said(local_steps, method)}.")
+    else:
+        default = _default_controller(method, alone)
+        rank_zero_info(f"GraVACStrategy: no controller among the callbacks, using {default!r}.")
     # Before the checkpoint callbacks, which Lightning has already moved last: a checkpoint then holds the step's
     # decisions, and a `ModelCheckpoint(monitor="gravac/...")` sees the step's values.
     # `Trainer.callbacks` is public but assigned by Lightning's connector, invisible to type checkers.
@@ -46,6 +51,14 @@ def attach_controller(trainer: Any, method: Compressor, alone: bool, local_steps
     first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
     callbacks.insert(first_checkpoint, default)
     return True
+
+
+def _rounds_said(rounds: LocalSteps, method: Compressor) -> str:
+    """What local steps send, in a few words: the rounds' length and the code of each round's change."""
+    code = "whole" if rounds.cf <= 1 or method.passthrough else f"in {method.name!r} codes at cf {rounds.cf:g}"
+    late = ", one round late" if rounds.overlap else ""
+    each = f"each round's change averaged {code}{late}"
+    return f"local steps in rounds of {rounds.every}, {each} (nothing is sent within a round)"
 
 
 def _default_controller(method: Compressor, alone: bool) -> Controller:

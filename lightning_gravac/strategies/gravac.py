@@ -181,7 +181,7 @@ class GraVACStrategy(DDPStrategy):
             raise mixed_up(type(stray).__name__, other(pl.__name__))
         # Known before the process group: the devices and nodes the trainer was given.
         alone = self.num_nodes * len(self.parallel_devices or []) == 1
-        self._default_controller = attach_controller(trainer, self.compressor, alone, bool(self.outer))
+        self._default_controller = attach_controller(trainer, self.compressor, alone, self.outer.config)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
