@@ -445,7 +445,8 @@ class OuterUpdate(Adaptation):
             return {}
         if self._pending:  # the same bits decoded now or at the round's end: a checkpoint holds the average
             with torch.no_grad():
-                self.landed.kept.update(self._take_pending())
+                averaged = self._take_pending()  # before `landed`: taking it replaces `landed.kept` with a new dict
+                self.landed.kept.update(averaged)
         state = super().state_dict()
         state["since"] = torch.tensor(self.since)
         state["rounds"] = torch.tensor(self.rounds)
