@@ -93,9 +93,13 @@ class Int4(BlockCode):
 
 def _block_peaks(flat: Tensor, size: int) -> Tensor:
     """The largest magnitude of each ``size``-entry block of ``flat`` (NaN where a block has one), the last one
-    short: whole blocks as one strided view, the rest on its own."""
+    short: whole blocks as one strided view, the rest on its own. The larger of each block's largest entry and its
+    negated least: two plain reductions, several times faster on a CPU than ``vector_norm(ord=inf)``, and no copy
+    (``abs_`` makes a block of zeros' ``-0.0`` a ``0.0``, whose step then decodes to positive zeros)."""
     whole = flat.numel() - flat.numel() % size
-    peaks = torch.linalg.vector_norm(flat[:whole].view(-1, size), ord=float("inf"), dim=1)
+    blocks = flat[:whole].view(-1, size)
+    peaks = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()).abs_()
     if whole == flat.numel():
         return peaks
-    return torch.cat([peaks, torch.linalg.vector_norm(flat[whole:], ord=float("inf")).view(1)])
+    rest = flat[whole:]
+    return torch.cat([peaks, torch.maximum(rest.amax(), rest.amin().neg()).abs_().view(1)])
