@@ -3,8 +3,9 @@ dense DDP.
 
 The ``python`` blocks are read from the files: a block without a ``Trainer`` runs whole (in one namespace,
 in order, as a reader would paste them); each ``Trainer(...)`` call is built on 2 ranks with the block's own imports,
-given a small MLP (SGD with momentum 0.9 at lr 0.05, the optimizer users run) and trained, and its held-out loss is
-held to what the README promises: about dense's.
+given a small MLP (SGD with momentum 0.9 at lr 0.05, the optimizer users run) and trained. The README's examples are
+held to what it promises, dense's held-out loss within 1%, unless the example's own line says what it ``trades``; the
+guides' examples are held to dense's held-out accuracy within 2 points.
 
 The default's choice follows the link it times, and a busy machine's loopback can time as a slow link: then it takes
 local steps, whose held-out accuracy at this budget moves by about two points with where its rounds fall. So the
@@ -13,6 +14,7 @@ the same way on every run) rather than whatever the machine's load makes of the 
 """
 
 import ast
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,10 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 STEPS = 160
+#: How far above stock DDP's held-out loss a README example may end (a ratio), unless its line says what it trades.
+LOSS_TOLERANCE = 1.01
 
 
-def _blocks() -> list[str]:
-    return [block for page in PAGES for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
+def _blocks(pages: list[Path] = PAGES) -> list[str]:
+    return [block for page in pages for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
 
 
 def _trainer_calls(block: str) -> list[ast.Call]:
@@ -47,13 +51,25 @@ def _trainer_calls(block: str) -> list[ast.Call]:
     ]
 
 
-def _examples() -> list[tuple[str, str]]:
-    """``(the block's imports, one Trainer call)`` for every Trainer the README builds."""
+def _examples(pages: list[Path] = PAGES) -> list[tuple[str, str]]:
+    """``(the block's imports, one Trainer call)`` for every Trainer the pages build."""
     out = []
-    for block in _blocks():
+    for block in _blocks(pages):
         tree = ast.parse(block)
         imports = "\n".join(ast.unparse(n) for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom))
         out += [(imports, ast.unparse(call)) for call in _trainer_calls(block)]
+    return out
+
+
+def _trading() -> set[str]:
+    """The README's Trainer calls whose line says, in its comment, what the example ``trades``."""
+    out = set()
+    for block in _blocks([README]):
+        lines = block.splitlines()
+        for call in _trainer_calls(block):
+            comment = lines[call.lineno - 1].partition("#")[2]
+            if "trades" in comment:
+                out.add(ast.unparse(call))
     return out
 
 
@@ -104,15 +120,17 @@ def _classifier(base: type, momentum: float) -> Any:
     return Classifier()
 
 
-def _held_out(model: torch.nn.Module) -> float:
+def _held_out(model: torch.nn.Module) -> tuple[float, float]:
+    """``model``'s loss and accuracy on 2048 samples it was not trained on."""
     x, y = _classes(2048, seed=1)
     with torch.no_grad():
-        return (model(x).argmax(1) == y).float().mean().item()
+        logits = model(x)
+        return torch.nn.functional.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
-def _train(imports: str, call: str | None, unified: bool) -> float:
+def _train(imports: str, call: str | None, unified: bool) -> tuple[float, float]:
     """Build the Trainer ``call`` (``None``: stock DDP), fit the classifier for :data:`STEPS` steps, and return its
-    held-out accuracy."""
+    held-out loss and accuracy."""
     if unified:
         import lightning.pytorch as trainer_pl
     else:
@@ -163,13 +181,24 @@ def _every_example(rank, world_size, examples):
     return losses
 
 
+def test_the_readme_opens_with_examples_that_keep_dense_loss():
+    first = {ast.unparse(call) for call in _trainer_calls(_blocks([README])[0])}
+    assert len(first) == 2 and not first & _trading()
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_every_trainer_in_the_readme_trains_to_dense_accuracy():
+def test_every_trainer_in_the_readme_trains_to_dense_loss():
     r0, r1 = run_distributed(_every_example, examples=_examples(), timeout=600)
-    dense = r0.pop("dense")
-    print({call: (round(acc - dense, 3), acc == r1[call]) for call, acc in r0.items()}, dense)
-    for call, accuracy in r0.items():
+    dense_loss, dense = r0.pop("dense")
+    print({call: (round(loss / dense_loss - 1, 4), round(acc - dense, 3)) for call, (loss, acc) in r0.items()})
+    readme, trading = {call for _, call in _examples([README])}, _trading()
+    for call, (loss, accuracy) in r0.items():
         if "model_averaging_period" not in call:  # local SGD's ranks differ between averages
-            assert accuracy == r1[call], f"{call}: the ranks hold different models"
-        assert accuracy >= dense - 0.02, f"{call}: held-out accuracy {accuracy:.3f}, dense DDP {dense:.3f}"
+            assert (loss, accuracy) == r1[call], f"{call}: the ranks hold different models"
+        if call in trading:  # its line says what it trades
+            assert math.isfinite(loss), f"{call}: held-out loss {loss}"
+        elif call in readme:
+            assert loss <= LOSS_TOLERANCE * dense_loss, f"{call}: held-out loss {loss:.4f}, dense DDP {dense_loss:.4f}"
+        else:
+            assert accuracy >= dense - 0.02, f"{call}: held-out accuracy {accuracy:.3f}, dense DDP {dense:.3f}"
