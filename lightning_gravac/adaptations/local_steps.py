@@ -33,7 +33,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -250,8 +250,6 @@ class OuterUpdate(Adaptation):
         overlap = self.config.overlap and not (whole or drain)
         with torch.no_grad():
             loss = self.guard.close(1 if synchronous else self.since, synchronous)
-            starts = self.began.kept or self.anchor.kept
-            changes = {name: starts[name] - p for name, p in self._params.items()}  # this round's own progress
             applied = self._outer_step(self._take_pending()) if self._pending or self.landed.kept else True
             if not applied and self.config.guard is None:  # the round in flight is lost; this one goes on
                 self.guard.lost()
@@ -259,12 +257,12 @@ class OuterUpdate(Adaptation):
             if not applied or self.guard.diverged(loss):
                 self._undo(loss)
             else:
-                exchanges = [self._launch(names, changes, whole) for names in self._groups()]
+                # A round with a change in flight began at `began` (its own progress is measured from there), which the
+                # outer step just taken leaves as it was; any other began at the anchor.
+                starts = self.began.kept or self.anchor.kept
+                exchanges = [self._launch(names, starts, whole, overlap) for names in self._groups()]
                 if overlap:
                     self._pending = exchanges
-                    for name, p in self._params.items():
-                        p.copy_(self.anchor.kept[name] - changes[name])  # rebased on the outer step, own progress kept
-                        self.began.kept[name] = p.detach().clone()
                 else:
                     averaged = {n: avg for ex in exchanges for n, avg in zip(ex.names, self._land(ex), strict=True)}
                     if self._outer_step(averaged, plain=synchronous):
@@ -307,7 +305,7 @@ class OuterUpdate(Adaptation):
             n: a for ex in self._pending for n, a in zip(ex.names, self._land(ex), strict=True)
         }
         self._pending = []
-        self.landed.clear()
+        self.landed.load({})  # let go, not kept as spares: nothing is landed into them again until a checkpoint
         return averaged
 
     def _average_buffers(self) -> None:
@@ -320,15 +318,26 @@ class OuterUpdate(Adaptation):
             for b, mean in zip(self._buffers, _split(flat, self._buffers), strict=True):
                 b.copy_(mean)
 
-    def _launch(self, names: list[str], changes: dict[str, Tensor], whole: bool) -> "_Exchange":
-        """Start averaging the changes of ``names`` (error-fed for a biased method; the new residuals kept): an
-        all-reduce of the whole change, or an all-gather of the compressed one."""
+    def _launch(self, names: list[str], starts: dict[str, Tensor], whole: bool, rebase: bool) -> "_Exchange":
+        """Start averaging the changes of ``names`` since ``starts`` (error-fed for a biased method; the new residuals
+        kept): an all-reduce of the whole change, or an all-gather of the compressed one. ``rebase`` (overlap): each
+        rank continues from the outer step just taken plus its own progress since ``starts``.
+
+        The change is written once, into one flat tensor: it is what an all-reduce sums, what the method compresses
+        and, with error feedback, the new residual, written over it in place."""
         assert self.compressor is not None and self.config is not None
         like = [self._params[n] for n in names]
-        delta = torch.cat([changes[n].reshape(-1) for n in names])
+        delta = torch.empty(sum(p.numel() for p in like), dtype=like[0].dtype, device=like[0].device)
+        parts = _split(delta, like)
+        for name, part, p in zip(names, parts, like, strict=True):
+            torch.sub(starts[name], p, out=part)
+        if rebase:
+            for name, part, p in zip(names, parts, like, strict=True):
+                torch.sub(self.anchor.kept[name], part, out=p)  # rebased on the outer step, own progress kept
+                self._hold(self.began, name, p)
         if self.error_feedback:
-            for n, part in zip(names, _split(delta, like), strict=True):
-                residual = self.residual.kept.get(n)
+            for n, part in zip(names, parts, strict=True):
+                residual = self.residual.kept.pop(n, None)  # added in: this round's residual replaces it
                 if residual is not None:
                     part.add_(residual)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -339,22 +348,26 @@ class OuterUpdate(Adaptation):
             self.sent(delta.numel() * delta.element_size(), False)
             handle = dist.all_reduce(delta, async_op=True) if world > 1 else None
             return _Exchange(names, like, world, handle, delta)
-        rows = self._changed_rows(names, _split(delta, like), world)
-        selected = torch.cat(rows.select(_split(delta, like))) if rows.chosen else delta
+        rows = self._changed_rows(names, parts, world)
+        selected = torch.cat(rows.select(parts)) if rows.chosen else delta
         payload = self.compressor.compress(selected, self.config.cf, key="outer", step=self.rounds)
-        if self.error_feedback:
-            sent = _expanded(rows, self.compressor.decompress(payload).reshape(-1), delta, like)
-            for n, rest in zip(names, _split(delta - sent, like), strict=True):
-                self.residual.kept[n] = rest
         layout = Layout.of([payload])
         packed = layout.pack([payload])
+        if self.error_feedback:  # the change becomes its residual in place: what was not sent (none of the rows none
+            # changed, where nothing was sent)
+            self.compressor.residual_(selected, payload)
+            if rows.chosen:
+                rows.place(selected, parts)
+            for n, rest in zip(names, parts, strict=True):
+                self.residual.kept[n] = rest
         gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=packed.device)
         self.bytes_sent += layout.nbytes
         self.sent(layout.nbytes, True)
         handle = dist.all_gather_single(gathered, packed, async_op=True) if world > 1 else None
         if handle is None:
             gathered.copy_(packed)
-        return _Exchange(names, like, world, handle, delta, gathered, layout, payload, rows)
+        free = not self.error_feedback  # the change is sent: its tensor can hold the ranks' mean
+        return _Exchange(names, like, world, handle, delta, gathered, layout, payload, rows, free)
 
     def _changed_rows(self, names: list[str], parts: list[Tensor], world: int) -> ByRows:
         """Which rows of the tables among ``names`` (their changes ``parts``) some rank changed: a MAX all-reduce of a
@@ -381,7 +394,8 @@ class OuterUpdate(Adaptation):
         return all(not g.get("weight_decay") for g in groups if any(q is p for q in g["params"]))
 
     def _land(self, exchange: "_Exchange") -> list[Tensor]:
-        """Wait for ``exchange`` and decode the ranks' mean change, one tensor a parameter."""
+        """Wait for ``exchange`` and decode the ranks' mean change, one tensor a parameter (into the change's own
+        tensor where nothing else holds it)."""
         if exchange.handle is not None:
             exchange.handle.wait()
         world = exchange.world
@@ -392,10 +406,17 @@ class OuterUpdate(Adaptation):
         _, (stacked,) = exchange.layout.unpack(
             exchange.gathered.view(world, exchange.layout.nbytes), [exchange.payload]
         )
-        numel = exchange.rows.numel(exchange.like)
-        mean = torch.empty(numel, dtype=exchange.buffer.dtype, device=exchange.buffer.device)
+        buffer, rows = exchange.buffer, exchange.rows
+        if exchange.free and not rows.chosen:
+            self.compressor.decode_(buffer, stacked, 1.0 / world)
+            return _split(buffer, exchange.like)
+        mean = torch.empty(rows.numel(exchange.like), dtype=buffer.dtype, device=buffer.device)
         self.compressor.decode_(mean, stacked, 1.0 / world)
-        return _split(_expanded(exchange.rows, mean, exchange.buffer, exchange.like), exchange.like)
+        if not rows.chosen:
+            return _split(mean, exchange.like)
+        out = buffer.zero_() if exchange.free else torch.zeros_like(buffer)  # zero in the rows no rank changed
+        rows.place(mean, _split(out, exchange.like))
+        return _split(out, exchange.like)
 
     def _outer_step(self, averaged: dict[str, Tensor], plain: bool = False) -> bool:
         """``anchor <- anchor - lr * update``, with the outer momentum where asked (``plain``: the average itself);
@@ -418,18 +439,30 @@ class OuterUpdate(Adaptation):
 
     def _set_anchor(self) -> None:
         for name, p in self._params.items():
-            self.anchor.kept[name] = p.detach().clone()
+            self._hold(self.anchor, name, p)
+
+    @staticmethod
+    def _hold(staged: Staged, name: str, value: Tensor) -> None:
+        """Keep a copy of ``value`` as ``staged``'s ``name``, written over the one kept (or a freed one) where it fits:
+        a round's end allocates no parameter-sized tensor to keep."""
+        held = staged.kept.get(name)
+        if held is None or held.shape != value.shape or held.dtype != value.dtype or held.device != value.device:
+            held = staged.take(name, value)
+        staged.kept[name] = held.copy_(value)
 
     def _keep_inner(self) -> None:
         """This rank's inner optimizer state as a round begins, for the guard to undo the round (nothing without
-        it)."""
+        it), written over what the last round's start kept."""
         if self.config is None or self.config.guard is None or self._optimizer is None:
             return
         state = self._optimizer.state
-        self._inner = {name: _copied(state[p]) for name, p in self._params.items() if state.get(p)}
+        self._inner = {
+            name: _copied(state[p], into=self._inner.get(name)) for name, p in self._params.items() if state.get(p)
+        }
 
     def _restore_inner(self) -> None:
-        """This rank's inner optimizer state as the round began (a parameter that had none then has none again)."""
+        """This rank's inner optimizer state as the round began (a parameter that had none then has none again),
+        written into the optimizer's own tensors where they fit."""
         if self._optimizer is None:
             return
         for name, p in self._params.items():
@@ -437,7 +470,13 @@ class OuterUpdate(Adaptation):
             if kept is None:
                 self._optimizer.state.pop(p, None)
             else:
-                self._optimizer.state[p] = _copied(kept)
+                self._optimizer.state[p] = _copied(kept, into=self._optimizer.state.get(p))
+
+    @override
+    def reset(self) -> None:
+        # Let go, not kept as spares: neither is written into a freed tensor again (the residual's are views of one).
+        self.velocity.load({})
+        self.residual.load({})
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -454,14 +493,14 @@ class OuterUpdate(Adaptation):
         for name, kept in self._inner.items():
             for key, value in kept.items():
                 if isinstance(value, Tensor):
-                    state[f"began_inner/{name}/{key}"] = value.clone()
+                    state[f"began_inner/{name}/{key}"] = value
         for name, p in self._params.items():
-            state[f"params/{name}"] = p.detach().clone()
+            state[f"params/{name}"] = p.detach()
         if self._optimizer is not None:
             for name, p in self._params.items():
                 for key, value in self._optimizer.state.get(p, {}).items():
                     if isinstance(value, Tensor):
-                        state[f"inner/{name}/{key}"] = value.detach().clone()
+                        state[f"inner/{name}/{key}"] = value.detach()
         return state
 
     @override
@@ -517,9 +556,28 @@ class OuterUpdate(Adaptation):
         return kept
 
 
-def _copied(state: dict[str, Any]) -> dict[str, Any]:
-    """One parameter's optimizer state, copied (its tensors cloned)."""
-    return {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in state.items()}
+def _copied(state: dict[str, Any], into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One parameter's optimizer state, copied: each tensor into ``into``'s of that slot where it fits, else cloned."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if not isinstance(value, Tensor):
+            out[key] = copy.deepcopy(value)
+            continue
+        held = None if into is None else into.get(key)
+        if _fits(held, value):
+            out[key] = held.copy_(value)
+        else:
+            out[key] = value.detach().clone()
+    return out
+
+
+def _fits(held: Any, value: Tensor) -> TypeGuard[Tensor]:
+    """Whether ``held`` is another tensor that ``value`` can be copied into exactly."""
+    return (
+        isinstance(held, Tensor)
+        and held is not value
+        and (held.shape, held.dtype, held.device) == (value.shape, value.dtype, value.device)
+    )
 
 
 def _placed(value: Tensor, param: Tensor) -> Tensor:
@@ -550,16 +608,7 @@ class _Exchange:
     layout: Layout | None = None
     payload: Payload | None = None
     rows: ByRows | None = None
-
-
-def _expanded(rows: ByRows, sent: Tensor, like: Tensor, params: list[nn.Parameter]) -> Tensor:
-    """``sent`` (the entries ``rows`` selects) laid out as the flat change ``like`` of ``params``, zero in the rows no
-    rank changed."""
-    if not rows.chosen:
-        return sent
-    out = torch.zeros_like(like)
-    rows.place(sent, _split(out, params))
-    return out
+    free: bool = False  # whether nothing but the exchange holds ``buffer`` (the mean is decoded into it)
 
 
 def _split(flat: Tensor, like: list[Tensor] | list[nn.Parameter]) -> list[Tensor]:
