@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 #: The recipes shipped inside the package (package data), so that an installed wheel runs them from any directory.
 RECIPES: Traversable = resources.files("lightning_gravac") / "recipes"
 QUICKSTART = "quickstart"
+#: The override that runs a recipe's quick variant, and the folder beside the recipes that holds their overrides.
+QUICK = "quick"
 
 
 def list_recipes() -> list[str]:
@@ -119,20 +121,48 @@ def resolve_recipe(recipe: str | Path, overrides: Sequence[str] = ()) -> dict:
     and resolve interpolations.
 
     A key may index a list (``trainer.callbacks[0].init_args.omega=0.5``); a value is read as yaml (``1e-3``,
-    ``[1, 2]``, ``null``, ``{class_path: ..., init_args: {...}}``, which replaces the node whole).
+    ``[1, 2]``, ``null``, ``{class_path: ..., init_args: {...}}``, which replaces the node whole). ``quick=true``
+    applies the recipe's quick variant (:func:`quick_variant`) before the other overrides.
+
+    Raises:
+        ValueError: for an override that is not ``dotted.key=value``, or a ``quick`` that is not true or false.
     """
     config = OmegaConf.create(find_recipe(recipe).read_text())
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if not sep or not key:
-            raise ValueError(f"An override is `dotted.key=value`, got {override!r}.")
+    pairs = [_override(override) for override in overrides]
+    quick = [value for key, value in pairs if key == QUICK]
+    if quick and not isinstance(quick[-1], bool):
+        raise ValueError(f"`{QUICK}` is true or false, got {quick[-1]!r}.")
+    pairs = [*(quick_variant(recipe) if quick and quick[-1] else []), *((k, v) for k, v in pairs if k != QUICK)]
+    for key, parsed in pairs:
         # `update` walks list indices, which a merge of `OmegaConf.from_dotlist` cannot. A mapping replaces the node
         # (`trainer.logger={class_path: ..., init_args: ...}` swaps the logger, none of the old arguments stay).
-        parsed = yaml.safe_load(value)
         OmegaConf.update(config, key, parsed, merge=not isinstance(parsed, dict))
     resolved = OmegaConf.to_container(config, resolve=True)
     assert isinstance(resolved, dict)
     return resolved
+
+
+def _override(override: str) -> tuple[str, Any]:
+    """``dotted.key=value`` as the key and the value read as yaml."""
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise ValueError(f"An override is `dotted.key=value`, got {override!r}.")
+    return key, yaml.safe_load(value)
+
+
+def quick_variant(recipe: str | Path) -> list[tuple[str, Any]]:
+    """The overrides of ``recipe``'s quick variant (``quick=true``): ``quick/<name>.yaml`` beside the recipe, a
+    mapping of dotted keys to values that makes a run of a few dozen steps with validation, on synthetic data and a
+    model small enough for a few minutes on two CPU cores.
+
+    Raises:
+        FileNotFoundError: when the recipe has none.
+    """
+    path = find_recipe(recipe)
+    quick = (path.parent if isinstance(path, Path) else RECIPES) / QUICK / path.name
+    if not quick.is_file():
+        raise FileNotFoundError(f"No quick variant of {str(recipe)!r}: {QUICK}/{path.name} beside it gives one.")
+    return list(yaml.safe_load(quick.read_text()).items())
 
 
 def fit_to_machine(config: dict) -> None:
@@ -191,6 +221,7 @@ USAGE = """usage: python -m lightning_gravac COMMAND
 examples:
   python -m lightning_gravac quickstart trainer.max_steps=5
   python -m lightning_gravac run vgg16_cifar100 data.init_args.synthetic=true trainer.max_steps=100
+  python -m lightning_gravac run lstm_ptb quick=true      (each recipe's quick variant: minutes on 2 CPU cores)
   python -m lightning_gravac run lstm_ptb 'trainer.callbacks[0].init_args.cf_max=100'"""
 
 
@@ -230,6 +261,10 @@ def _dispatch(argv: Sequence[str]) -> None:
     elif command == "recipes":
         for name in list_recipes():
             print(f"{name:20s} {find_recipe(name).read_text().splitlines()[0].lstrip('# ')}")
+        print(
+            f"\nAdd {QUICK}=true for a recipe's quick variant: a few dozen steps with validation, a small model and "
+            "synthetic data, a few minutes on 2 CPU cores."
+        )
     elif command in ("", "-h", "--help"):
         print(USAGE)
     elif command in CLI_COMMANDS or command.startswith("-"):  # a subcommand, or LightningCLI's own flags first

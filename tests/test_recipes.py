@@ -1,5 +1,6 @@
-"""Every recipe parses; the quickstart runs as a user runs it."""
+"""Every recipe and its quick variant parse; the quickstart and every quick variant run as a user runs them."""
 
+import math
 import os
 import subprocess
 import sys
@@ -8,7 +9,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_gravac.cli import QUICKSTART, cli_main, find_recipe, fit_to_machine, list_recipes, resolve_recipe
+from lightning_gravac.cli import (
+    QUICKSTART,
+    cli_main,
+    find_recipe,
+    fit_to_machine,
+    list_recipes,
+    quick_variant,
+    resolve_recipe,
+)
 
 from conftest import LAUNCHER_VARIABLES
 from wandb_offline import history
@@ -21,10 +30,12 @@ def test_there_are_recipes():
     assert QUICKSTART in ALL_RECIPES
 
 
+@pytest.mark.parametrize("quick", [False, True], ids=["recipe", "quick"])
 @pytest.mark.parametrize("recipe", ALL_RECIPES)
-def test_recipe_parses_with_lightning_cli(recipe, tmp_path):
+def test_recipe_parses_with_lightning_cli(recipe, quick, tmp_path):
     resolved = tmp_path / f"{recipe}.yaml"
-    resolved.write_text(yaml.safe_dump(resolve_recipe(recipe, [f"trainer.logger.init_args.save_dir={tmp_path}"])))
+    overrides = [f"trainer.logger.init_args.save_dir={tmp_path}", f"quick={str(quick).lower()}"]
+    resolved.write_text(yaml.safe_dump(resolve_recipe(recipe, overrides)))
     cli = cli_main(["--config", str(resolved)], run=False)
     assert type(cli.trainer.strategy).__name__ == "GraVACStrategy"
     assert type(cli.trainer.logger).__name__ == "WandbLogger"
@@ -53,7 +64,8 @@ def test_the_module_lists_its_recipes_and_explains_its_commands(tmp_path):
 
     listed = module("recipes")
     assert listed.returncode == 0, listed.stderr
-    assert [line.split()[0] for line in listed.stdout.splitlines()] == ALL_RECIPES
+    names, _, note = listed.stdout.partition("\n\n")
+    assert [line.split()[0] for line in names.splitlines()] == ALL_RECIPES and "quick=true" in note
     usage = module("run")
     assert usage.returncode != 0 and "quickstart [dotted.key=value ...]" in usage.stderr
     # A typo and a recipe that does not exist answer with the tool's usage, not LightningCLI's or a traceback.
@@ -116,6 +128,43 @@ def test_an_argument_a_class_refuses_is_said_in_one_line_without_the_parsers_tra
     assert len(refused) == 1 and refused[0].startswith(said), done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "Namespace(" not in done.stderr and "Union" not in done.stderr
     assert list(tmp_path.iterdir()) == [], "a run that never logged left a W&B folder"
+
+
+def test_every_recipe_has_a_quick_variant_with_validation_and_the_users_overrides_win():
+    # A key the trainer, model or data do not take is refused by LightningCLI (test_recipe_parses_with_lightning_cli).
+    for recipe in ALL_RECIPES:
+        assert quick_variant(recipe), recipe
+        quick = resolve_recipe(recipe, ["quick=true"])
+        trainer = quick["trainer"]
+        assert 10 <= trainer["max_steps"] <= 50 and trainer["val_check_interval"] <= trainer["max_steps"], recipe
+        assert quick["data"]["init_args"].get("synthetic", True), recipe
+        find_recipe(recipe).read_text().index(f"{recipe} quick=true")  # the recipe says how to run it
+    mine = resolve_recipe("lstm_ptb", ["quick=true", "trainer.max_steps=12"])
+    assert mine["trainer"]["max_steps"] == 12 and mine["model"]["init_args"]["hidden"] == 200
+    assert resolve_recipe("lstm_ptb", ["quick=false"]) == resolve_recipe("lstm_ptb")
+    with pytest.raises(ValueError, match=r"`quick` is true or false, got 'yes please'"):
+        resolve_recipe("lstm_ptb", ["quick=yes please"])
+
+
+def test_a_recipe_of_ones_own_takes_a_quick_variant_beside_it(tmp_path):
+    (tmp_path / "mine.yaml").write_text("trainer:\n  max_steps: 3000\n")
+    with pytest.raises(FileNotFoundError, match=r"No quick variant of .*mine.yaml.*quick/mine.yaml beside it"):
+        resolve_recipe(tmp_path / "mine.yaml", ["quick=true"])
+    (tmp_path / "quick").mkdir()
+    (tmp_path / "quick" / "mine.yaml").write_text("trainer.max_steps: 30\n")
+    assert resolve_recipe(tmp_path / "mine.yaml", ["quick=true"]) == {"trainer": {"max_steps": 30}}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+def test_a_recipes_quick_variant_validates_to_a_finite_metric_on_two_cpu_processes(recipe, tmp_path):
+    done = _run([recipe, "quick=true", f"trainer.logger.init_args.save_dir={tmp_path}"], 900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (monitor,) = [line.split() for line in done.stdout.splitlines() if line.startswith("val_")]
+    assert math.isfinite(float(monitor[1])), done.stdout[-3000:]
+    (run_dir,) = tmp_path.glob("wandb/offline-run-*")
+    assert any(monitor[0] in row for row in history(run_dir)), "the validation metric reached the logger"
 
 
 MODEL_RECIPES = [r for r in ALL_RECIPES if r != QUICKSTART]  # run from the checkout, by `recipes/run.py NAME`

@@ -42,6 +42,10 @@ class TeacherRegression(pl.LightningModule):
         self.log("train_loss", loss, on_step=True, prog_bar=True)
         return loss
 
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
@@ -62,14 +66,26 @@ class TeacherDataModule(pl.LightningDataModule):
         n_in: input features.
         batch_size: per-rank batch size.
         seed: seed of the teacher and the inputs.
+        val_n: of the ``n`` samples, the last ``val_n`` held out to validate on; 0, the default, validates nothing.
     """
 
-    def __init__(self, n: int = 2048, n_in: int = 16, batch_size: int = 32, seed: int = 0) -> None:
+    def __init__(self, n: int = 2048, n_in: int = 16, batch_size: int = 32, seed: int = 0, val_n: int = 0) -> None:
         super().__init__()
-        self.n, self.n_in, self.batch_size, self.seed = n, n_in, batch_size, seed
+        if not 0 <= val_n < n:
+            raise ValueError(f"`val_n` holds out some of the `n`={n} samples: 0 <= val_n < n, got {val_n}.")
+        self.n, self.n_in, self.batch_size, self.seed, self.val_n = n, n_in, batch_size, seed, val_n
+
+    def _split(self, held_out: bool) -> TensorDataset:
+        """The last ``val_n`` samples if ``held_out``, else the others (all of them when ``val_n`` is 0)."""
+        data, cut = teacher_dataset(self.n, self.n_in, self.seed), self.n - self.val_n
+        return TensorDataset(*(t[cut:] if held_out else t[:cut] for t in data.tensors)) if self.val_n else data
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(teacher_dataset(self.n, self.n_in, self.seed), batch_size=self.batch_size, shuffle=True)
+        return DataLoader(self._split(held_out=False), batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        # No loader at all (not an empty one) without a held-out set: Lightning then skips validation, as before.
+        return DataLoader(self._split(held_out=True), batch_size=self.batch_size) if self.val_n else []
 
 
 def bag_of_words_dataset(
