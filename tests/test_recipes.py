@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -204,6 +205,11 @@ def test_a_recipe_is_fitted_to_the_machine(capsys):
     assert kept["trainer"]["devices"] == 3 and kept["data"]["init_args"]["num_workers"] == 1
 
 
+def _rows(table: str) -> dict[str, str]:
+    """A summary table's rows, name to value (the two are apart by two spaces or more)."""
+    return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in table.splitlines() if "  " in line.strip())
+
+
 def test_the_run_summary_weighs_the_factors_by_bytes_and_says_when_more_was_sent():
     from lightning_gravac import RunSummary
 
@@ -213,8 +219,10 @@ def test_the_run_summary_weighs_the_factors_by_bytes_and_says_when_more_was_sent
     summary = RunSummary()
     summary.history = [step(10.0, 100.0), step(1000.0, 1.0)]  # as asked: 101 bytes of 2000
     table = summary.table(1.0)
-    rows = {line[:14].strip(): line[14:].strip() for line in table.splitlines()}
-    assert rows["traffic saved"] == "19.8x" and rows["cf asked, mean"] == "19.8"  # not the mean of 10 and 1000
+    rows = _rows(table)
+    # Named as what it is: not the mean of 10 and 1000; and the time is the training's.
+    assert rows["traffic saved"] == "19.8x" and rows["cf asked, harmonic mean"] == "19.8"
+    assert rows["training time"] == "1.0 s" and "wall time" not in table
     assert "sent more on some steps" not in table
     summary.history = [step(100.0, 250.0)] + [step(100.0, 10.0)] * 3  # a warm-up step sent 25x what was asked
     assert "sent more on some steps" in summary.table(1.0)
@@ -229,7 +237,7 @@ def test_the_run_summary_says_a_metric_never_logged_was_not_measured_and_plots_w
     ]
     summary.history, summary.logged = steps, ["loss"]
     table = summary.table(1.0)
-    rows = {line[:14].strip(): line[14:].strip() for line in table.splitlines()}
+    rows = _rows(table)
     assert rows["val_ppl"] == "not measured" and "nan" not in table
     assert "No metric named 'val_ppl' was logged (logged: loss)" in table
     summary.save_plot(tmp_path / "gravac.png")

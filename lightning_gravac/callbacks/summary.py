@@ -17,7 +17,8 @@ class RunSummary(Callback):
     """Collects the controller's ``gravac/*`` metrics of every step and prints a table when training ends (rank 0).
 
     The table: steps, last value of ``monitor`` ("not measured" when the module never logged it, with the names it
-    did log), bytes sent against dense DDP's, the mean compression factor and the wall time. :attr:`history` keeps
+    did log), bytes sent against dense DDP's, the harmonic mean of the compression factors asked for (what they would
+    have saved) and the training time, from the first step to the end of training. :attr:`history` keeps
     one row a step for plots and tests. Its place among the callbacks does not
     matter: a step is collected once the controller has seen it.
 
@@ -86,9 +87,10 @@ class RunSummary(Callback):
             ("traffic saved", f"{dense / sent:.1f}x"),
             # What the factors asked for would have saved, weighing each step by its bytes (a harmonic mean): the
             # traffic saved falls short of it where a method sent more than asked (DGC's warm-up, headers, probes).
-            ("cf asked, mean", f"{asked:.1f}"),
+            ("cf asked, harmonic mean", f"{asked:.1f}"),
             ("final cf", f"{self.history[-1]['gravac/cf']:g}"),
-            ("wall time", f"{wall_s:.1f} s"),
+            # From the first step to the last: not the setup, the fit-start timings, nor the process start.
+            ("training time", f"{wall_s:.1f} s"),
         ]
         width = max(len(k) for k, _ in rows)
         line = "-" * (width + 24)

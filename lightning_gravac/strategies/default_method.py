@@ -87,7 +87,7 @@ def _method_for_sgd(
     method = get_compressor(SGD_METHOD)
     state.use_method(method, error_feedback=method.error_feedback_default)
     rank_zero_info(
-        f"GraVACStrategy: the optimizer is SGD and the gradient dense, so the default sends {method!r}: every "
+        f"GraVACStrategy: the optimizer is SGD and the gradient dense, so a step it compresses sends {method!r}: every "
         "entry every step, unbiased, any momentum staying in the optimizer; a run of the length asked for ends "
         "where dense training would, where Top-K's error feedback delays what it does not send. "
         "`GraVACStrategy('topk')` sends Top-K."

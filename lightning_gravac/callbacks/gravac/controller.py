@@ -29,7 +29,7 @@ from lightning_gravac.callbacks.gravac.hold import (
     rung_allowed,
 )
 from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_MIN, Budget, Ladder, Policy
-from lightning_gravac.callbacks.gravac.link_timer import TIMED_BYTES, LinkTimer
+from lightning_gravac.callbacks.gravac.link_timer import TIMED_BYTES, LinkTimer, loopback_note
 from lightning_gravac.callbacks.gravac.prediction import Decision, kept, masking_weight, progress_per_second, say_choice
 from lightning_gravac.callbacks.gravac.probes import Probes
 from lightning_gravac.callbacks.gravac.rounds import OUTER_CF, Rounds
@@ -294,7 +294,7 @@ class GraVAC(Controller):
         cost.timed = self.measure_link(trainer)
         rank_zero_info(
             f"GraVAC: link measured at fit start: {cost.timed[0] * 1e6:.0f} us a message, "
-            f"{8 / cost.timed[1] / 1e6 if cost.timed[1] > 0 else math.inf:.0f} Mbit/s."
+            f"{8 / cost.timed[1] / 1e6 if cost.timed[1] > 0 else math.inf:.0f} Mbit/s{loopback_note(trainer)}."
         )
         if self.fp16_rung:
             cost.take_half(*self.measure_half(trainer), fresh)

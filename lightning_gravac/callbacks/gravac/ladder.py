@@ -81,7 +81,11 @@ class Ladder(Checkpointed):
         why = f"{method!r} sends from {reach[0]:.3g} to {reach[1]:.3g}" if reach else ""
         if largest in (cf_max, cf_min):
             why += ("; " if why else "") + f"the model's largest gradient has {largest} entries"
-        rank_zero_info(f"GraVAC: factors {', '.join(f'{f:.3g}' for f in self.factors)} ({why or 'the defaults'}).")
+        factors = ", ".join(f"{f:.3g}" for f in self.factors)
+        rank_zero_info(
+            f"GraVAC: the factors it chooses among when it compresses: cf {factors} (a factor is dense bytes over "
+            f"bytes sent; {why or 'the defaults'})."
+        )
         return True
 
     def fit_to_budget(self, admits: Callable[[float], bool], per_cf: float, budget_steps: float) -> None:

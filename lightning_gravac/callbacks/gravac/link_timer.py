@@ -22,6 +22,14 @@ TIMED_SECONDS = 0.02
 TIMED_ENTRIES = 1 << 24
 
 
+def loopback_note(trainer: "pl.Trainer") -> str:
+    """Said beside a link's measured speed when every process runs on one machine: their link is its loopback, whose
+    speed follows what else the machine runs (one run's 3 Gbit/s is another's 24), not a network's."""
+    if getattr(trainer, "num_nodes", 1) != 1:
+        return ""
+    return " (the processes of one machine: a loopback, not a network; its speed follows the machine's load)"
+
+
 class LinkTimer:
     """Times all-reduces of a process group on every rank; every result is the slowest rank's, the same everywhere.
 
