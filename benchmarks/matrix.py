@@ -148,7 +148,9 @@ ABLATIONS = [
 #: Milder Top-K factors, for short budgets.
 MILD = ["topk cf=20", "topk cf=40"]
 #: Local steps: H inner steps, then the parameter change in QSGD's 4-bit codes averaged (outer lr 1, no momentum).
-LOCAL = ["local H=4", "local H=8", "local H=16", "local H=16 overlap"]
+#: With a block code named after the length, the outer update goes in it with error feedback instead.
+LOCAL = ["local H=4", "local H=8", "local H=16", "local H=16 overlap", "local H=8 int4", "local H=16 int4",
+         "local H=16 int8", "local H=32 int4", "local H=16 int4 no ef", "local H=16 whole"]  # fmt: skip
 ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS + MILD + LOCAL
 #: AdamW's learning rate per task (``--optimizer adamw``).
 ADAMW_LR = {"bag": 1e-2, "mlp": 1e-3, "cnn": 1e-3, "lstm": 2e-3, "diamonds": 1e-3, "gpt": 1e-3}
@@ -302,8 +304,11 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
     if row == "gravac (paper)":
         return GraVACStrategy("topk"), [GraVAC(cf_min=10, cf_max=1000, search="sequential", window=25)]
     if row == "default" or row in LOCAL:
-        every = int(row.removeprefix("local H=").removesuffix(" overlap")) if row in LOCAL else 0
-        rounds = LocalSteps(every=every, overlap=row.endswith(" overlap")) if every else None
+        length, _, code = row.removeprefix("local H=").partition(" ")
+        every = int(length) if row in LOCAL else 0
+        rounds = LocalSteps(every=every, overlap=code == "overlap", cf=1.0 if code == "whole" else 8.0) if every else None
+        if code.startswith(("int4", "int8")):  # the outer update in a block code, error-fed unless "no ef"
+            return GraVACStrategy(code[:4], local_steps=rounds, error_feedback=not code.endswith("no ef")), []
         return GraVACStrategy(local_steps=rounds), []
     if row in ABLATIONS:
         return ablation(row)

@@ -22,9 +22,9 @@ from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.state import CompressionState
 from lightning_gravac.tables import EMBEDDING_SHARE, embedding_share, sparse_parameters
 
-#: The method of ``GraVACStrategy()``, and the ones its zero-argument default sends under SGD and under an optimizer
-#: that scales each coordinate (Adam).
-DEFAULT_METHOD, SGD_METHOD, ADAM_METHOD = "topk", "qsgd", "int8"
+#: The method of ``GraVACStrategy()``, and the ones its zero-argument default sends under SGD, under SGD with clipped
+#: gradients and under an optimizer that scales each coordinate (Adam).
+DEFAULT_METHOD, SGD_METHOD, CLIPPED_METHOD, ADAM_METHOD = "topk", "qsgd", "int4", "int8"
 
 
 _GRANULARITIES = ("layer", "bucket")
@@ -60,19 +60,21 @@ def method_of(compressor: str | Compressor | None, granularity: str, error_feedb
 
 
 def choose_method(
-    state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None
+    state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None, clips: bool
 ) -> None:
     """Set ``state``'s method for the zero-argument default (no method, controller, ``error_feedback`` or
-    ``momentum_masking`` given) by ``optimizers``."""
-    _method_for_sgd(state, optimizers, module)
+    ``momentum_masking`` given) by ``optimizers``; ``clips``: the trainer clips the gradients' norm."""
+    _method_for_sgd(state, optimizers, module, clips)
     _method_for_adam(state, optimizers, module)
 
 
 def _method_for_sgd(
-    state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None
+    state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None, clips: bool
 ) -> None:
     """QSGD instead of Top-K under ``torch.optim.SGD``, any momentum left in the optimizer, unless most trainable
-    parameters are embedding tables."""
+    parameters are embedding tables; with clipped gradients, 4-bit block codes with error feedback (a clip shortens
+    QSGD's noisy average, and rounds of local steps lost there: BENCHMARKS.md), held against dense and fp16 by the
+    link, without local steps."""
     if state.local_sgd_from is not None:
         return
     if not (optimizers and all(isinstance(opt, torch.optim.SGD) for opt in optimizers)):
@@ -82,6 +84,16 @@ def _method_for_sgd(
         rank_zero_info(
             f"GraVACStrategy: {share:.0%} of the trainable parameters are embedding tables, whose gradient is "
             "mostly zero rows: the default sends Top-K, which sends those nearly exactly."
+        )
+        return
+    if clips:
+        method = get_compressor(CLIPPED_METHOD)
+        state.use_method(method, error_feedback=True)
+        rank_zero_info(
+            f"GraVACStrategy: the optimizer is SGD and the trainer clips the gradients' norm, so the default sends "
+            f"{method!r} block codes with error feedback every step (dense or fp16 where the link makes those faster), "
+            "each entry within half a level of its block's largest: QSGD's noisier average would be clipped shorter, "
+            "and rounds of local steps are not taken."
         )
         return
     method = get_compressor(SGD_METHOD)

@@ -195,7 +195,7 @@ class GraVACStrategy(DDPStrategy):
         movable = self._hook_can_hold_optimizer_state()
         in_trainer = module._trainer if module is not None else None
         if self._method_open and self._default_controller:
-            choose_method(state, self.optimizers, module)
+            choose_method(state, self.optimizers, module, bool(trainer.gradient_clip_val))
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
         self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps

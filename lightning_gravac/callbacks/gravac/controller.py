@@ -147,6 +147,8 @@ class GraVAC(Controller):
         #: The gradients' dtype: the largest trainable parameter's, set at setup (what an entry's wait is counted in).
         self.weigh_masking, self.grad_dtype = bool(weigh_masking), torch.float32
         self.weigh_noise = bool(weigh_noise)
+        #: The trainer clips gradients and the method is a block code: each step dense, fp16 or the code (fit start).
+        self.clipped = False
         #: The run's length, which bounds the factors (model search).
         self.budget = Budget(on=bool(budget) and self.rule.models_cost)
         if self.fp16_rung and not self.rule.models_cost:
@@ -224,14 +226,15 @@ class GraVAC(Controller):
         (:func:`~.hold.rung_allowed`), from the user's choice rather than from what the last fit derived: an Adam fit's
         rung does not outlive that fit. At setup, and again at fit start for layers built in configure_model."""
         fp32 = all(p.dtype == torch.float32 for p in pl_module.parameters() if p.requires_grad)
-        held = self.adaptive_optimizer and self.adam in HOLDING and self.rule.models_cost
+        held = ((self.adaptive_optimizer and self.adam in HOLDING) or self.clipped) and self.rule.models_cost
         self.fp16_rung = rung_allowed(self.fp16_rung_asked, held, self.state.compressor, fp32, self.ladder.cf_min)
 
     @property
     def holds_for_adam(self) -> bool:
         """Whether the optimizer is Adam-like, the method lossy, and this controller sends dense or fp16 for it: all
         the run, or the warm-up before Adam's moments move (``adam="moment"``)."""
-        return self.adaptive_optimizer and self.adam != "compress" and not self.moments_moved()
+        held = self.adaptive_optimizer and self.adam != "compress" and not self.moments_moved()
+        return held or self.clipped
 
     @property
     @override
@@ -245,6 +248,8 @@ class GraVAC(Controller):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Clipping reacts to a code's error as Adam does: a block code there is held against dense and fp16 as well.
+        self.clipped = bool(trainer.gradient_clip_val) and self.state.compressor.near_exact
         super().on_fit_start(trainer, pl_module)
         self._timed_step = -1  # a fit's first batch starts a step, whatever step a fit before ended at
         self._timing = None
@@ -282,8 +287,8 @@ class GraVAC(Controller):
             self.cf = self.choose()
             self.apply(self.state)
             method, rows = self.state.compressor.name, bool(self.state.rows.rows)
-            if self.adam == "gradient" and self.state.compressor.near_exact:
-                rank_zero_info(code_note(method, bool(self.rungs)))
+            if self.clipped or (self.adam == "gradient" and self.state.compressor.near_exact):
+                rank_zero_info(code_note(method, bool(self.rungs), self.clipped))
             elif self.state.carry.sends_from is None:
                 rank_zero_warn(hold_warning(self.adam, self.rungs, method, rows, self.rule.models_cost, self.fp16_rung))
 
@@ -501,9 +506,9 @@ class GraVAC(Controller):
         state = self.compression_state
         fixed_cf = state.compressor.fixed_cf if state is not None else None
         near_exact = state is not None and state.compressor.near_exact
-        held = held_factor(
-            self.holds_for_adam, self.moments_moved(), self.adam, fixed_cf, self.rungs, self.cost, near_exact
-        )
+        policy = "gradient" if self.clipped else self.adam
+        moved = self.moments_moved()
+        held = held_factor(self.holds_for_adam, moved, policy, fixed_cf, self.rungs, self.cost, near_exact)
         return held if held is not None else self.rule.choose(self.decision())
 
     def decision(self) -> Decision:

@@ -85,14 +85,19 @@ def hold_warning(
     )
 
 
-def code_note(method: str, fp16_rung: bool) -> str:
-    """What an Adam-like optimizer gets under ``adam="gradient"`` with a block code: the optimizer as configured, each
-    step in whichever of dense, fp16 (where it can be sent) and the code the link makes fastest."""
+def code_note(method: str, fp16_rung: bool, clipped: bool = False) -> str:
+    """What an Adam-like optimizer, or a trainer that clips gradients (``clipped``), gets with a block code: the
+    optimizer as configured, each step in whichever of dense, fp16 (where it can be sent) and the code the link makes
+    fastest."""
     choices = "dense, whole in fp16 or" if fp16_rung else "dense or"
+    why = (
+        "the trainer clips the gradients' norm, which a coarser code's error would shorten"
+        if clipped
+        else "the optimizer scales each coordinate by a running second moment (Adam-like) and is left as configured"
+    )
     return (
-        f"GraVAC: the optimizer scales each coordinate by a running second moment (Adam-like) and is left as "
-        f"configured: each step's gradient is sent {choices} in {method!r} block codes with error feedback, whichever "
-        "the measured link makes fastest."
+        f"GraVAC: {why}: each step's gradient is sent {choices} in {method!r} block codes with error feedback, "
+        "whichever the measured link makes fastest."
     )
 
 
