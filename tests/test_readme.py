@@ -78,6 +78,16 @@ def test_the_readme_shows_trainers_and_plain_examples():
     assert any(not _trainer_calls(b) for b in _blocks())
 
 
+def test_the_guides_index_lists_every_page_in_one_item_and_every_local_link_resolves():
+    index = ROOT / "docs" / "README.md"
+    items = re.findall(r"^- \[(\w+\.md)\]\(\1\): ", index.read_text(), re.M)
+    assert sorted(items) == sorted(p.name for p in PAGES[1:] if p != index)
+    for page in [*PAGES, ROOT / "BENCHMARKS.md"]:
+        for target in re.findall(r"\]\(([^)#\s]+)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name} links to {target}, which is not there"
+
+
 def test_every_readme_block_without_a_trainer_runs_as_written():
     namespace: dict[str, Any] = {"torch": torch}
     ran = 0
