@@ -200,9 +200,9 @@ def test_overlap_applies_each_round_one_round_late():
                     p.add_(torch.randn(p.shape, generator=g))
             outer.after_closure()  # the step steps (no gradient to skip it for)
             outer.after_step()
-        assert outer._pending, "the round's change is in flight"
+        assert outer.exchange.in_flight, "the round's change is in flight"
     outer.finish()  # the fit ends: the change in flight lands, and the last round's own is sent
-    assert outer.rounds == 5 and not outer._pending and not outer.began.kept
+    assert outer.rounds == 5 and not outer.exchange.in_flight and not outer.began.kept
     # Replayed by the definition.
     g = torch.Generator().manual_seed(0)
     anchor, began, pending = dict(x), None, None

@@ -1,0 +1,221 @@
+"""The exchange of local steps' rounds: each rank's change over a round, written into one flat tensor a dtype, error-fed
+for a biased method, compressed and averaged over the ranks, and the mean decoded back, one tensor a parameter.
+
+A whole change (``cf`` 1, a method that sends its input as it is, or a round sent whole) is all-reduced in place; a
+compressed one is all-gathered as each rank's payload and decoded into the change's own tensor. An embedding table
+whose rows a round left unchanged on every rank is sent by the rows some rank changed (which rows: one small MAX
+all-reduce of a byte a row), the rest of its change exactly zero on every rank; one under weight decay goes whole.
+With overlap the exchange stays in flight through the next round; a checkpoint lands it (the same bits as landing it at
+the round's end), so the run that saved goes on as the run that did not.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_gravac.compressors.base import Compressor, Payload
+from lightning_gravac.compressors.packing import Layout
+from lightning_gravac.staged import Staged
+from lightning_gravac.tables import ByRows, RowTables, row_mask, set_rows
+
+
+class OuterExchange:
+    """Averages the ranks' changes at a round's end (see the module's docstring).
+
+    State: this rank's error feedback residual, the averaging in flight (with overlap) and, in a checkpoint, its mean
+    landed, the same on every rank; both by parameter name. The bytes this fit's exchanges put into the collectives.
+    """
+
+    def __init__(self) -> None:
+        self.compressor: Compressor | None = None
+        self.cf = 1.0
+        self.error_feedback = False
+        self.residual = Staged()  # what compression left out of each change, added into the next (biased methods)
+        self.landed = Staged()  # with overlap: the averaging in flight, landed for a checkpoint
+        self.bytes_sent = 0  # this fit's outer updates, as each rank put them into the collectives
+        #: Told of each outer update's bytes and whether they were gathered (the strategy records them as a step's).
+        self.sent: Callable[[int, bool], None] = _unrecorded
+        #: The embedding tables a compressed round sends by the rows some rank changed (the strategy's, found when DDP
+        #: wraps the model; ``GraVACStrategy(embedding_rows=False)`` sends them whole).
+        self.tables = RowTables(enabled=False)
+        self._params: dict[str, nn.Parameter] = {}
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._in_flight: list[_Averaging] = []
+
+    def configure(self, compressor: Compressor, cf: float, error_feedback: bool) -> None:
+        """Send each change with ``compressor`` at factor ``cf``, error-fed when ``error_feedback``."""
+        self.compressor, self.cf, self.error_feedback = compressor, cf, error_feedback
+
+    def take_from(self, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        """The parameters whose changes are sent, by name, and the inner optimizer (its weight decay)."""
+        self._params, self._optimizer = params, optimizer
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a round's averaging waits to be taken (sent with overlap, or landed by a checkpoint)."""
+        return bool(self._in_flight or self.landed.kept)
+
+    def change(self, names: list[str], starts: dict[str, Tensor]) -> Tensor:
+        """This rank's change of ``names`` since ``starts`` (``start - x``), written once, into one flat tensor: what
+        an all-reduce sums, what the method compresses and, with error feedback, the new residual, in place."""
+        like = [self._params[n] for n in names]
+        delta = torch.empty(sum(p.numel() for p in like), dtype=like[0].dtype, device=like[0].device)
+        for name, part, p in zip(names, split_like(delta, like), like, strict=True):
+            torch.sub(starts[name], p, out=part)
+        return delta
+
+    def send(self, names: list[str], delta: Tensor, whole: bool, step: int) -> None:
+        """Start averaging ``delta``, the change of ``names`` (:meth:`change`; error-fed first for a biased method,
+        the new residuals kept): an all-reduce of the whole change, or an all-gather of the compressed one, its draws
+        seeded by ``step`` (the rounds ended). ``whole``: sent uncompressed, the residual with it."""
+        assert self.compressor is not None
+        like = [self._params[n] for n in names]
+        parts = split_like(delta, like)
+        if self.error_feedback:
+            for n, part in zip(names, parts, strict=True):
+                residual = self.residual.kept.pop(n, None)  # added in: this round's residual replaces it
+                if residual is not None:
+                    part.add_(residual)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if whole or self.cf <= 1 or self.compressor.passthrough:
+            for n in names:
+                self.residual.kept.pop(n, None)
+            self._record(delta.numel() * delta.element_size(), gathered=False)
+            handle = dist.all_reduce(delta, async_op=True) if world > 1 else None
+            self._in_flight.append(_Averaging(names, like, world, handle, delta))
+            return
+        rows = self._changed_rows(names, parts, world)
+        selected = torch.cat(rows.select(parts)) if rows.chosen else delta
+        payload = self.compressor.compress(selected, self.cf, key="outer", step=step)
+        layout = Layout.of([payload])
+        packed = layout.pack([payload])
+        if self.error_feedback:  # the change becomes its residual in place (all of it in the rows no rank changed)
+            self.compressor.residual_(selected, payload)
+            if rows.chosen:
+                rows.place(selected, parts)
+            for n, rest in zip(names, parts, strict=True):
+                self.residual.kept[n] = rest
+        gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=packed.device)
+        self._record(layout.nbytes, gathered=True)
+        handle = dist.all_gather_single(gathered, packed, async_op=True) if world > 1 else None
+        if handle is None:
+            gathered.copy_(packed)
+        free = not self.error_feedback  # nothing else holds the change once sent: its tensor can hold the mean
+        self._in_flight.append(_Averaging(names, like, world, handle, delta, gathered, layout, payload, rows, free))
+
+    def take(self) -> dict[str, Tensor]:
+        """The ranks' mean changes of what :meth:`send` sent since the last take (waited for), or those a checkpoint
+        landed, by name; nothing is left in flight."""
+        averaged = dict(self.landed.kept) or {
+            n: a for ex in self._in_flight for n, a in zip(ex.names, self._land(ex), strict=True)
+        }
+        self._in_flight = []
+        self.landed.load({})  # let go, not kept as spares: nothing is landed into them again until a checkpoint
+        return averaged
+
+    def reset(self) -> None:
+        """Drop the residual (let go, not kept as spares: its tensors are views of one change)."""
+        self.residual.load({})
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The residual and, in flight, the averaged change (landed now: the same bits as at the round's end)."""
+        if self._in_flight:
+            with torch.no_grad():
+                averaged = self.take()  # before `landed`: taking it replaces `landed.kept` with a new dict
+                self.landed.kept.update(averaged)
+        return {
+            f"{prefix}/{name}": tensor.detach().clone()
+            for prefix, staged in (("residual", self.residual), ("landed", self.landed))
+            for name, tensor in staged.kept.items()
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        for prefix, staged in (("residual", self.residual), ("landed", self.landed)):
+            staged.load({key[len(prefix) + 1 :]: t for key, t in state.items() if key.startswith(f"{prefix}/")})
+
+    def _record(self, nbytes: int, gathered: bool) -> None:
+        self.bytes_sent += nbytes
+        self.sent(nbytes, gathered)
+
+    def _changed_rows(self, names: list[str], parts: list[Tensor], world: int) -> ByRows:
+        """Which rows of the tables among ``names`` (their changes ``parts``) some rank changed: a MAX all-reduce of a
+        byte a row, the same on every rank. A table none of whose rows stayed unchanged goes whole; so does one under
+        weight decay, which moves every row each step."""
+        positions = [i for i, n in enumerate(names) if n in self.tables.rows and self._undecayed(n)]
+        if not positions:
+            return ByRows()
+        rows = [self.tables.rows[names[i]] for i in positions]
+        mask = row_mask([parts[i] for i in positions], rows)
+        self._record(mask.numel(), gathered=False)
+        if world > 1:
+            dist.all_reduce(mask, op=dist.ReduceOp.MAX)
+        # One host sync a table a round (on CUDA): how many rows go decides the payload's size.
+        changed = zip(positions, set_rows(mask, rows), strict=True)
+        by_rows = ByRows({i: idx for i, idx in changed if idx.numel() < parts[i].shape[0]})
+        return by_rows if by_rows.numel(parts) else ByRows()  # nothing changed anywhere: the method gets something
+
+    def _undecayed(self, name: str) -> bool:
+        """Whether the inner optimizer leaves parameter ``name`` without weight decay (the same on every rank)."""
+        p = self._params[name]
+        groups = self._optimizer.param_groups if self._optimizer is not None else []
+        return all(not g.get("weight_decay") for g in groups if any(q is p for q in g["params"]))
+
+    def _land(self, averaging: "_Averaging") -> list[Tensor]:
+        """Wait for ``averaging`` and decode the ranks' mean change, one tensor a parameter (into the change's own
+        tensor where nothing else holds it)."""
+        if averaging.handle is not None:
+            averaging.handle.wait()
+        world, like = averaging.world, averaging.like
+        if averaging.payload is None:
+            return split_like(averaging.buffer.div_(world), like)
+        assert self.compressor is not None and averaging.layout is not None and averaging.gathered is not None
+        assert averaging.rows is not None
+        _, (stacked,) = averaging.layout.unpack(
+            averaging.gathered.view(world, averaging.layout.nbytes), [averaging.payload]
+        )
+        buffer, rows = averaging.buffer, averaging.rows
+        if averaging.free and not rows.chosen:
+            self.compressor.decode_(buffer, stacked, 1.0 / world)
+            return split_like(buffer, like)
+        mean = torch.empty(rows.numel(like), dtype=buffer.dtype, device=buffer.device)
+        self.compressor.decode_(mean, stacked, 1.0 / world)
+        if not rows.chosen:
+            return split_like(mean, like)
+        out = buffer.zero_() if averaging.free else torch.zeros_like(buffer)  # zero in the rows no rank changed
+        rows.place(mean, split_like(out, like))
+        return split_like(out, like)
+
+
+def split_like(flat: Tensor, like: list[Tensor] | list[nn.Parameter]) -> list[Tensor]:
+    """``flat`` cut into views shaped as ``like``."""
+    out, offset = [], 0
+    for p in like:
+        out.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return out
+
+
+def _unrecorded(nbytes: int, gathered: bool) -> None:
+    """Bytes not recorded anywhere (before the strategy's setup)."""
+
+
+@dataclass
+class _Averaging:
+    """One flat tensor's averaging in flight: its names and shapes, the collective's handle, the change (summed in
+    place when sent whole) and, compressed, the gathered payloads."""
+
+    names: list[str]
+    like: list[nn.Parameter]
+    world: int
+    handle: Any
+    buffer: Tensor
+    gathered: Tensor | None = None
+    layout: Layout | None = None
+    payload: Payload | None = None
+    rows: ByRows | None = None
+    free: bool = False  # whether nothing but the averaging holds ``buffer`` (the mean is decoded into it)
