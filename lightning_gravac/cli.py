@@ -100,13 +100,15 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningC
         # Lightning's own call of an API newer torch deprecates, once a rank: nothing a run's user can change.
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         try:
-            return CLI(
+            cli = CLI(
                 subclass_mode_model=True,
                 subclass_mode_data=True,
                 save_config_kwargs={"overwrite": True},
                 args=list(args) if args is not None else None,
                 run=run,
             )
+            _finish_wandb()
+            return cli
         except Exception as error:
             refused = instantiator.refused
             # The parser's error quotes the refusal it stopped on; one it recovered from (another type of a union
@@ -114,6 +116,15 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningC
             if refused is None or str(refused).partition(": ")[2] not in str(error):
                 raise
             raise refused from None
+
+
+def _finish_wandb() -> None:
+    """End the W&B run a command started, if any, before the interpreter's exit: W&B's own exit hook says where the run
+    is in colour codes whether or not the output is a terminal, where its ``finish`` writes them to a terminal only.
+    (Lightning's logger leaves the run open on purpose, for a script that logs after ``fit``; a command ends here.)"""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
 
 
 def resolve_recipe(recipe: str | Path, overrides: Sequence[str] = ()) -> dict:
@@ -166,13 +177,18 @@ def quick_variant(recipe: str | Path) -> list[tuple[str, Any]]:
 
 
 def fit_to_machine(config: dict) -> None:
-    """Fit a recipe's ``devices: auto`` and data loader workers to this machine, in place, and say so.
+    """Fit a recipe's ``devices: auto``, data loader workers and progress bar to this machine, in place, and say so.
 
     Without a GPU, Lightning's ``devices: auto`` starts one CPU process, which has nothing to communicate: a recipe
     then starts two, so that it trains data-parallel as it would on GPUs. Workers are capped at the CPUs this process
-    may use (the DataLoader warns above that).
+    may use (the DataLoader warns above that). Where the output is not a terminal (a file, a pipe, a job's log), the
+    progress bar, whose redraws are carriage returns and cursor codes there, is off unless the recipe or an override
+    asks for it (``trainer.enable_progress_bar=true``).
     """
     trainer, data = config.get("trainer") or {}, (config.get("data") or {}).get("init_args") or {}
+    if "enable_progress_bar" not in trainer and not sys.stderr.isatty():
+        config["trainer"] = trainer
+        trainer["enable_progress_bar"] = False  # not said: a line before a refused argument's would bury it
     if trainer.get("devices", "auto") == "auto" and trainer.get("accelerator", "auto") in ("auto", "cpu"):
         import torch  # noqa: PLC0415 - only when a recipe is run
 

@@ -27,7 +27,8 @@ class WandbLogger(_LightningWandbLogger):
 
     With ``offline=None`` (the default) the run is online if a key is set up (``WANDB_API_KEY`` or ``wandb login``)
     and ``WANDB_MODE`` does not say otherwise, else offline under ``save_dir``; the log says how to upload it later
-    with ``wandb sync``. Everything else is Lightning's ``WandbLogger``.
+    with ``wandb sync``. W&B's own lines are quiet (``wandb.Settings(quiet=True)``: no tables of the run's history at
+    its end; pass ``settings`` to choose). Everything else is Lightning's ``WandbLogger``.
 
     Args:
         offline: ``True`` or ``False`` to decide yourself; ``None`` to decide by the key.
@@ -44,6 +45,10 @@ class WandbLogger(_LightningWandbLogger):
                     f"Upload the run later with: wandb sync {where}/offline-run-*"
                 )
         self._run_dir = kwargs.get("save_dir") or kwargs.get("dir")
+        if kwargs.get("settings") is None:  # the command line passes every argument of `wandb.init`, None if unset
+            import wandb  # noqa: PLC0415 - Lightning's logger imports it on use too
+
+            kwargs["settings"] = wandb.Settings(quiet=True)
         super().__init__(offline=offline, **kwargs)
         if kwargs.get("anonymous") is None:
             # Lightning passes `anonymous=None` to `wandb.init` whatever was asked, and W&B warns that the setting

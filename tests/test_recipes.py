@@ -103,6 +103,9 @@ def test_quickstart_runs_prints_the_summary_plots_and_logs_to_wandb_offline(tmp_
     assert "logging offline" in done.stderr and "wandb sync" in done.stderr
     # Quiet: no advertisement of Lightning's logging service, no deprecation inside Lightning twice (once a rank).
     assert "litlogger" not in done.stderr and "is deprecated" not in done.stderr, done.stderr[-3000:]
+    # Into a pipe: no progress bar's redraws, no colour codes (W&B's exit hook wrote them), no tables of W&B's.
+    for out in (done.stdout, done.stderr):
+        assert "\x1b" not in out and "\r" not in out and "Run history" not in out, out[-3000:]
     (plot,) = tmp_path.rglob("gravac.png")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "the plot is not a PNG"
     (run_dir,) = tmp_path.glob("wandb/offline-run-*")
@@ -191,7 +194,8 @@ def test_recipe_trains_two_steps_on_synthetic_data_with_two_cpu_ranks(recipe, tm
 
 def test_a_recipe_is_fitted_to_the_machine(capsys):
     """``devices: auto`` without a GPU would start one process, with nothing to communicate: two CPU processes
-    instead; workers beyond this process's CPUs are capped. An explicit device count is kept."""
+    instead; workers beyond this process's CPUs are capped; no progress bar where the output is not a terminal. An
+    explicit device count and progress bar are kept."""
     import torch
 
     config = resolve_recipe("vgg16_cifar100", ["data.init_args.num_workers=4096"])
@@ -199,10 +203,15 @@ def test_a_recipe_is_fitted_to_the_machine(capsys):
     if not torch.cuda.is_available():
         assert (config["trainer"]["accelerator"], config["trainer"]["devices"]) == ("cpu", 2)
     assert 1 <= config["data"]["init_args"]["num_workers"] < 4096
-    assert "4096 data loader workers asked" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "4096 data loader workers asked" in said
+    # Under pytest the output is not a terminal: no progress bar, unless asked for.
+    assert config["trainer"]["enable_progress_bar"] is False
     kept = resolve_recipe("vgg16_cifar100", ["trainer.devices=3", "data.init_args.num_workers=1"])
+    kept["trainer"]["enable_progress_bar"] = True
     fit_to_machine(kept)
     assert kept["trainer"]["devices"] == 3 and kept["data"]["init_args"]["num_workers"] == 1
+    assert kept["trainer"]["enable_progress_bar"] is True
 
 
 def _rows(table: str) -> dict[str, str]:
