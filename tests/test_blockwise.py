@@ -107,3 +107,18 @@ def test_block_size_must_be_a_whole_number():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="block_size"):
             get_compressor("int4", block_size=bad)
+
+
+@pytest.mark.parametrize("name", CODES)
+@pytest.mark.parametrize("numel", [10_007, 300_003])  # one thread, and chunks on threads; a short last group of 8
+def test_coding_into_the_residual_in_one_pass_gives_the_separate_steps_bits(name, numel):
+    x = _heavy(numel, 5)
+    x[:128] = 0.0
+    method = get_compressor(name)
+    fused = x.clone()
+    payload = method.compress_residual_(fused, method.fixed_cf)
+    if payload is None:
+        pytest.skip("the compiled kernels are not available here")
+    separate = method.compress(x, method.fixed_cf)
+    assert all(torch.equal(a, b) for a, b in zip(payload.wire, separate.wire, strict=True))
+    assert torch.equal(fused, x - method.decompress(separate))

@@ -203,17 +203,7 @@ def encode(
     ``out``, for a method with a ``wire_dtype`` (the casts), is where its payload is written
     (:meth:`~lightning_gravac.compressors.base.Compressor.compress_into`); other methods ignore it.
     """
-    fed_sq = None  # ||x||^2, found with the error feedback's sum where a kernel made it
-    if residual_mode in ("recycle", "in_place") and memory is None:
-        raise ValueError(f"encode(residual_mode={residual_mode!r}) needs the `memory` whose residual is added.")
-    if residual_mode == "recycle":
-        assert memory is not None
-        x, fed_sq = memory.error_fed_sq(key, tensor)
-    elif residual_mode == "in_place":
-        assert memory is not None
-        x, fed_sq = tensor, memory.error_fed_in_place_(key, tensor)
-    else:
-        x = tensor
+    x, fed_sq = _error_fed(tensor, key, residual_mode, memory)  # ||x||^2 where a kernel found it with the sum
     prober = compressor if prober is None else prober
     probes = None
     if out is not None and compressor.wire_dtype is not None:
@@ -222,6 +212,12 @@ def encode(
             probes = prober.probe(x, probe_cfs, key=key, step=step)
     elif probe_cfs and prober is compressor:
         payload, probes = compressor.compress_and_probe(x, cf, probe_cfs, key=key, step=step)
+    elif residual_mode == "recycle" and not probe_cfs and fed_sq is not None:
+        # Coded and turned into the residual in one pass where the method can (the block codes).
+        fused = compressor.compress_residual_(x, cf, key=key, step=step)
+        if fused is not None:
+            return Encoded(fused, fed_sq, None, x, None)
+        payload = compressor.compress(x, cf, key=key, step=step)
     else:
         payload = compressor.compress(x, cf, key=key, step=step)
         if probe_cfs:
@@ -235,3 +231,18 @@ def encode(
         residual = ErrorFeedback.residual_of(compressor, x, payload)
     error_fed = x if residual_mode == "in_place" and not compressor.passthrough else None
     return Encoded(payload, basis, probes, residual, error_fed)
+
+
+def _error_fed(
+    tensor: Tensor, key: str, residual_mode: ResidualMode, memory: ErrorFeedback | None
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`encode`'s ``x`` and its ``||x||^2`` where a kernel found it with the error feedback's sum."""
+    if residual_mode in ("recycle", "in_place") and memory is None:
+        raise ValueError(f"encode(residual_mode={residual_mode!r}) needs the `memory` whose residual is added.")
+    if residual_mode == "recycle":
+        assert memory is not None
+        return memory.error_fed_sq(key, tensor)
+    if residual_mode == "in_place":
+        assert memory is not None
+        return tensor, memory.error_fed_in_place_(key, tensor)
+    return tensor, None

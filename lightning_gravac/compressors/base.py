@@ -163,6 +163,12 @@ class Compressor(ABC):
         for a method with a :attr:`wire_dtype`."""
         raise NotImplementedError(f"{self.name} has no payload of a fixed dtype to write into a buffer")
 
+    def compress_residual_(self, tensor: Tensor, cf: float, *, key: str = "", step: int = 0) -> Payload | None:
+        """:meth:`compress`, ``tensor`` turned in place into ``tensor - decompress(payload)`` (what :meth:`residual_`
+        leaves), in one pass where the method can (the block codes' compiled encode); ``None``, ``tensor`` untouched,
+        where it cannot."""
+        return None
+
     def probe(self, tensor: Tensor, cfs: Sequence[float], *, key: str = "", step: int = 0) -> Tensor:
         """``||C_cf(tensor)||^2`` for each factor in ``cfs``, as a float64 tensor; no side effects.
 

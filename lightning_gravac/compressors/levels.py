@@ -37,6 +37,17 @@ class LevelCodes(Compressor):
         values.mul_((scales / s).unsqueeze(1))
         return values.view(-1)[:numel].to(payload.dtype).view(payload.shape)
 
+    def residual_(self, tensor: Tensor, payload: Payload) -> None:
+        # `tensor - decoded` in one pass, without the decoded tensor: minus each decoded value, rounded as `decompress`
+        # rounds it, added in place (fp32 payloads; a 16-bit one decodes with one more rounding).
+        packed, scales = payload.wire
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor
+        if payload.dtype == torch.float32 and kernels.usable(flat) and packed.is_contiguous():
+            s = int(payload.derived[0])
+            kernels.codes_add_(flat, packed, code_bits(s), s, (scales / s).float().contiguous(), self.group, -1.0)
+            return
+        super().residual_(tensor, payload)
+
     def sent_sq_norm(self, payload: Payload) -> Tensor:
         # Per group, the integer sum of the squared levels times step^2: from the packed codes alone.
         packed, scales = payload.wire

@@ -168,15 +168,28 @@ def qsgd_encode(values: Tensor, scales: Tensor, bucket: int, levels: int, bits: 
     return out
 
 
-def block_encode(values: Tensor, scales: Tensor, block: int, levels: int, bits: int) -> Tensor:
+def block_encode(
+    values: Tensor, scales: Tensor, block: int, levels: int, bits: int, steps: Tensor | None = None
+) -> Tensor:
     """The block codes' packed codes of the flat fp32 ``values`` in one pass: entry ``i`` of block ``b`` gets
     ``min(floor(|x| scales[b] + 1/2), levels)`` (the nearest level) with ``x``'s sign, plus ``levels``, in ``bits``
-    bits; ``scales`` (fp32) is ``levels / absmax_b`` per block, 0 for a block of zeros. The eager path's bits."""
+    bits; ``scales`` (fp32) is ``levels / absmax_b`` per block, 0 for a block of zeros. The eager path's bits. With
+    ``steps`` (fp32, decoding's step a block; ``block`` a multiple of 8), ``values`` becomes ``values - decoded`` in
+    place in the same pass, the bits of :func:`codes_add_` with ``alpha=-1``."""
     n = values.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
     _loaded().lg_block_encode(
-        values.data_ptr(), n, scales.data_ptr(), block, levels, bits, out.data_ptr(), torch.get_num_threads()
-    )
+        values.data_ptr(), n, scales.data_ptr(), block, levels, bits, _pointer(steps), out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def block_absmax(values: Tensor, block: int) -> Tensor:
+    """The largest magnitude of each ``block``-entry block of the flat fp32 ``values`` (the last one short) in one read,
+    NaN where a block holds a NaN: the eager ``maximum(amax, -amin)``'s values."""
+    out = torch.empty(-(-values.numel() // block), dtype=torch.float32)
+    _loaded().lg_block_absmax(values.data_ptr(), values.numel(), block, out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -49,7 +49,8 @@ SIGNATURES: dict[str, tuple[tuple[type, ...], type | None]] = {
     # quantize.c
     "lg_uniforms": ((_U64, _I64, _ADDRESS, _INT), None),
     "lg_qsgd_encode": ((_ADDRESS, _I64, _ADDRESS, _I64, _INT, _INT, _U64, _ADDRESS, _INT), None),
-    "lg_block_encode": ((_ADDRESS, _I64, _ADDRESS, _I64, _INT, _INT, _ADDRESS, _INT), None),
+    "lg_block_encode": ((_ADDRESS, _I64, _ADDRESS, _I64, _INT, _INT, _ADDRESS, _ADDRESS, _INT), None),
+    "lg_block_absmax": ((_ADDRESS, _I64, _I64, _ADDRESS, _INT), None),
     "lg_moments": ((_ADDRESS, _I64, _ADDRESS, _F64_OUT, _INT), None),
     "lg_terngrad_encode": ((_ADDRESS, _I64, _F32, _F32, _U64, _ADDRESS, _INT), None),
     "lg_codes_add": ((_ADDRESS, _I64, _INT, _INT, _ADDRESS, _I64, _F32, _ADDRESS, _INT), None),

@@ -113,9 +113,11 @@ static void pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t 
 
 /* The packed codes of `x`, bucket b's entries scaled by `scales[b]`: a level is floor(|x| scale + u) with u the
  * stream's draw i (QSGD's stochastic rounding), or with u = 1/2 where `draws` is 0 (rounding to the nearest level, the
- * block codes'). `draws` is a constant at each call, so each caller's loop is compiled without the other's branch. */
-static inline void encode_codes(const float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits,
-                                uint64_t stream, const int draws, uint8_t *out, int threads)
+ * block codes'). `draws` is a constant at each call, so each caller's loop is compiled without the other's branch.
+ * With `residual` (whole groups of 8 a bucket only), each entry becomes x - (code - s) * steps[b] in place as it is
+ * coded: decoding's value, rounded as lg_codes_add rounds it, so the bits of the separate decode-and-subtract. */
+static inline void encode_codes(float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits,
+                                uint64_t stream, const int draws, const float *steps, uint8_t *out, int threads)
 {
 #define LEVEL_U(i) (draws ? uniform_at(stream, (i)) : 0.5f)
     if (bucket % 8 == 0) {
@@ -134,10 +136,20 @@ static inline void encode_codes(const float *x, int64_t n, const float *scales, 
                 last = (b + 1) * bucket < end ? (b + 1) * bucket : end;
                 for (int64_t i = first; i < last; i++)
                     codes[i - start] = level_code(x[i], scale, LEVEL_U(i), s);
+                if (steps != NULL) {
+                    float step = steps[b];
+                    for (int64_t i = first; i < last; i++)
+                        x[i] = x[i] + (float)(codes[i - start] - s) * step * -1.0f;
+                }
             }
             pack_groups(codes, (end - start) / 8, bits, out + chunk * PACKS * bits);
         }
         PACK_TAIL(level_code(x[i], scales[i / bucket], LEVEL_U(i), s));
+        if (steps != NULL) {
+            int64_t nbytes = (n * bits + 7) / 8;
+            for (int64_t i = full * 8; i < n; i++)
+                x[i] = x[i] + (float)(code_at(out, nbytes, bits, i) - s) * steps[i / bucket] * -1.0f;
+        }
     } else {
         PACK_CODES(level_code(x[i], scales[i / bucket], LEVEL_U(i), s));
     }
@@ -148,15 +160,42 @@ static inline void encode_codes(const float *x, int64_t n, const float *scales, 
 void lg_qsgd_encode(const float *x, int64_t n, const float *scales, int64_t bucket, int s, int bits, uint64_t stream,
                     uint8_t *out, int threads)
 {
-    encode_codes(x, n, scales, bucket, s, bits, stream, 1, out, threads);
+    encode_codes((float *)x, n, scales, bucket, s, bits, stream, 1, NULL, out, threads);
+}
+
+/* The largest magnitude of each block of `block` entries (the last one short), NaN where a block holds one: one read of
+ * the magnitudes' bits as unsigned integers (a float's magnitude orders as its bits do, and every NaN's exceed
+ * infinity's, so the integer max is the largest magnitude or a NaN), in lanes of 16 that vectorize. */
+void lg_block_absmax(const float *x, int64_t n, int64_t block, float *out, int threads)
+{
+    const uint32_t *bits = (const uint32_t *)x;
+    int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n > PARALLEL_BLOCKS * 32)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t start = b * block, end = start + block < n ? start + block : n, i = start;
+        uint32_t lanes[16] = {0}, peak = 0;
+        for (; i + 16 <= end; i += 16)
+            for (int k = 0; k < 16; k++) {
+                uint32_t m = bits[i + k] & 0x7fffffffu;
+                lanes[k] = m > lanes[k] ? m : lanes[k];
+            }
+        for (; i < end; i++) {
+            uint32_t m = bits[i] & 0x7fffffffu;
+            peak = m > peak ? m : peak;
+        }
+        for (int k = 0; k < 16; k++)
+            peak = lanes[k] > peak ? lanes[k] : peak;
+        memcpy(out + b, &peak, sizeof peak);
+    }
 }
 
 /* The block codes: `scales[b]` is s / (largest magnitude of block b) as float32, 0 for a block of zeros (computed by
- * the caller, as the eager path); each entry rounded to the nearest level (a tie away from zero). */
-void lg_block_encode(const float *x, int64_t n, const float *scales, int64_t block, int s, int bits, uint8_t *out,
-                     int threads)
+ * the caller, as the eager path); each entry rounded to the nearest level (a tie away from zero). With `steps` (the
+ * decoding steps, whole groups of 8 a block), `x` becomes the residual x - decoded in the same pass. */
+void lg_block_encode(float *x, int64_t n, const float *scales, int64_t block, int s, int bits, const float *steps,
+                     uint8_t *out, int threads)
 {
-    encode_codes(x, n, scales, block, s, bits, 0, 0, out, threads);
+    encode_codes(x, n, scales, block, s, bits, 0, 0, steps, out, threads);
 }
 
 /* TernGrad's statistics in one read: the standard deviation (n - 1 in the denominator) and the smallest and largest
