@@ -1,4 +1,4 @@
-"""A trainer that clips gradients under SGD: the default sends 4-bit block codes with error feedback every step, held
+"""A trainer that clips gradients under SGD: the default sends 8-bit block codes with error feedback every step, held
 against dense and fp16 by the link, and takes no local steps."""
 
 import pytest
@@ -26,11 +26,11 @@ def _clipped(rank, world_size, bits_per_second, clip):
 
 @pytest.mark.distributed
 def test_clipped_sgd_sends_block_codes_every_step_and_no_rounds():
-    # A slow link: without clipping the default sends QSGD and switches to local steps; clipped, int4 every step.
+    # A slow link: without clipping the default sends QSGD and switches to local steps; clipped, int8 every step.
     for method, cfs, rounds in run_distributed(_clipped, bits_per_second=1e6, clip=0.25, timeout=300):
-        assert (method, set(cfs), rounds) == ("int4", {8.0}, False), (method, cfs)
+        assert (method, set(cfs), rounds) == ("int8", {4.0}, False), (method, cfs)
     unclipped = run_distributed(_clipped, bits_per_second=1e6, clip=None, timeout=300)
     assert all(method == "qsgd" and rounds for method, _, rounds in unclipped)
     # A fast link: dense once the first window has measured a step's computation.
     for method, cfs, _ in run_distributed(_clipped, bits_per_second=1e11, clip=0.25, timeout=300):
-        assert method == "int4" and set(cfs[3:]) == {1.0}, cfs
+        assert method == "int8" and set(cfs[3:]) == {1.0}, cfs

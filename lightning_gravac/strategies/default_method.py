@@ -24,7 +24,7 @@ from lightning_gravac.tables import EMBEDDING_SHARE, embedding_share, sparse_par
 
 #: The method of ``GraVACStrategy()``, and the ones its zero-argument default sends under SGD, under SGD with clipped
 #: gradients and under an optimizer that scales each coordinate (Adam).
-DEFAULT_METHOD, SGD_METHOD, CLIPPED_METHOD, ADAM_METHOD = "topk", "qsgd", "int4", "int8"
+DEFAULT_METHOD, SGD_METHOD, CLIPPED_METHOD, ADAM_METHOD = "topk", "qsgd", "int8", "int8"
 
 
 _GRANULARITIES = ("layer", "bucket")
@@ -72,9 +72,9 @@ def _method_for_sgd(
     state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None, clips: bool
 ) -> None:
     """QSGD instead of Top-K under ``torch.optim.SGD``, any momentum left in the optimizer, unless most trainable
-    parameters are embedding tables; with clipped gradients, 4-bit block codes with error feedback (a clip shortens
-    QSGD's noisy average, and rounds of local steps lost there: BENCHMARKS.md), held against dense and fp16 by the
-    link, without local steps."""
+    parameters are embedding tables; with clipped gradients, 8-bit block codes with error feedback (a clip shortens
+    QSGD's noisy average, and rounds of local steps lost there; 4-bit codes came within 1% of dense only at the end of
+    a long run: BENCHMARKS.md), held against dense and fp16 by the link, without local steps."""
     if state.local_sgd_from is not None:
         return
     if not (optimizers and all(isinstance(opt, torch.optim.SGD) for opt in optimizers)):
