@@ -728,7 +728,7 @@ def test_the_papers_weighing_of_progress_by_the_gain_itself_is_one_argument_away
 def test_default_smooths_gains_with_bias_correction_and_leaves_the_warm_up_step_untimed():
     level = {"gain": 0.8}
     c = Scripted(lambda cf: level["gain"], search="model", alpha=0.1)
-    c.warm_up = True  # as at fit start
+    c.clock.warm_up = True  # as at fit start
     c.run(1)
     assert c.window.tally == {} and c.window.progress == 1, "the first step's time was tallied"
     assert c.probes.gains[10] == pytest.approx(0.8)
@@ -751,7 +751,7 @@ class StepStarts(pl.Callback):
         self.starts: list[float] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.starts.append(next(c for c in trainer.callbacks if isinstance(c, GraVAC))._step_start)
+        self.starts.append(next(c for c in trainer.callbacks if isinstance(c, GraVAC)).clock.start)
 
 
 def _accumulating(rank: int, world_size: int) -> list[float]:

@@ -133,12 +133,12 @@ class Controller(Callback):
         self.adaptive_optimizer = scales_per_coordinate(optimizers) and not self.state.compressor.near_lossless
         if self.adaptive_optimizer:
             # When the optimizer's moments move into the hook (after a warm-up) is their part's decision.
-            self.state.carry.on_fit_start(trainer, self.moves_adam, type(self).__name__, self.state.compressor.name)
+            self.state.carry.on_fit_start(trainer, self.moves_moments, type(self).__name__, self.state.compressor.name)
             self._on_adaptive_optimizer()
         self.apply(self.state)
 
     @property
-    def moves_adam(self) -> bool:
+    def moves_moments(self) -> bool:
         """Whether, under an optimizer whose moments can move into the comm hook after a warm-up (an adaptation of
         :mod:`lightning_gravac.adaptations`), this controller has them move: a controller that compresses does; one held
         at factor 1 leaves the optimizer as it is."""

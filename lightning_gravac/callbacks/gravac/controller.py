@@ -1,35 +1,24 @@
 """GraVAC: gradient-variance-aware adaptive compression (Tyagi & Swany, IEEE CLOUD 2023), the controller: it composes
 its parts (the package's docstring lists them) and hands each the values it needs."""
 
-import math
-import time
 from dataclasses import replace
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
-from pytorch_lightning.utilities.data import extract_batch_size
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from lightning_utilities.core.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, fraction, nonnegative, whole
-from lightning_gravac.adaptations.local_steps import OuterUpdate
 from lightning_gravac.adaptations.momentum import MomentumCorrection
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.callbacks.gravac.checkpoint import CHECKPOINT_ORDER, Checkpointed
-from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Link, Tally, moved_in_step
-from lightning_gravac.callbacks.gravac.hold import (
-    HOLDING,
-    AdamPolicy,
-    code_note,
-    held_factor,
-    hold_warning,
-    rung_allowed,
-)
+from lightning_gravac.callbacks.gravac.clock import StepClock
+from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, Tally, moved_in_step
+from lightning_gravac.callbacks.gravac.hold import AdamPolicy, Hold
 from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_MIN, Budget, Ladder, Policy
-from lightning_gravac.callbacks.gravac.link_timer import TIMED_BYTES, LinkTimer, loopback_note
+from lightning_gravac.callbacks.gravac.link_timer import LinkTimer, link_said
 from lightning_gravac.callbacks.gravac.prediction import Decision, kept, masking_weight, progress_per_second, say_choice
 from lightning_gravac.callbacks.gravac.probes import Probes
 from lightning_gravac.callbacks.gravac.rounds import OUTER_CF, Rounds
@@ -128,17 +117,16 @@ class GraVAC(Controller):
         length = whole(defaults["window"] if window is None else window, "window")
         self.epsilon = fraction(defaults["epsilon"] if epsilon is None else epsilon, "epsilon")
         self.omega = fraction(omega, "omega")
-        self.alpha = None if alpha is None else fraction(alpha, "alpha")
+        alpha = None if alpha is None else fraction(alpha, "alpha")
         policy = choice(policy, "policy", ("exponential", "geometric"))
         interval = choice(interval, "interval", ("step", "epoch"))
         probe_every = whole(defaults["probe_every"] if probe_every is None else probe_every, "probe_every")
-        # Left to the default, it is settled at setup: DGC has no gain of the gradient alone.
-        self._gain_of_default = gain_of is None
         gain_basis: GainOf = choice(defaults["gain_of"] if gain_of is None else gain_of, "gain_of",
                                     ("error_fed", "gradient"))  # fmt: skip
         self.gain_power = nonnegative(defaults["gain_power"] if gain_power is None else gain_power, "gain_power")
         self.time_link = bool(defaults["time_link"] if time_link is None else time_link)
-        self.adam = choice(adam, "adam", ("gradient", "moment", "fp16", "dense", "compress"))
+        #: What it sends for an Adam-like optimizer or clipped gradients.
+        self.hold = Hold(policy=choice(adam, "adam", ("gradient", "moment", "fp16", "dense", "compress")))
         probe_backoff = whole(defaults["probe_backoff"] if probe_backoff is None else probe_backoff,
                               "probe_backoff")  # fmt: skip
         #: Whether the model search may send a step whole in fp16 (decided at setup: fp32 gradients, a method whose
@@ -147,8 +135,6 @@ class GraVAC(Controller):
         #: The gradients' dtype: the largest trainable parameter's, set at setup (what an entry's wait is counted in).
         self.weigh_masking, self.grad_dtype = bool(weigh_masking), torch.float32
         self.weigh_noise = bool(weigh_noise)
-        #: The trainer clips gradients and the method is a block code: each step dense, fp16 or the code (fit start).
-        self.clipped = False
         #: The run's length, which bounds the factors (model search).
         self.budget = Budget(on=bool(budget) and self.rule.models_cost)
         if self.fp16_rung and not self.rule.models_cost:
@@ -164,23 +150,17 @@ class GraVAC(Controller):
         self.ladder = Ladder.between(cf_min, cf_max, policy, default_bounds)
         #: The gains the hook probes, smoothed, and the probes' spacing.
         self.probes = Probes(probe_interval=probe_every, gain_of=gain_basis, probe_every=probe_every,
-                             probe_backoff=probe_backoff, bias_corrected=self.rule.corrects_bias)  # fmt: skip
+                             probe_backoff=probe_backoff, bias_corrected=self.rule.corrects_bias,
+                             gain_of_default=gain_of is None, alpha=alpha)  # fmt: skip
         #: The steps and windows so far, and the current window's tallies.
         self.window = Window(length=length, first=first, interval=interval)
         #: What a step costs: the link timed at fit start, the model fitted to the windows' steps.
         self.cost = CostModel()
         #: Whether the default runs local steps, from when (the strategy allows it for its zero-argument default).
         self.rounds = Rounds()
-
-        # What a fit measures, not checkpointed: the largest all-reduce the link timer timed, this rank's
-        # seconds of a fit's first step (the cost model's `first_step` is the slowest rank's), its samples in the step
-        # under way, the step's start and which step that was (under gradient accumulation a step's first micro-batch
-        # starts it).
-        self._timed_bytes, self.first_step_own, self.batch_size, self._step_start = TIMED_BYTES[1], 0.0, 1, 0.0
-        self._timed_step = -1
-        #: Whether the next observed step is a fit's first, whose time is not tallied (set at fit start).
-        self.warm_up = False
-        self._timing: pl.Trainer | None = None  # the fit's trainer while a round's own work is still to be timed
+        #: This rank's steps: the one under way's start and samples, and the fit's first step apart.
+        self.clock = StepClock()
+        self._timer: LinkTimer | None = None  # the fit's link timer, once it has timed
 
     @override
     def fit_to_model(self, largest: int) -> None:
@@ -200,46 +180,32 @@ class GraVAC(Controller):
     def max_cf(self) -> tuple[str, float]:
         return "cf_max", self.ladder.cf_max
 
-    @property
-    def ewma_alpha(self) -> float:
-        """The gains' smoothing factor in force."""
-        return self.alpha if self.alpha is not None else max(0.02, min(0.5, self.cost.world_size / 100))
-
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self.cost.world_size = trainer.world_size
         super().setup(trainer, pl_module, stage)
-        method = self.state.compressor
-        if self._gain_of_default and method.owns_feedback:  # it selects from its own accumulation, not the gradient
-            self.probes.gain_of = "error_fed"
-        if self.probes.gain_of == "gradient" and method.owns_feedback:
-            raise ValueError(
-                f"`gain_of='gradient'` measures what a factor keeps of the step's own gradient, but {method.name!r} "
-                "selects from an accumulation of its own, not from the gradient. Use `gain_of='error_fed'`."
-            )
+        self.probes.fit_method(self.state.compressor)
         trainable = [p for p in pl_module.parameters() if p.requires_grad]
         self.grad_dtype = max(trainable, key=lambda p: p.numel()).dtype if trainable else torch.float32
         self.check_rung(pl_module)
 
     def check_rung(self, pl_module: "pl.LightningModule") -> None:
-        """Turn the fp16 rung off where it cannot be sent, on for the hold of an Adam-like optimizer
-        (:func:`~.hold.rung_allowed`), from the user's choice rather than from what the last fit derived: an Adam fit's
-        rung does not outlive that fit. At setup, and again at fit start for layers built in configure_model."""
+        """Turn the fp16 rung off where it cannot be sent, on for the hold (:meth:`Hold.rung`), from the user's choice
+        rather than from what the last fit derived: a held fit's rung does not outlive that fit. At setup, and again at
+        fit start for layers built in configure_model."""
         fp32 = all(p.dtype == torch.float32 for p in pl_module.parameters() if p.requires_grad)
-        held = ((self.adaptive_optimizer and self.adam in HOLDING) or self.clipped) and self.rule.models_cost
-        self.fp16_rung = rung_allowed(self.fp16_rung_asked, held, self.state.compressor, fp32, self.ladder.cf_min)
+        method, models_cost = self.state.compressor, self.rule.models_cost
+        self.fp16_rung = self.hold.rung(self.fp16_rung_asked, self.adaptive_optimizer, method, fp32, self.ladder.cf_min,
+                                        models_cost)  # fmt: skip
 
-    @property
-    def holds_for_adam(self) -> bool:
-        """Whether the optimizer is Adam-like, the method lossy, and this controller sends dense or fp16 for it: all
-        the run, or the warm-up before Adam's moments move (``adam="moment"``)."""
-        held = self.adaptive_optimizer and self.adam != "compress" and not self.moments_moved()
-        return held or self.clipped
+    def holding(self) -> bool:
+        """Whether the next step is held for the optimizer or the clipping (:meth:`Hold.holds`): no gains to measure."""
+        return self.hold.holds(self.adaptive_optimizer, self.moments_moved())
 
     @property
     @override
-    def moves_adam(self) -> bool:
-        return self.adam == "moment"
+    def moves_moments(self) -> bool:
+        return self.hold.moves_moments
 
     @property
     def rungs(self) -> tuple[float, ...]:
@@ -248,11 +214,10 @@ class GraVAC(Controller):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # Clipping reacts to a code's error as Adam does: a block code there is held against dense and fp16 as well.
-        self.clipped = bool(trainer.gradient_clip_val) and self.state.compressor.near_exact
+        self.hold.fit(bool(trainer.gradient_clip_val), self.state.compressor)
         super().on_fit_start(trainer, pl_module)
-        self._timed_step = -1  # a fit's first batch starts a step, whatever step a fit before ended at
-        self._timing = None
+        self.clock.step = -1  # a fit's first batch starts a step, whatever step a fit before ended at
+        self._timer, self.rounds.time_work = None, None
         model_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad)
         if self.rounds.every:  # resumed in local steps; a first round's length is chosen again from these
             self.cost.model_bytes = model_bytes
@@ -260,7 +225,7 @@ class GraVAC(Controller):
             self.rounds.run(self.state, fresh=False)
             return
         if not self.rule.models_cost:
-            self._hold_for_adam()
+            self._start_hold()
             return
         self.check_rung(pl_module)
         self.cost.model_bytes = model_bytes
@@ -268,7 +233,7 @@ class GraVAC(Controller):
         if self.budget.on:  # the same on every rank: the trainer's settings and the data's length
             self.budget.steps = float(trainer.estimated_stepping_batches)
             self.budget.fit(self.ladder, self.state.compressor, self.grad_dtype, self.rungs)
-        self.warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
+        self.clock.warm_up = True  # a resumed run's first step allocates and builds DDP's buckets again too
         self.cost.first_step = None
         if self.time_link and trainer.world_size > 1:
             self._measure_at_start(trainer, fresh)
@@ -276,50 +241,41 @@ class GraVAC(Controller):
                 self.cf = self.choose()
                 self.apply(self.state)
                 say_choice(self.cost, self.cf, None, self.rungs, self.window.steps)
-        self._hold_for_adam()
-        # The fp16 rung of an Adam fit is known from here on: a resumed run's next step may be a half one.
+        self._start_hold()
+        # The fp16 rung of a held fit is known from here on: a resumed run's next step may be a half one.
         self.apply(self.state)
 
-    def _hold_for_adam(self) -> None:
-        """Under an Adam-like optimizer held dense or fp16: the factor of the first step (a resumed run's too), and
-        what the user gets, said once a fit (unless Adam's moments move after the warm-up: said by the base class)."""
-        if self.holds_for_adam:
+    def _start_hold(self) -> None:
+        """Where the steps are held: the factor of the first step (a resumed run's too), and what is sent, said."""
+        if self.holding():
             self.cf = self.choose()
             self.apply(self.state)
-            method, rows = self.state.compressor.name, bool(self.state.rows.rows)
-            if self.clipped or (self.adam == "gradient" and self.state.compressor.near_exact):
-                rank_zero_info(code_note(method, bool(self.rungs), self.clipped))
-            elif self.state.carry.sends_from is None:
-                rank_zero_warn(hold_warning(self.adam, self.rungs, method, rows, self.rule.models_cost, self.fp16_rung))
+            self.hold.say(self.state.compressor, bool(self.state.rows.rows), self.rungs, self.rule.models_cost,
+                          self.fp16_rung, moments_move=self.state.carry.sends_from is not None)  # fmt: skip
 
     def _measure_at_start(self, trainer: "pl.Trainer", fresh: bool) -> None:
         """Measure the link (:meth:`measure_link`), said on rank 0, and with the fp16 rung what an fp16 step costs
         (:meth:`measure_half`); ``fresh``: not a resumed run."""
         cost = self.cost
         cost.timed = self.measure_link(trainer)
-        rank_zero_info(
-            f"GraVAC: link measured at fit start: {cost.timed[0] * 1e6:.0f} us a message, "
-            f"{8 / cost.timed[1] / 1e6 if cost.timed[1] > 0 else math.inf:.0f} Mbit/s{loopback_note(trainer)}."
-        )
+        rank_zero_info(link_said(cost.timed, trainer))
         if self.fp16_rung:
             cost.take_half(*self.measure_half(trainer), fresh)
         if not self.state.compressor.passthrough:
             cost.take_compression(self.measure_compression(trainer), fresh)
-        self._timing = trainer  # a round's own work is timed later, where rounds could pay (`_consider_rounds`)
+        # A round's own work is timed later, where rounds could pay (`Rounds.switch`).
+        self.rounds.time_work = lambda method: self.measure_round(trainer, method)
 
     def measure_link(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the compression group's all-reduce, the same on every rank
         (:meth:`LinkTimer.message_and_byte`). A subclass may return a model (tests)."""
-        timer = self._link_timer(trainer)
-        measured = timer.message_and_byte()
-        self._timed_bytes = timer.largest
-        return measured
+        return self._link_timer(trainer).message_and_byte()
 
     def measure_half(self, trainer: "pl.Trainer") -> tuple[float, float]:
         """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``, the same on every
         rank (:meth:`LinkTimer.half`). A subclass may return a model (tests)."""
         latency = self.cost.timed[0] if self.cost.timed is not None else 0.0
-        return self._link_timer(trainer).half(self.state.cast, latency, self._timed_bytes)
+        return self._link_timer(trainer).half(self.state.cast, latency)
 
     def measure_compression(self, trainer: "pl.Trainer") -> float:
         """The seconds a compressed step's selection, encoding and decoding take at the ladder's mildest factor, the
@@ -333,21 +289,21 @@ class GraVAC(Controller):
         return self._link_timer(trainer).round(method, OUTER_CF)
 
     def _link_timer(self, trainer: "pl.Trainer") -> LinkTimer:
-        """A timer of the compression group, its slowest-rank values reduced as every decision input is."""
-        return LinkTimer(
-            trainer, self.state.process_group, lambda values: self._all_reduce(trainer, values, dist.ReduceOp.MAX)
-        )
+        """The fit's timer of the compression group, its slowest-rank values reduced as every decision input is."""
+        if self._timer is None:
+            reduce_max = lambda values: self._all_reduce(trainer, values, dist.ReduceOp.MAX)  # noqa: E731
+            self._timer = LinkTimer(trainer, self.state.process_group, reduce_max)
+        return self._timer
 
     @override
     def _on_adaptive_optimizer(self) -> None:
-        if self.adam == "compress":
+        if self.hold.policy == "compress":
             super()._on_adaptive_optimizer()
-        # Else said by `_hold_for_adam` at the end of fit start, once the probes have told whether fp16 can be sent.
+        # Else said by the hold at the end of fit start, once the probes have told whether fp16 can be sent.
 
     @override
     def decide(self, state: CompressionState) -> Factors:
-        # Held dense or fp16 for Adam (chosen by `choose`): no gains to measure.
-        probe_cfs = self.probe_cfs if not self.holds_for_adam and self._probing(state) else ()
+        probe_cfs = self.probe_cfs if not self.holding() and self._probing(state) else ()
         half = self.cf == HALF and self.fp16_rung
         return replace(super().decide(state), probe_cfs=probe_cfs, gain_of=self.probes.gain_of, half=half)
 
@@ -356,9 +312,8 @@ class GraVAC(Controller):
         spacing, fewer while probes change nothing, none while no factor could pay whatever it kept. Once Adam's
         moments move, the first step that sends them; none under a method of one factor."""
         probes = self.window.windows == 0 or (self.probes.due(self.window.steps) and self.gains_can_matter())
-        if self.moments_moved():
-            fixed = state.compressor.fixed_cf is not None
-            probes = not fixed and (probes or state.step == state.carry.sends_from)
+        if self.moments_moved():  # a method of one factor has no gain to measure
+            probes = state.compressor.fixed_cf is None and (probes or state.step == state.carry.sends_from)
         return probes
 
     @override
@@ -366,24 +321,14 @@ class GraVAC(Controller):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, *args: Any
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, *args)
-        first = self.state.step != self._timed_step  # the step's first micro-batch: a step is timed from it
-        if first:
-            self._timed_step, self._step_start = self.state.step, time.perf_counter()
-        try:
-            size = extract_batch_size(batch)
-        except (MisconfigurationException, RecursionError):
-            # No tensor to count: the batch counts as one sample (throughputs per batch; the searches compare alike).
-            if self.batch_size != 1 or self.window.steps == 0:
-                rank_zero_warn("GraVAC: no batch size found in the batch; throughputs are reported per batch.")
-            size = 1
-        self.batch_size = size if first else self.batch_size + size  # the step's samples, over its micro-batches
+        self.clock.begin_batch(self.state.step, batch, warn=self.window.steps == 0)
 
     def step_seconds(self, stats: StepStats) -> float:
         """This rank's time for the step that produced ``stats`` (forward, backward, communication, optimizer).
 
         A subclass may model it instead, e.g. to simulate a slower link in a test.
         """
-        return time.perf_counter() - self._step_start
+        return self.clock.seconds()
 
     def compress_seconds(self, stats: StepStats) -> float:
         """This rank's time selecting and encoding in the step that produced ``stats`` (a subclass may model it)."""
@@ -391,29 +336,13 @@ class GraVAC(Controller):
 
     @override
     def observe(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
-        if self.rounds.every:  # local steps: nothing is sent a step, no factor to choose
-            self._local_step(stats, trainer)
+        reduce = self._reduce(trainer)
+        if self.rounds.every:  # local steps: nothing is sent a step, no factor to choose; the first round measures
+            left = self.budget.steps - self.state.step
+            self.rounds.local_step(self.step_seconds(stats), self.state, self.cost, left, lambda v: _slowest(reduce, v))
             return
         probed = self._record(stats)
-        self._after_step(self._reduce(trainer), probed)
-
-    def _local_step(self, stats: StepStats, trainer: "pl.Trainer | None") -> None:
-        """A local step: its seconds for the first round's measure of a step's computation, and at that round's end
-        the round length chosen again from it (:meth:`Rounds.first_round`), the same on every rank."""
-        reduce = self._reduce(trainer)
-
-        def slowest(value: float) -> float:
-            held = torch.tensor([value], dtype=torch.float64)
-            return float((held if reduce is None else reduce(held, dist.ReduceOp.MAX))[0])
-
-        outer = self.state.carry.get(OuterUpdate)
-        first, ended = self.state.step - self.rounds.start == 1, outer.since == 0
-        left = self.budget.steps - self.state.step
-        length = self.rounds.first_round(self.step_seconds(stats), first, ended, self.cost, left, slowest)
-        if length is not None:
-            assert outer.config is not None and outer.compressor is not None
-            outer.configure(replace(outer.config, every=length), outer.compressor, outer.error_feedback)
-            self.rounds.every = length
+        self._after_step(reduce, probed)
 
     def _record(self, stats: StepStats) -> bool:
         """Take the step of ``stats`` in: the gains it probed, what it cost, and (unless it is a fit's first) its cost
@@ -422,14 +351,13 @@ class GraVAC(Controller):
         window.steps += 1
         gains = stats.probe_gains()
         if gains:
-            self.probes.take(gains, window.steps, self.ewma_alpha, stats.variance_weight(cost.world_size))
+            self.probes.take(gains, window.steps, cost.world_size, stats.variance_weight(cost.world_size))
         compressed = self.cf not in (DENSE, *self.rungs)
         cost.take_step(stats, self.cf, compressed)
         seconds = self.step_seconds(stats)
         if cost.first_step is None:
-            self.first_step_own = seconds
-        if self.warm_up:  # a fit's first step allocates, builds DDP's buckets, warms caches: not a step's cost
-            self.warm_up = False
+            self.clock.first_seconds = seconds
+        if not self.clock.tallied():  # a fit's first step allocates, builds DDP's buckets, warms caches
             return bool(gains)
         # The sent factor's gain, measured on what the gains are of: the error-fed gradient (what was sent of it), or
         # the step's own gradient (the probes' smoothed value).
@@ -437,7 +365,7 @@ class GraVAC(Controller):
         gain = smoothed.get(self.cf, stats.gain) if self.probes.gain_of == "gradient" and compressed else stats.gain
         window.tally.setdefault(self.cf, Tally()).add(
             seconds=seconds, comm_seconds=stats.comm_s, compress_seconds=self.compress_seconds(stats),
-            samples=self.batch_size, gain=gain, moved=moved_in_step(stats, cost.world_size), probed=bool(gains),
+            samples=self.clock.samples, gain=gain, moved=moved_in_step(stats, cost.world_size), probed=bool(gains),
         )  # fmt: skip
         return bool(gains)
 
@@ -448,13 +376,13 @@ class GraVAC(Controller):
         probed = probed and window.windows > 0  # the first window probes every step: no back-off from those
         if cost.first_step is None and cost.link is None and cost.timed is not None:
             # The first window's choice needs a step's computation: the slowest rank's first step, alike on every rank.
-            own = torch.tensor([self.first_step_own], dtype=torch.float64)
-            cost.first_step = (float((own if reduce is None else reduce(own, dist.ReduceOp.MAX))[0]), self.cf)
+            cost.first_step = (_slowest(reduce, self.clock.first_seconds), self.cf)
             # Local steps as soon as the fit's first step bounds a step's computation from above (its warm-up counted
             # in): where they pay with that bound, they pay with the computation the window would measure. Not after
             # a resumed run's first step: the uninterrupted run did not consider them there.
             if self.window.steps == 1:
-                self._consider_rounds(cost.first_step_link(self.rungs))
+                first_link = cost.first_step_link(self.rungs)
+                self.rounds.switch(self.compression_state, cost, first_link, self.choose(), self.rungs, self.budget)
         if window.interval == "step" and window.advance():
             self._end_window(reduce)
         sent, self.cf = self.cf, self.choose()
@@ -474,25 +402,7 @@ class GraVAC(Controller):
         self.cost.take_window(closed.compression, self.fp16_rung)
         self.rule.end_window(closed, self.ladder, self.probes.gains, self.cost, self.window.settled, self.omega)
         self.window.settle(self.omega)
-        self._consider_rounds(self.cost.link)
-
-    def _consider_rounds(self, link: Link | None) -> None:
-        """Switch to local steps from the next step where :meth:`Rounds.consider` says they pay on ``link``, which the
-        cost model keeps (the first round's measure is set against its estimate)."""
-        rounds = self.rounds
-        if rounds.allowed and not rounds.every:
-            every_step_cf, steps, budget = self.choose(), self.state.step, self.budget.steps
-            # A round's own work is timed once, the first time rounds could pay whatever it takes: a fit on a fast
-            # link does without. Every rank calls this alike (the timing is a collective): its inputs are reduced.
-            timer = self._timing
-            if timer is not None and rounds.could_pay(self.cost, link, every_step_cf, self.rungs, steps, budget):
-                rounds.work_seconds = self.measure_round(timer, rounds.method(self.state))
-                self._timing = None
-            length = rounds.consider(self.cost, link, every_step_cf, self.rungs, steps, budget)
-            if length is not None:
-                self.cost.link = link
-                rounds.every, rounds.start = length, self.state.step
-                rounds.run(self.state, fresh=True)
+        self.rounds.switch(self.compression_state, self.cost, self.cost.link, self.choose(), self.rungs, self.budget)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -504,11 +414,8 @@ class GraVAC(Controller):
     def choose(self) -> float:
         """The factor to send next step: decided from values every rank holds identically."""
         state = self.compression_state
-        fixed_cf = state.compressor.fixed_cf if state is not None else None
-        near_exact = state is not None and state.compressor.near_exact
-        policy = "gradient" if self.clipped else self.adam
-        moved = self.moments_moved()
-        held = held_factor(self.holds_for_adam, moved, policy, fixed_cf, self.rungs, self.cost, near_exact)
+        method = state.compressor if state is not None else None
+        held = self.hold.factor(self.holding(), self.moments_moved(), method, self.rungs, self.cost)
         return held if held is not None else self.rule.choose(self.decision())
 
     def decision(self) -> Decision:
@@ -548,7 +455,7 @@ class GraVAC(Controller):
 
     def predicted_throughput(self, cf: float, dense_bytes: float) -> float:
         """``Tc`` the link model predicts for ``cf``: samples a second x weighed gain (``nan`` before a window ends)."""
-        return self.cost.world_size * self.batch_size * progress_per_second(self.decision(), cf, dense_bytes)
+        return self.cost.world_size * self.clock.samples * progress_per_second(self.decision(), cf, dense_bytes)
 
     @override
     def metrics(self, stats: StepStats) -> dict[str, float]:
@@ -580,7 +487,13 @@ class GraVAC(Controller):
             f"GraVAC(cf_min={ladder.cf_min:g}, cf_max={ladder.cf_max:g}, epsilon={self.epsilon}, "
             f"omega={self.omega}, window={window.length}, policy={ladder.policy!r}, search={self.search!r}, "
             f"probe_every={probes.probe_every}, first_window={window.first}, gain_of={probes.gain_of!r}, "
-            f"gain_power={self.gain_power:.3g}, time_link={self.time_link}, adam={self.adam!r}, "
+            f"gain_power={self.gain_power:.3g}, time_link={self.time_link}, adam={self.hold.policy!r}, "
             f"probe_backoff={probes.probe_backoff}, fp16_rung={self.fp16_rung}, weigh_masking={self.weigh_masking}, "
             f"weigh_noise={self.weigh_noise}, budget={self.budget.on})"
         )
+
+
+def _slowest(reduce: Reduce | None, value: float) -> float:
+    """The largest of every rank's ``value``, called on every rank alike; this rank's without a trainer (``None``)."""
+    held = torch.tensor([value], dtype=torch.float64)
+    return float((held if reduce is None else reduce(held, dist.ReduceOp.MAX))[0])

@@ -1,5 +1,5 @@
-"""What GraVAC sends for an Adam-like optimizer: dense, whole in fp16 or a near-exact code while it holds, and what it
-says of it.
+"""What GraVAC sends for an Adam-like optimizer or clipped gradients: dense, whole in fp16 or a near-exact code while
+it holds, and what it says of it (:class:`Hold`, the part that decides it).
 
 An optimizer that divides each coordinate by a running second moment (Adam, AdamW, RMSprop, Adagrad) is upset by
 error-fed sparse or coarsely quantized gradients, not by a 16-bit cast or a block code that errs by a fraction of each
@@ -8,7 +8,10 @@ method's block code (``adam="gradient"``, the default) the link makes fastest: a
 Adam's scheme, named by the user) until Adam's second moment is frozen and its first moment is sent compressed.
 """
 
+from dataclasses import dataclass
 from typing import Literal
+
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gravac.callbacks.gravac.cost import DENSE, CostModel, saves_enough
 from lightning_gravac.compressors.base import Compressor
@@ -18,6 +21,60 @@ from lightning_gravac.state import HALF
 AdamPolicy = Literal["gradient", "moment", "fp16", "dense", "compress"]
 #: The policies that hold dense or fp16 (and, with ``"gradient"``, a near-exact code).
 HOLDING = ("gradient", "fp16", "moment")
+
+
+@dataclass(kw_only=True)
+class Hold:
+    """Whether GraVAC holds the steps at dense, fp16 or a block code for the optimizer or the clipping, and at which.
+
+    Attributes:
+        policy: what GraVAC does for an Adam-like optimizer and a lossy method (the ``adam`` argument).
+        clipped: the trainer clips the gradients and the method is a block code: each step dense, fp16 or the code
+            (set at fit start).
+    """
+
+    policy: AdamPolicy = "gradient"
+    clipped: bool = False
+
+    def fit(self, clips: bool, method: Compressor) -> None:
+        """At fit start: clipping (``clips``) reacts to a block code's error as Adam does, so it holds the code too."""
+        self.clipped = clips and method.near_exact
+
+    @property
+    def moves_moments(self) -> bool:
+        """Whether Adam's moments move into the hook after a warm-up (``adam="moment"``)."""
+        return self.policy == "moment"
+
+    def holds(self, adaptive: bool, moved: bool) -> bool:
+        """Whether the next step is held: an ``adaptive`` (Adam-like) optimizer, a lossy method and a holding policy,
+        all the run or until the moments have ``moved`` (``adam="moment"``); or clipped gradients."""
+        return (adaptive and self.policy != "compress" and not moved) or self.clipped
+
+    def rung(
+        self, asked: bool, adaptive: bool, method: Compressor, fp32: bool, cf_min: float, models_cost: bool
+    ) -> bool:
+        """Whether the fp16 rung can be sent (:func:`rung_allowed`): on for the hold of an ``adaptive`` optimizer or of
+        clipping where the search models a step's cost, else as ``asked``."""
+        held = ((adaptive and self.policy in HOLDING) or self.clipped) and models_cost
+        return rung_allowed(asked, held, method, fp32, cf_min)
+
+    def factor(
+        self, holding: bool, moved: bool, method: Compressor | None, rungs: tuple[float, ...], cost: CostModel
+    ) -> float | None:
+        """The factor the hold sends next step (:func:`held_factor`), ``None`` when the search decides; clipped
+        gradients are held as ``adam="gradient"`` holds an Adam-like optimizer."""
+        policy = "gradient" if self.clipped else self.policy
+        fixed_cf, near_exact = (method.fixed_cf, method.near_exact) if method is not None else (None, False)
+        return held_factor(holding, moved, policy, fixed_cf, rungs, cost, near_exact)
+
+    def say(self, method: Compressor, rows: bool, rungs: tuple[float, ...], models_cost: bool, fp16_rung: bool,
+            moments_move: bool) -> None:  # fmt: skip
+        """Say on rank 0 what the hold sends (``rows``: tables by rows), once a fit: unless the moments move after the
+        warm-up (``moments_move``), said where that was decided."""
+        if self.clipped or (self.policy == "gradient" and method.near_exact):
+            rank_zero_info(code_note(method.name, bool(rungs), self.clipped))
+        elif not moments_move:
+            rank_zero_warn(hold_warning(self.policy, rungs, method.name, rows, models_cost, fp16_rung))
 
 
 def rung_allowed(asked: bool, held: bool, method: Compressor, fp32: bool, cf_min: float) -> bool:

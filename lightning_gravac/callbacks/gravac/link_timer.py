@@ -30,11 +30,19 @@ def loopback_note(trainer: "pl.Trainer") -> str:
     return " (the processes of one machine: a loopback, not a network; its speed follows the machine's load)"
 
 
+def link_said(timed: tuple[float, float], trainer: "pl.Trainer") -> str:
+    """What GraVAC says on rank 0 of the link timed at fit start (``timed``: seconds a message, seconds a byte)."""
+    speed = 8 / timed[1] / 1e6 if timed[1] > 0 else math.inf
+    return f"GraVAC: link measured at fit start: {timed[0] * 1e6:.0f} us a message, {speed:.0f} Mbit/s" + (
+        f"{loopback_note(trainer)}."
+    )
+
+
 class LinkTimer:
     """Times all-reduces of a process group on every rank; every result is the slowest rank's, the same everywhere.
 
     Runs from the training thread, before the first step (or between steps): no comm hook is in flight, and every
-    rank must make the same calls.
+    rank must make the same calls. One timer serves a fit: what it timed first sizes what it times next.
     """
 
     def __init__(
@@ -67,14 +75,14 @@ class LinkTimer:
             return 0.0, t_large / (share * size)
         return max(0.0, t_small - per_byte * share * small), per_byte
 
-    def half(self, cast: Compressor, latency: float, largest: int) -> tuple[float, float]:
+    def half(self, cast: Compressor, latency: float) -> tuple[float, float]:
         """``(seconds a moved byte of an fp16 all-reduce, seconds the casts of a half step take)``: what sending a step
         whole in fp16 costs, measured rather than assumed (gloo reduces fp16 on the CPU element by element, so an
         fp16 sum is not always half an fp32 one's time). The all-reduce carries as many entries as the largest fp32
-        timing (``largest`` bytes; its cost a message is ``latency``); the casts are ``cast``'s compress, rounding
+        timing (:attr:`largest`; its cost a message is ``latency``); the casts are ``cast``'s compress, rounding
         residual and decode on the model's gradient size, best of three."""
         share = ring_share(self.world_size)
-        size = max(2, largest // 2)
+        size = max(2, self.largest // 2)
         seconds = self.timed(size, torch.float16)
         per_byte = max(0.0, seconds - latency) / (share * size)
         gradient = torch.zeros(max(1, self.numel), device=self.device)

@@ -4,6 +4,7 @@ from dataclasses import Field, dataclass, field
 from typing import Any
 
 from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpointed
+from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import GainOf
 
 
@@ -32,6 +33,8 @@ class Probes(Checkpointed):
         variance_weight: how much an unbiased code's variance counts against the batches' own noise
             (:meth:`~lightning_gravac.state.StepStats.variance_weight`), smoothed as the gains are: ``(weighted sum,
             weight)``; ``None`` before a probe step measured it (it then counts in full).
+        gain_of_default: ``gain_of`` was left to the search's default, settled at setup by the method.
+        alpha: the EWMA factor of the gains; ``None``: the paper's ``N/100`` over ``N`` ranks, in [0.02, 0.5].
     """
 
     gains: dict[float, float] = field(default_factory=dict, metadata=checkpointed(restore=dict))
@@ -45,15 +48,22 @@ class Probes(Checkpointed):
     probe_every: int
     probe_backoff: int
     bias_corrected: bool
+    gain_of_default: bool = False
+    alpha: float | None = None
+
+    def smoothing(self, world_size: int) -> float:
+        """The gains' smoothing factor in force over ``world_size`` ranks."""
+        return self.alpha if self.alpha is not None else max(0.02, min(0.5, world_size / 100))
 
     def take(
-        self, measured: dict[float, float], steps: int, alpha: float, variance_weight: float | None = None
+        self, measured: dict[float, float], steps: int, world_size: int, variance_weight: float | None = None
     ) -> None:
         """Smooth a step's probes (``measured``: the gain by factor, and the ``variance_weight`` it measured) into
-        :attr:`gains`. The gains decay per step: a probe after ``p`` steps without one weighs ``1 - (1 - alpha)^p``.
-        ``steps``: the steps so far, this one's."""
+        :attr:`gains`. The gains decay per step: a probe after ``p`` steps without one weighs ``1 - (1 - alpha)^p``
+        (:meth:`smoothing` over ``world_size`` ranks). ``steps``: the steps so far, this one's."""
         if not measured:
             return
+        alpha = self.smoothing(world_size)
         weight = 1 - (1 - alpha) ** (steps - self.last_probe)
         if variance_weight is not None:
             total, mass = self.variance_weight or (0.0, 0.0)
@@ -67,6 +77,21 @@ class Probes(Checkpointed):
                 self.gains[cf] = total / mass
             else:
                 self.gains[cf] = gain if cf not in self.gains else (1 - weight) * self.gains[cf] + weight * gain
+
+    def fit_method(self, method: Compressor) -> None:
+        """At setup: a method that selects from an accumulation of its own (DGC) has no gain of the step's gradient
+        alone, so its gains are of the error-fed gradient where ``gain_of`` was left to the default.
+
+        Raises:
+            ValueError: for ``gain_of="gradient"`` asked with such a method.
+        """
+        if self.gain_of_default and method.owns_feedback:
+            self.gain_of = "error_fed"
+        if self.gain_of == "gradient" and method.owns_feedback:
+            raise ValueError(
+                f"`gain_of='gradient'` measures what a factor keeps of the step's own gradient, but {method.name!r} "
+                "selects from an accumulation of its own, not from the gradient. Use `gain_of='error_fed'`."
+            )
 
     @property
     def weight_of_variance(self) -> float:

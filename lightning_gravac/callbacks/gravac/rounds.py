@@ -17,7 +17,7 @@ lost 2% of dense's held-out loss at ``H = 8``."""
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_info
@@ -25,6 +25,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info
 from lightning_gravac.adaptations.local_steps import LocalSteps, OuterUpdate
 from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpointed
 from lightning_gravac.callbacks.gravac.cost import CostModel, Link, moved_bytes, saves_enough
+from lightning_gravac.callbacks.gravac.ladder import Budget
 from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.state import CompressionState
 
@@ -93,6 +94,8 @@ class Rounds(Checkpointed):
             every rank's decoded, the outer step and the parameters set (timed at fit start; checkpointed in local
             steps).
         inner: the first round's inner steps' seconds, this rank's (checkpointed in local steps).
+        time_work: times a round's own work with a given outer code, every rank alike, while that is still to be
+            timed this fit (set at fit start where the link was timed).
     """
 
     allowed: bool = False
@@ -103,6 +106,7 @@ class Rounds(Checkpointed):
     inner: list[float] = field(default_factory=list, metadata=checkpointed(added=True))  # this rank's
     why: str = ""  # the prediction that chose them, said once
     _method: Compressor | None = field(default=None, repr=False)  # the outer code where it is not the every-step one
+    time_work: Callable[[Compressor], float] | None = field(default=None, repr=False)
 
     def method(self, state: CompressionState) -> Compressor:
         """The outer update's code: the every-step method where it is QSGD, else a QSGD of its own for this rank."""
@@ -136,6 +140,25 @@ class Rounds(Checkpointed):
                 "with these rounds"
             )
         return length
+
+    def switch(self, state: CompressionState | None, cost: CostModel, link: Link | None, every_step_cf: float,
+               rungs: tuple[float, ...], budget: Budget) -> None:  # fmt: skip
+        """Switch to local steps from the next step where :meth:`consider` says they pay on ``link`` within the run's
+        ``budget``; the cost model then keeps ``link`` (the first round's measure is set against its estimate). Every
+        rank calls this alike: a round's own work is timed (a collective) once, the first time rounds could pay whatever
+        it takes, so a fit on a fast link does without. ``state``: ``None`` for a controller driven without a strategy,
+        which never switches."""
+        if not self.allowed or self.every or state is None:
+            return
+        steps, budget_steps = state.step, budget.steps
+        if self.time_work is not None and self.could_pay(cost, link, every_step_cf, rungs, steps, budget_steps):
+            self.work_seconds = self.time_work(self.method(state))
+            self.time_work = None
+        length = self.consider(cost, link, every_step_cf, rungs, steps, budget_steps)
+        if length is not None:
+            cost.link = link
+            self.every, self.start = length, steps
+            self.run(state, fresh=True)
 
     def could_pay(self, cost: CostModel, link: Link | None, every_step_cf: float, rungs: tuple[float, ...],
                   steps_done: int, budget: float) -> bool:  # fmt: skip
@@ -178,6 +201,18 @@ class Rounds(Checkpointed):
             "switch."
         )
         return length
+
+    def local_step(self, seconds: float, state: CompressionState, cost: CostModel, steps_left: float,
+                   reduce: Callable[[float], float]) -> None:  # fmt: skip
+        """After a local step of ``seconds``: at the first round's end, the round length chosen again from its inner
+        steps (:meth:`first_round`) and the outer update given it, the same on every rank."""
+        outer = state.carry.get(OuterUpdate)
+        first, ended = state.step - self.start == 1, outer.since == 0
+        length = self.first_round(seconds, first, ended, cost, steps_left, reduce)
+        if length is not None:
+            assert outer.config is not None and outer.compressor is not None
+            outer.configure(replace(outer.config, every=length), outer.compressor, outer.error_feedback)
+            self.every = length
 
     def run(self, state: CompressionState, fresh: bool) -> None:
         """Local steps from :attr:`start` on, rounds of :attr:`every`, said on rank 0 (``fresh``: from the next step,
