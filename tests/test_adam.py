@@ -142,14 +142,14 @@ class _Replay(pl.Callback):
         self.grads.append([p.grad.detach().clone() for p in pl_module.parameters()])
 
 
-def _default_under_adamw(rank, world_size, bits_per_second):
+def _default_under_adamw(rank, world_size, bits_per_second, compressor):
     from lightning_gravac.strategies import default_controller
 
-    # The zero-argument default, its controller's link scripted: a slow link, where the code pays.
+    # The default controller, its link scripted: a slow link, where fp16 and the code pay.
     default_controller._default_controller = lambda method, alone: LinkOf(bits_per_second)
     pl.seed_everything(0)
     model, replay, summary = AdamW(width=64), _Replay(), RunSummary()
-    strategy = GraVACStrategy()
+    strategy = GraVACStrategy(compressor)
     trainer = pl.Trainer(strategy=strategy, callbacks=[replay, summary], max_steps=12, **trainer_kwargs(world_size))
     trainer.fit(model, loader())
     # The same steps by a fresh AdamW of the same settings, handed the same gradients.
@@ -174,16 +174,18 @@ def _default_under_adamw(rank, world_size, bits_per_second):
 
 
 @pytest.mark.distributed
-def test_the_default_under_adamw_sends_block_codes_into_the_unchanged_optimizer():
-    # On a slow link the default sends every step in int8 codes; the optimizer's step is AdamW's own on the decoded
-    # average: a fresh AdamW handed the same gradients ends at the same weights and moments, bit for bit (a frozen
-    # second moment, or a moment moved into the hook, would not).
-    ranks = run_distributed(_default_under_adamw, bits_per_second=1e6, timeout=300)
+@pytest.mark.parametrize(("compressor", "slow"), [(None, {2.0}), ("int8", {4.0})], ids=["default", "int8"])
+def test_under_adamw_the_optimizer_steps_on_the_averaged_gradient_unchanged(compressor, slow):
+    # On a slow link the default sends every step whole in fp16 and `GraVACStrategy("int8")` in int8 codes; either
+    # way the optimizer's step is AdamW's own on the average that arrived: a fresh AdamW handed the same gradients ends
+    # at the same weights and moments, bit for bit (a frozen second moment, or a moment moved into the hook, would
+    # not).
+    ranks = run_distributed(_default_under_adamw, bits_per_second=1e6, compressor=compressor, timeout=300)
     for rank in ranks:
-        assert rank["method"] == "int8"
-        assert set(rank["cf"]) == {4.0}, rank["cf"]
+        assert rank["method"] == (compressor or "topk")  # the default's Top-K is never sent: the hold decides
+        assert set(rank["cf"]) == slow, rank["cf"]
         assert rank["same_weights"] and rank["same_state"]
     assert all(torch.equal(a, b) for a, b in zip(ranks[0]["last_grads"], ranks[1]["last_grads"], strict=True))
-    fast = run_distributed(_default_under_adamw, bits_per_second=1e11, timeout=300)
+    fast = run_distributed(_default_under_adamw, bits_per_second=1e11, compressor=compressor, timeout=300)
     for rank in fast:  # a fast link: dense once the first window has measured a step's computation (free codes before)
         assert set(rank["cf"][3:]) == {1.0} and rank["same_weights"] and rank["same_state"], rank["cf"]

@@ -13,6 +13,7 @@ from lightning_gravac.callbacks.gravac import GraVAC
 from lightning_gravac.callbacks.static import Static
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import CompressionState
+from lightning_gravac.strategies.default_method import ADAM_POLICY
 
 
 def attach_controller(trainer: Any, method: Compressor, alone: bool, local_steps: LocalSteps | None = None) -> bool:
@@ -91,3 +92,11 @@ def allow_rounds(trainer: Any, state: CompressionState, optimizers: list[Any]) -
     for controller in controllers_of(trainer):
         if isinstance(controller, GraVAC):
             controller.rounds.allowed = True
+
+
+def hold_exact(trainer: Any) -> None:
+    """Have the default's controller hold an optimizer that scales each coordinate exact: each step dense or fp16 by
+    the link (:data:`~lightning_gravac.strategies.default_method.ADAM_POLICY`), said by the default's own line."""
+    for controller in controllers_of(trainer):
+        if isinstance(controller, GraVAC):
+            controller.hold.policy, controller.hold.said = ADAM_POLICY, True

@@ -2,12 +2,11 @@
 names none, one chosen at setup by the optimizer and the model.
 
 Top-K by default; QSGD under ``torch.optim.SGD`` on a model that is not mostly embedding tables (every entry every
-step, unbiased, where Top-K's error feedback delays what it does not send); under an optimizer that scales each
-coordinate (Adam, AdamW, RMSprop, Adagrad), the gradient in block codes with error feedback into the optimizer as the
-user configured it (the controller sends each step dense, fp16 or the code, whichever the link makes fastest), except on
-a model that is mostly embedding tables, whose steps go dense or fp16 by the rows they touched. Decided identically on
-every rank (the model and the optimizers' classes are), before any gradient is sent. Measurements in BENCHMARKS.md
-and ``docs/optimizers.md``.
+step, unbiased, where Top-K's error feedback delays what it does not send), 8-bit block codes with error feedback where
+the trainer clips gradients; under an optimizer that scales each coordinate (Adam, AdamW, RMSprop, Adagrad), no
+method: the controller sends each step dense or fp16 (:data:`ADAM_POLICY`), the optimizer exact. Decided identically
+on every rank (the model and the optimizers' classes are), before any gradient is sent. The rules in one table:
+``docs/default.md``; measurements in BENCHMARKS.md.
 """
 
 from collections.abc import Sequence
@@ -18,13 +17,17 @@ from torch import nn
 
 from lightning_gravac._validation import choice
 from lightning_gravac.adaptations.adam import scales_per_coordinate
+from lightning_gravac.callbacks.gravac.hold import AdamPolicy
 from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.state import CompressionState
-from lightning_gravac.tables import EMBEDDING_SHARE, embedding_share, sparse_parameters
+from lightning_gravac.tables import EMBEDDING_SHARE, embedding_share
 
-#: The method of ``GraVACStrategy()``, and the ones its zero-argument default sends under SGD, under SGD with clipped
-#: gradients and under an optimizer that scales each coordinate (Adam).
-DEFAULT_METHOD, SGD_METHOD, CLIPPED_METHOD, ADAM_METHOD = "topk", "qsgd", "int8", "int8"
+#: The method of ``GraVACStrategy()``, and the ones its zero-argument default sends under SGD and under SGD with
+#: clipped gradients.
+DEFAULT_METHOD, SGD_METHOD, CLIPPED_METHOD = "topk", "qsgd", "int8"
+#: What the default's controller sends under an optimizer that scales each coordinate: dense or fp16 by the link
+#: (GraVAC's ``adam`` policy), Adam exact; ``int8`` missed an MLP regression under AdamW by 1.5% (BENCHMARKS.md).
+ADAM_POLICY: AdamPolicy = "fp16"
 
 
 _GRANULARITIES = ("layer", "bucket")
@@ -61,11 +64,12 @@ def method_of(compressor: str | Compressor | None, granularity: str, error_feedb
 
 def choose_method(
     state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None, clips: bool
-) -> None:
+) -> bool:
     """Set ``state``'s method for the zero-argument default (no method, controller, ``error_feedback`` or
-    ``momentum_masking`` given) by ``optimizers``; ``clips``: the trainer clips the gradients' norm."""
+    ``momentum_masking`` given) by ``optimizers``; ``clips``: the trainer clips the gradients' norm. Returns whether
+    the controller is to hold the optimizer exact (:data:`ADAM_POLICY`)."""
     _method_for_sgd(state, optimizers, module, clips)
-    _method_for_adam(state, optimizers, module)
+    return _method_for_adam(state, optimizers, module)
 
 
 def _method_for_sgd(
@@ -108,19 +112,16 @@ def _method_for_sgd(
 
 def _method_for_adam(
     state: CompressionState, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module | None
-) -> None:
-    """The block codes with error feedback under an optimizer that scales each coordinate, the optimizer left as it
-    is; not where a gradient is sparse (sent as it is) or the model is mostly embedding tables (dense or fp16 steps
-    send those by the rows they touched, fewer bytes than a code of the whole table)."""
+) -> bool:
+    """Whether the optimizer scales each coordinate: the default's controller then holds it exact (dense or fp16 by the
+    link, :data:`ADAM_POLICY`), said here."""
     if not (optimizers and scales_per_coordinate(optimizers)) or state.local_sgd_from is not None:
-        return
-    if module is not None and (sparse_parameters(module) or embedding_share(module) >= EMBEDDING_SHARE):
-        return
-    method = get_compressor(ADAM_METHOD)
-    state.use_method(method, error_feedback=True)
+        return False
+    tables = " (embedding tables by the rows each step touched: the same sum)" if state.rows.rows else ""
     rank_zero_info(
         f"GraVACStrategy: the optimizer is {type(optimizers[0]).__name__}, which scales each coordinate, so the "
-        f"default sends the gradient into it unchanged, in {method!r} block codes with error feedback where the link "
-        "makes them faster than dense or fp16. `GraVAC(adam='moment')` sends Adam's first moment in signs with its "
-        "second moment frozen (1-bit Adam: fewer bytes, a changed optimizer; see docs/optimizers.md)."
+        f"default sends the gradient into it unchanged, each step dense or whole in fp16{tables}, whichever the "
+        "measured link makes faster. `GraVACStrategy('int8')` sends 8-bit block codes instead (3.9x fewer bytes; "
+        "see docs/optimizers.md for what they were measured to cost)."
     )
+    return True

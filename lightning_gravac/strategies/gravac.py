@@ -21,7 +21,7 @@ from lightning_gravac.callbacks.controller import largest_trainable
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import GATHER, REDUCE, BucketRecord, CompressionState, Granularity
 from lightning_gravac.strategies.checkpoint import CHECKPOINT_KEY, restore_compression, saved_compression
-from lightning_gravac.strategies.default_controller import allow_rounds, attach_controller
+from lightning_gravac.strategies.default_controller import allow_rounds, attach_controller, hold_exact
 from lightning_gravac.strategies.default_method import choose_method, method_of
 from lightning_gravac.strategies.hook import gravac_hook
 from lightning_gravac.tables import sparse_parameters
@@ -195,7 +195,8 @@ class GraVACStrategy(DDPStrategy):
         movable = self._hook_can_hold_optimizer_state()
         in_trainer = module._trainer if module is not None else None
         if self._method_open and self._default_controller:
-            choose_method(state, self.optimizers, module, bool(trainer.gradient_clip_val))
+            if choose_method(state, self.optimizers, module, bool(trainer.gradient_clip_val)):
+                hold_exact(trainer)
         for optimizer in self.optimizers:
             self.compressor.check_optimizer(optimizer)
         self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps

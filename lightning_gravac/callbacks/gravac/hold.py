@@ -31,10 +31,12 @@ class Hold:
         policy: what GraVAC does for an Adam-like optimizer and a lossy method (the ``adam`` argument).
         clipped: the trainer clips the gradients and the method is a block code: each step dense, fp16 or the code
             (set at fit start).
+        said: what the hold sends was said where it was decided (the zero-argument default's line at setup).
     """
 
     policy: AdamPolicy = "gradient"
     clipped: bool = False
+    said: bool = False
 
     def fit(self, clips: bool, method: Compressor) -> None:
         """At fit start: clipping (``clips``) reacts to a block code's error as Adam does, so it holds the code too."""
@@ -73,7 +75,7 @@ class Hold:
         warm-up (``moments_move``), said where that was decided."""
         if self.clipped or (self.policy == "gradient" and method.near_exact):
             rank_zero_info(code_note(method.name, bool(rungs), self.clipped))
-        elif not moments_move:
+        elif not (moments_move or self.said):
             rank_zero_warn(hold_warning(self.policy, rungs, method.name, rows, models_cost, fp16_rung))
 
 
