@@ -88,7 +88,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_gravac import Accordion, GraVAC, GraVACStrategy, LocalSteps, Static
 from lightning_gravac.callbacks.controller import controllers_of
-from lightning_gravac.compressors import DGC
+from lightning_gravac.compressors import DGC, get_compressor
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo import (
     BagOfWordsRegression,
@@ -133,7 +133,8 @@ FAMILY_SETTINGS = {"qsgd 4-bit": ("qsgd", 8.0), "powersgd cf=100": ("powersgd", 
                    "qsgd 2-bit": ("qsgd", 15.5), "qsgd 3-bit": ("qsgd", 10.0),
                    "qsgd 2-bit ef": ("qsgd", 15.5), "qsgd 3-bit ef": ("qsgd", 10.0),
                    "qsgd 4-bit ef": ("qsgd", 8.0), "int8": ("int8", 4.0), "int4": ("int4", 8.0),
-                   "int8 no ef": ("int8", 4.0), "int4 no ef": ("int4", 8.0)}  # fmt: skip
+                   "int8 no ef": ("int8", 4.0), "int4 no ef": ("int4", 8.0), "int8 b32": ("int8", 4.0),
+                   "int8 b32 no ef": ("int8", 4.0), "int4 b32": ("int4", 8.0)}  # fmt: skip
 FAMILIES = [row for row in FAMILY_SETTINGS if row not in FIXED]
 #: Momentum correction without DGC's momentum factor masking, for the masking study (``--tasks cnn``).
 UNMASKED = ["topk cf=10 unmasked", "topk cf=100 unmasked"]
@@ -317,7 +318,9 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         # "ef": error-fed, and SGD's momentum moved into the hook with it (the default leaves it in the optimizer);
         # "no ef": a method error-fed by default (the block codes) without it.
         feedback = False if row.endswith(" no ef") else True if row.endswith(" ef") else None
-        return GraVACStrategy(method, error_feedback=feedback), [Static(cf=cf)]
+        # "b32": the block codes at 32-entry blocks (128 by default).
+        code = get_compressor(method, block_size=32) if " b32" in row else method
+        return GraVACStrategy(code, error_feedback=feedback), [Static(cf=cf)]
     raise ValueError(row)
 
 
