@@ -307,7 +307,8 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
     if row == "default" or row in LOCAL:
         length, _, code = row.removeprefix("local H=").partition(" ")
         every = int(length) if row in LOCAL else 0
-        rounds = LocalSteps(every=every, overlap=code == "overlap", cf=1.0 if code == "whole" else 8.0) if every else None
+        outer_cf = 1.0 if code == "whole" else LocalSteps.cf
+        rounds = LocalSteps(every=every, overlap=code == "overlap", cf=outer_cf) if every else None
         if code.startswith(("int4", "int8")):  # the outer update in a block code, error-fed unless "no ef"
             return GraVACStrategy(code[:4], local_steps=rounds, error_feedback=not code.endswith("no ef")), []
         return GraVACStrategy(local_steps=rounds), []
