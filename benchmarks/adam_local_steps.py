@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import matrix
+from matrix_tasks import TASKS
 
 from lightning_gravac import GraVACStrategy, LocalSteps, Static
 from lightning_gravac.adaptations import OuterUpdate
@@ -90,7 +91,7 @@ def wrap_optimizers(wrap: Callable[[torch.optim.Optimizer], torch.optim.Optimize
         own = model.configure_optimizers
         model.configure_optimizers = lambda: wrap(own())  # type: ignore[method-assign]
 
-    matrix.make_task, matrix.use_adamw = task, adamw
+    matrix.make_task, matrix.use_adamw = task, adamw  # the names matrix._train calls
 
 
 class HeldAdamW(SwitchedAdamW):
@@ -156,7 +157,7 @@ def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimize
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=matrix.TASKS, default="gpt")
+    parser.add_argument("--task", choices=TASKS, default="gpt")
     parser.add_argument("--optimizer", choices=("task", "adamw"), default="task")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--rows", nargs="+", default=["dense", "held", "local8", "local8 held"])

@@ -34,6 +34,7 @@ from pytorch_lightning.strategies import DDPStrategy
 sys.path.insert(0, str(Path(__file__).parent))
 import matrix
 from adam_local_steps import SwitchedAdamW, wrap_optimizers
+from matrix_tasks import TASKS
 
 from lightning_gravac.launch import run_distributed
 
@@ -118,7 +119,7 @@ def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimize
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=matrix.TASKS, default="mlp")
+    parser.add_argument("--task", choices=TASKS, default="mlp")
     parser.add_argument("--optimizer", choices=("task", "adamw"), default="adamw")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))

@@ -21,7 +21,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from matrix import _run, step_profile, time_to  # the matrix's tasks, rows and recorder, run the same way
+from matrix import _run  # the matrix's tasks, rows and recorder, run the same way
+from matrix_report import step_profile, time_to
 
 ROWS = ("dense DDP", "default")
 

@@ -26,7 +26,8 @@ from lightning_gravac.adaptations.residuals import ErrorFeedback
 from lightning_gravac.launch import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
-import matrix  # the matrix's tasks and rows
+from matrix_rows import make_row  # the matrix's rows and tasks
+from matrix_tasks import make_task
 
 
 def _retention(rank: int, world_size: int, task: str, row: str, steps: int) -> list[float]:
@@ -55,8 +56,8 @@ def _retention(rank: int, world_size: int, task: str, row: str, steps: int) -> l
         mask(self, residuals)
 
     ErrorFeedback.absorb, MomentumCorrection.mask_ = absorbing, masking  # type: ignore[method-assign]
-    spec = matrix.make_task(task, 0.25)
-    strategy, callbacks = matrix.make_row(row, 0.0)
+    spec = make_task(task, 0.25)
+    strategy, callbacks = make_row(row, 0.0)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, callbacks=callbacks, max_steps=steps,
         max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
