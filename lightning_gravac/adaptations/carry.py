@@ -2,6 +2,7 @@
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -10,6 +11,7 @@ from torch import Tensor
 from lightning_gravac.adaptations.adaptation import Adaptation, Setup, adaptations
 from lightning_gravac.adaptations.residuals import ErrorFeedback
 from lightning_gravac.compressors.base import Compressor, Payload
+from lightning_gravac.tables import sparse_parameters
 
 _A = TypeVar("_A", bound=Adaptation)
 
@@ -43,6 +45,26 @@ class Carry:
     def take_from(self, setup: Setup) -> dict[str, list[str]]:
         """Every adaptation takes what it carries from ``setup``'s optimizers: the parameters each took, by its name."""
         return {part.name: part.take_from(setup) for part in self.adaptations}
+
+    def take_optimizer_state(
+        self, setup: Setup, method: Compressor, error_feedback: bool, *, asked: bool, local_sgd: bool, scaled: bool
+    ) -> None:
+        """Move the optimizer's state into the hook (:meth:`take_from`) where it may go: asked for (``asked``, the
+        strategy's ``momentum_correction``), every step reaching the hook (no ``local_sgd``), and gradients in one unit
+        from step to step (not ``scaled`` by a gradient scaler, whose changing factor a state kept here would mix up).
+        Unbiased methods, casts, signSGD, DGC and the block codes keep the optimizer's state: it moves only under
+        ``error_feedback`` with a ``method`` that keeps no residual of its own and is not near exact.
+
+        ``setup.names``: every parameter the hook sends, by ``id``. A sparse gradient (``nn.Embedding(sparse=True)``)
+        is sent as it is: its parameters keep their state.
+        """
+        if not asked or local_sgd or scaled or not error_feedback:
+            return
+        if method.passthrough or method.owns_feedback or method.near_exact:
+            return
+        sparse = sparse_parameters(setup.module) if setup.module is not None else set()
+        dense = {i: name for i, name in setup.names.items() if i not in sparse}
+        self.take_from(replace(setup, names=dense, sparse=frozenset(sparse)))
 
     def on_fit_start(self, trainer: Any, compresses: bool, controller: str, method: str) -> None:
         """At fit start, under an optimizer that scales each coordinate: each adaptation decides when it acts."""

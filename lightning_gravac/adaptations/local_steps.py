@@ -223,9 +223,23 @@ class OuterUpdate(Adaptation):
 
     def take_loss(self, loss: Any) -> None:
         """What the step's closure returned (Lightning's: its training loss; ``None`` under manual optimization): the
-        round's loss counts it if the step steps. The strategy wraps the closure, so the loss is seen however the step
-        runs it (under fp16's gradient scaler, the precision plugin calls it before the optimizer's step)."""
+        round's loss counts it if the step steps. The strategy's closure is wrapped (:meth:`watching`), so the loss is
+        seen however the step runs it (under fp16's gradient scaler, the precision plugin calls it before the
+        optimizer's step)."""
         self._step_loss = loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
+
+    def watching(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The optimizer step's ``closure``, handing what it returns to :meth:`take_loss` under local steps (their
+        guard watches the training loss); as it is without them."""
+        if not self:
+            return closure
+
+        def closure_seen() -> Any:
+            result = closure()
+            self.take_loss(result)
+            return result
+
+        return closure_seen
 
     @override
     def after_closure(self) -> None:

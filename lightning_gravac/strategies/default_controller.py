@@ -3,10 +3,12 @@ most one."""
 
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.callbacks import Callback, Checkpoint
 
+from lightning_gravac._flavours import mixed_up, other
 from lightning_gravac.adaptations import LocalSteps
 from lightning_gravac.callbacks.controller import Controller, controllers_of
 from lightning_gravac.callbacks.gravac import GraVAC
@@ -23,8 +25,12 @@ def attach_controller(trainer: Any, method: Compressor, alone: bool, local_steps
     code their configuration fixes). ``alone``: the trainer runs one process. Returns whether the default was added.
 
     Raises:
-        ValueError: when the trainer has several controllers.
+        ValueError: when the trainer has several controllers, or a callback of the other Lightning package.
     """
+    # A callback of the other flavour is not found among the controllers: it would run beside a default one.
+    given: list[object] = trainer.callbacks  # set by the callback connector
+    if stray := next((c for c in given if not isinstance(c, pl.Callback)), None):
+        raise mixed_up(type(stray).__name__, other(pl.__name__))
     controllers = controllers_of(trainer)
     if len(controllers) > 1:
         names = ", ".join(type(c).__name__ for c in controllers)

@@ -1,6 +1,5 @@
 """GraVACStrategy: DDP whose gradients cross the network compressed."""
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -10,31 +9,19 @@ from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gravac._flavours import mixed_up, other, visible_to_the_other_trainer
-from lightning_gravac._validation import whole
+from lightning_gravac._flavours import mixed_up, visible_to_the_other_trainer
 from lightning_gravac.adaptations import LocalSteps, MomentumCorrection, OuterUpdate, Setup
 from lightning_gravac.callbacks.controller import largest_trainable
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import GATHER, REDUCE, BucketRecord, CompressionState, Granularity
 from lightning_gravac.strategies.checkpoint import CHECKPOINT_KEY, restore_compression, saved_compression
+from lightning_gravac.strategies.ddp_options import built_with, post_local_sgd, refuse_own_hook, stop_buffer_sync
 from lightning_gravac.strategies.default_controller import allow_rounds, attach_controller, hold_exact
 from lightning_gravac.strategies.default_method import choose_method, method_of
 from lightning_gravac.strategies.hook import gravac_hook
-from lightning_gravac.tables import sparse_parameters
-
-#: DDP's switch for syncing buffers at every forward: ``forward_sync_buffers`` where torch has it, else the older
-#: ``broadcast_buffers`` (both a constructor argument and an attribute).
-_BUFFER_SYNC = (
-    "forward_sync_buffers"
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    else "broadcast_buffers"
-)
-
-_OWN_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
 
 
 class GraVACStrategy(DDPStrategy):
@@ -108,11 +95,7 @@ class GraVACStrategy(DDPStrategy):
         embedding_rows: bool = True,
         **kwargs: Any,
     ) -> None:
-        if clashing := [name for name in _OWN_HOOK_ARGS if kwargs.get(name) is not None]:
-            raise ValueError(
-                f"GraVACStrategy registers its own DDP comm hook; remove {', '.join(clashing)} "
-                "or use DDPStrategy for a hook of your own."
-            )
+        refuse_own_hook(kwargs)
         # A user of the other Lightning package who passes this class to its Trainer gets mixed_up's line.
         visible_to_the_other_trainer(type(self), pl.__name__)
         if local_steps is not None and model_averaging_period is not None:
@@ -122,14 +105,8 @@ class GraVACStrategy(DDPStrategy):
         self._method_open = compressor is None and error_feedback is None and momentum_masking is None and not rounds
         self._default_controller = False
         compressor = method_of("qsgd" if rounds and compressor is None else compressor, granularity, error_feedback)
-        if model_averaging_period is not None:
-            whole(model_averaging_period, "model_averaging_period", minimum=1)
-            whole(start_local_sgd_step, "start_local_sgd_step", minimum=0)
-            # With this state DDPStrategy builds a PeriodicModelAverager averaging every period; Lightning's matching
-            # gradient hook is CUDA-only: ours stops communicating gradients once local SGD starts, on every device.
-            kwargs["model_averaging_period"] = model_averaging_period
-            local_sgd = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=start_local_sgd_step)
-        super().__init__(**kwargs)
+        averaging, local_sgd = post_local_sgd(model_averaging_period, start_local_sgd_step)
+        super().__init__(**kwargs, **averaging)
         self.momentum_correction = momentum_correction
         self.compression_state = CompressionState(
             compressor=compressor,
@@ -141,7 +118,7 @@ class GraVACStrategy(DDPStrategy):
             self.outer.configure(rounds, compressor, self.compression_state.error_feedback)
         self.compression_state.carry.get(MomentumCorrection).masking = momentum_masking is not False
         self.compression_state.rows.enabled = embedding_rows
-        if model_averaging_period is not None:
+        if local_sgd is not None:
             self._ddp_comm_state = local_sgd
 
     @property
@@ -175,10 +152,6 @@ class GraVACStrategy(DDPStrategy):
         super()._configure_launcher()
 
     def _attach_controller(self, trainer: "pl.Trainer") -> None:
-        # A callback of the other flavour is not found among the controllers: it would run beside a default one.
-        callbacks: list[object] = trainer.callbacks  # type: ignore[attr-defined]  # set by the callback connector
-        if stray := next((c for c in callbacks if not isinstance(c, pl.Callback)), None):
-            raise mixed_up(type(stray).__name__, other(pl.__name__))
         # Known before the process group: the devices and nodes the trainer was given.
         alone = self.num_nodes * len(self.parallel_devices or []) == 1
         self._default_controller = attach_controller(trainer, self.compressor, alone, self.outer.config)
@@ -192,7 +165,6 @@ class GraVACStrategy(DDPStrategy):
             return
         # Optimizers exist from here on; no gradient has been communicated yet.
         state, module = self.compression_state, self.lightning_module
-        movable = self._hook_can_hold_optimizer_state()
         in_trainer = module._trainer if module is not None else None
         if self._method_open and self._default_controller:
             if choose_method(state, self.optimizers, module, bool(trainer.gradient_clip_val)):
@@ -202,23 +174,18 @@ class GraVACStrategy(DDPStrategy):
         self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps
         self.outer.tables = state.rows  # found when DDP wrapped the model; empty with `embedding_rows=False`
         self.outer.sent = lambda nbytes, gathered: state.record(BucketRecord(nbytes, 0, GATHER if gathered else REDUCE))
-        # Unbiased methods, casts, signSGD, DGC and the block codes keep the optimizer's state; so do local SGD and a
-        # gradient scaler.
-        method = self.compressor
-        if movable and state.error_feedback and not (method.passthrough or method.owns_feedback or method.near_exact):
-            # A sparse gradient (`nn.Embedding(sparse=True)`) is sent as it is: its parameters keep their state.
-            sparse = sparse_parameters(module) if module is not None else set()
-            dense = {i: name for i, name in state.param_names.items() if i not in sparse}
-            state.carry.take_from(Setup(self.optimizers, dense, module, in_trainer, frozenset(sparse)))
+        # The optimizer's state (SGD's momentum, Adam's first moment) moves into the hook where the method allows it.
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None
+        state.carry.take_optimizer_state(
+            Setup(self.optimizers, state.param_names, module, in_trainer),
+            self.compressor,
+            state.error_feedback,
+            asked=self.momentum_correction,
+            local_sgd=state.local_sgd_from is not None,
+            scaled=scaled,
+        )
         if self._method_open and self._default_controller:  # once it is known whether optimizer state moved here
             allow_rounds(trainer, state, self.optimizers)
-
-    def _hook_can_hold_optimizer_state(self) -> bool:
-        """Whether the optimizer's state (SGD's momentum, Adam's first moment) may move into the hook: asked for
-        (``momentum_correction``), every step reaching the hook (no local SGD), and gradients in one unit from step to
-        step (no gradient scaler, whose changing factor a state kept in the hook would mix up)."""
-        scaled = getattr(self.precision_plugin, "scaler", None) is not None
-        return self.momentum_correction and self.compression_state.local_sgd_from is None and not scaled
 
     @override
     def on_train_start(self) -> None:
@@ -248,11 +215,8 @@ class GraVACStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None:
             self.compression_state.begin_step(module.trainer.current_epoch)
-        model, asked = self.model, _BUFFER_SYNC in self._ddp_kwargs or "broadcast_buffers" in self._ddp_kwargs
-        if self.outer and not asked and isinstance(model, DistributedDataParallel) and getattr(model, _BUFFER_SYNC):
-            # Local steps the default started mid-fit: DDP was built syncing buffers at every forward, a collective a
-            # step that local steps do without (their rounds average the buffers).
-            setattr(model, _BUFFER_SYNC, False)
+        if self.outer:
+            stop_buffer_sync(self.model, self._ddp_kwargs)  # local steps the default may have started mid-fit
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
             # On CUDA, reading the scale is one small device sync a step (written for CUDA, tested on CPU).
@@ -267,15 +231,8 @@ class GraVACStrategy(DDPStrategy):
         model: "pl.LightningModule | torch.nn.Module | None" = None,
         **kwargs: Any,
     ) -> Any:
-        outer = self.outer
-
-        def closure_seen() -> Any:
-            result = closure()
-            outer.take_loss(result)  # local steps' guard watches the training loss
-            return result
-
         with self.compression_state.carry.stepping(optimizer):
-            return super().optimizer_step(optimizer, closure_seen if outer else closure, model, **kwargs)
+            return super().optimizer_step(optimizer, self.outer.watching(closure), model, **kwargs)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -309,16 +266,12 @@ class GraVACStrategy(DDPStrategy):
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        # Gradients as views into DDP's buckets: no copy of each gradient into its bucket and back. A Python comm
-        # hook pays one pass over the bucket for the 1/N that DDP's C++ reducer fuses into that copy; dropping the
-        # copies more than pays for it (BENCHMARKS.md). Applied here, where the DDP model is built, rather than in
-        # `_ddp_kwargs`, which keeps exactly what the user passed (as DDPStrategy's does); Lightning builds the model
-        # from `_ddp_kwargs`, so it is set for that call alone. `gradient_as_bucket_view=False` turns it off.
+        # Gradients as bucket views, and no buffer sync under local steps (`built_with`). Applied here, where the DDP
+        # model is built, rather than in `_ddp_kwargs`, which keeps exactly what the user passed (as DDPStrategy's
+        # does); Lightning builds the model from `_ddp_kwargs`, so they are set for that call alone.
         largest_trainable(model)
         passed = self._ddp_kwargs
-        # Local steps average the buffers at each round's end, not with a collective at every forward.
-        local = {_BUFFER_SYNC: False} if self.outer else {}
-        self._ddp_kwargs = {"gradient_as_bucket_view": True, **local, **passed}
+        self._ddp_kwargs = built_with(passed, local_steps=bool(self.outer))
         try:
             return super()._setup_model(model)
         finally:
