@@ -111,6 +111,15 @@ static void pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t 
     CONSTANT_BITS(for (int64_t g = 0; g < groups; g++) put_codes(out + g * bits, codes + g * 8, bits));
 }
 
+/* out += ((code - offset) * step) * alpha, each product rounded to fp32 (the decode's, and the residual's with
+ * alpha = -1). */
+static inline void codes_add_one(float *out, int code, int offset, float step, float alpha)
+{
+    float value = (float)(code - offset) * step;
+    value = value * alpha;
+    *out = *out + value;
+}
+
 /* The packed codes of `x`, bucket b's entries scaled by `scales[b]`: a level is floor(|x| scale + u) with u the
  * stream's draw i (QSGD's stochastic rounding), or with u = 1/2 where `draws` is 0 (rounding to the nearest level, the
  * block codes'). `draws` is a constant at each call, so each caller's loop is compiled without the other's branch.
@@ -139,7 +148,7 @@ static inline void encode_codes(float *x, int64_t n, const float *scales, int64_
                 if (steps != NULL) {
                     float step = steps[b];
                     for (int64_t i = first; i < last; i++)
-                        x[i] = x[i] + (float)(codes[i - start] - s) * step * -1.0f;
+                        codes_add_one(x + i, codes[i - start], s, step, -1.0f);
                 }
             }
             pack_groups(codes, (end - start) / 8, bits, out + chunk * PACKS * bits);
@@ -148,7 +157,7 @@ static inline void encode_codes(float *x, int64_t n, const float *scales, int64_
         if (steps != NULL) {
             int64_t nbytes = (n * bits + 7) / 8;
             for (int64_t i = full * 8; i < n; i++)
-                x[i] = x[i] + (float)(code_at(out, nbytes, bits, i) - s) * steps[i / bucket] * -1.0f;
+                codes_add_one(x + i, code_at(out, nbytes, bits, i), s, steps[i / bucket], -1.0f);
         }
     } else {
         PACK_CODES(level_code(x[i], scales[i / bucket], LEVEL_U(i), s));
@@ -292,12 +301,6 @@ void lg_terngrad_encode(const float *x, int64_t n, float bound, float scale, uin
 /* out[i] = out[i] + ((code_i - offset) * steps[i / group]) * alpha, code_i read from the packed `bits`-bit codes: eight
  * entries (`bits` whole bytes) at a time, the group's step looked up once for the eight where they share it. The
  * width is made a constant (CONSTANT_BITS) so that unpacking compiles to fixed shifts. */
-static inline void codes_add_one(float *out, int code, int offset, float step, float alpha)
-{
-    float value = (float)(code - offset) * step;
-    value = value * alpha;
-    *out = *out + value;
-}
 
 static inline __attribute__((always_inline)) void codes_add_packs(const uint8_t *packed, int64_t j0, int64_t j1,
                                                                   int bits, int offset, const float *steps,

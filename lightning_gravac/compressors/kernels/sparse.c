@@ -32,27 +32,25 @@ static inline uint32_t from_signed_key(uint32_t key)
     return key & 0x80000000u ? key ^ 0x80000000u : ~key;
 }
 
+void lg_block_absmax(const float *x, int64_t n, int64_t block, float *out, int threads);
+
 void lg_block_peaks(const float *x, int64_t blocks, float *peaks, int is_signed, int threads)
 {
+    if (!is_signed) { /* the largest magnitude of each block: the block codes' kernel, at 32 entries a block */
+        lg_block_absmax(x, blocks * BLOCK, BLOCK, peaks, threads);
+        return;
+    }
     const uint32_t *bits = (const uint32_t *)x;
 #pragma omp parallel for num_threads(threads) schedule(static) if (blocks > PARALLEL_BLOCKS)
     for (int64_t b = 0; b < blocks; b++) {
         const uint32_t *p = bits + b * BLOCK;
         uint32_t magnitude = 0, key = 0, peak, flip = is_signed == NEGATED ? SIGN_BIT : 0u;
-        if (is_signed) {
-            for (int i = 0; i < BLOCK; i++) {
-                uint32_t m = p[i] & MAGNITUDE, k = signed_key(p[i] ^ flip);
-                magnitude = m > magnitude ? m : magnitude;
-                key = k > key ? k : key;
-            }
-            peak = magnitude > INF_BITS ? magnitude : from_signed_key(key);
-        } else {
-            for (int i = 0; i < BLOCK; i++) {
-                uint32_t m = p[i] & MAGNITUDE;
-                magnitude = m > magnitude ? m : magnitude;
-            }
-            peak = magnitude;
+        for (int i = 0; i < BLOCK; i++) {
+            uint32_t m = p[i] & MAGNITUDE, k = signed_key(p[i] ^ flip);
+            magnitude = m > magnitude ? m : magnitude;
+            key = k > key ? k : key;
         }
+        peak = magnitude > INF_BITS ? magnitude : from_signed_key(key);
         memcpy(peaks + b, &peak, sizeof peak);
     }
 }
