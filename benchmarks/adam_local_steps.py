@@ -12,6 +12,10 @@ default's warm-up under Adam sends it; then, by row:
 - ``local<H>``: rounds of ``H`` local steps of AdamW from the warm-up's end, each round's change averaged in QSGD's
   4-bit codes (``OuterUpdate``, as the default starts it mid-fit);
 - ``local<H> held``: the same rounds, each inner step AdamW with the second moment held from the warm-up's end;
+- ``local<H> whole``, ``local<H> int8``, ``local<H> int4``: Adam's own inner steps, each round's change averaged whole
+  or in a block code with error feedback;
+- ``local<H> diloco``: Adam's own inner steps, the change averaged whole and applied by DiLoCo's outer Nesterov step
+  (``lr=0.7, momentum=0.9``);
 - ``held refresh<K>``: as ``held``, the held value replaced by the exact running one every ``K`` steps;
 - ``held per tensor``: as ``held``, each tensor's held value rescaled by how the mean of its exact one moved.
 
@@ -122,23 +126,38 @@ class HeldAdamW(SwitchedAdamW):
         p.addcdiv_(state["exp_avg"], held.sqrt().add_(eps), value=-lr / (1 - beta1**t))
 
 
-class StartRounds(pl.Callback):
-    """Rounds of ``every`` local steps from step ``at`` on, started as the default starts them mid-fit."""
+#: The outer update a row's suffix names: the strategy's method and ``LocalSteps``' outer settings (QSGD's 4 bits,
+#: the rounds' default, without a suffix).
+OUTER: dict[str, tuple[str, dict[str, Any]]] = {
+    "": ("qsgd", {}),
+    "whole": ("qsgd", {"cf": 1.0}),
+    "diloco": ("qsgd", {"cf": 1.0, "lr": 0.7, "momentum": 0.9, "nesterov": True}),
+    "int8": ("int8", {"cf": 4.0}),
+    "int4": ("int4", {"cf": 8.0}),
+}
 
-    def __init__(self, at: int, every: int) -> None:
-        self.at, self.every = at, every
+
+class StartRounds(pl.Callback):
+    """Rounds of ``every`` local steps from step ``at`` on, started as the default starts them mid-fit; ``outer``:
+    ``LocalSteps``' outer settings."""
+
+    def __init__(self, at: int, every: int, outer: dict[str, Any] | None = None) -> None:
+        self.at, self.every, self.outer = at, every, outer or {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.every and trainer.global_step == self.at:
             state = trainer.strategy.compression_state
-            state.carry.get(OuterUpdate).start(LocalSteps(every=self.every), state.compressor, False, state.step)
+            rounds = LocalSteps(every=self.every, **self.outer)
+            state.carry.get(OuterUpdate).start(rounds, state.compressor, state.error_feedback, state.step)
             state.config.local_sgd_from = state.step
 
 
 def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimizer: str) -> dict[str, Any]:
     warm_up = math.ceil(0.1 * steps)
     held = row == "held" or row.endswith(" held") or row.startswith("held ")
-    every = int(row.removeprefix("local").removesuffix(" held")) if row.startswith("local") else 0
+    length, _, suffix = row.removeprefix("local").partition(" ")
+    every = int(length) if row.startswith("local") else 0
+    method, outer = OUTER[suffix if every and suffix != "held" else ""]
 
     def held_or_not(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if not held:
@@ -150,8 +169,8 @@ def _train(rank: int, world_size: int, task: str, row: str, steps: int, optimize
         return out
 
     wrap_optimizers(held_or_not)
-    # QSGD at factor 1 sends every step whole, bit for bit stock DDP's; the rounds' change in its 4-bit codes.
-    matrix.make_row = lambda *_, **__: (GraVACStrategy("qsgd"), [Static(cf=1), StartRounds(warm_up, every)])
+    # A method at factor 1 sends every step whole, bit for bit stock DDP's; the rounds' change as ``OUTER`` says.
+    matrix.make_row = lambda *_, **__: (GraVACStrategy(method), [Static(cf=1), StartRounds(warm_up, every, outer)])
     return matrix._train(rank, world_size, task=task, row=row, scale=0.25, steps=steps, cap=1e9, optimizer=optimizer)
 
 
