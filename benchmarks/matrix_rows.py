@@ -50,7 +50,8 @@ MILD = ["topk cf=20", "topk cf=40"]
 #: Local steps: H inner steps, then the parameter change in QSGD's 4-bit codes averaged (outer lr 1, no momentum).
 #: With a block code named after the length, the outer update goes in it with error feedback instead.
 LOCAL = ["local H=4", "local H=8", "local H=16", "local H=16 overlap", "local H=8 int4", "local H=16 int4",
-         "local H=16 int8", "local H=32 int4", "local H=16 int4 no ef", "local H=16 whole"]  # fmt: skip
+         "local H=16 int8", "local H=32", "local H=64", "local H=32 int4", "local H=16 int4 no ef",
+         "local H=16 whole"]  # fmt: skip
 ORDER = ROWS + FAMILIES + UNMASKED + ABLATIONS + MILD + LOCAL
 #: Rows trained on every link (they time their own steps); the others are projected from the unlimited run. Local
 #: steps have one slow step a round; the limit is trained as the rows it judges are, fit start and first steps
