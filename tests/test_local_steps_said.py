@@ -1,7 +1,8 @@
 """What local steps leave behind them: checkpoints whose every value is finite, also after the guard undid a round
-(through Lightning's Trainer on two gloo ranks), checkpoints that saved no lowest round as NaN still loading, and a
-fit-start line that says what the rounds send."""
+(through Lightning's Trainer on two gloo ranks), checkpoints that saved no lowest round as NaN still loading, a
+fit-start line that says what the rounds send and logged factors that say it too."""
 
+import csv
 import glob
 import logging
 import math
@@ -12,8 +13,9 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
 
-from lightning_gravac import GraVACStrategy, LocalSteps, Static
+from lightning_gravac import GraVACStrategy, LocalSteps, RunSummary, Static
 from lightning_gravac.adaptations.round_guard import RoundGuard
 from lightning_gravac.launch import run_distributed
 
@@ -90,3 +92,41 @@ def test_the_fit_start_line_says_what_local_steps_send(caplog, rounds, said):
     assert isinstance(controller, Static) and controller.cf == 1  # it reports; the rounds' code is LocalSteps'
     (line,) = [r.getMessage() for r in caplog.records if "GraVACStrategy" in r.getMessage()]
     assert said in line and "Static" not in line
+
+
+def _logged(rank: int, world_size: int, rounds: LocalSteps, log_dir: str) -> dict[str, Any]:
+    from test_local_steps import StepData
+
+    pl.seed_everything(0)
+    strategy, summary = GraVACStrategy(local_steps=rounds), RunSummary(plot=False)
+    logger = CSVLogger(log_dir, name="m", version=0)
+    trainer = pl.Trainer(strategy=strategy, callbacks=[summary], max_steps=10, **trainer_kwargs(2, logger=logger))
+    trainer.fit(StepData(), loader(n=4096))
+    return {"rows": summary.history, "outer bytes": strategy.outer.bytes_sent, "table": summary.table(0.0)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("cf", "logged"), [(8, 8.0), (1, 1.0)], ids=["4-bit", "whole"])
+def test_the_logged_factors_say_what_the_rounds_send(tmp_path, cf, logged):
+    rounds = LocalSteps(every=4, cf=cf)
+    ranks = run_distributed(_logged, timeout=300, rounds=rounds, log_dir=str(tmp_path))
+    for result in ranks:
+        rows = result["rows"]
+        assert len(rows) == 10 and all(r["gravac/cf"] == logged for r in rows)
+        # Rounds end at steps 4 and 8 and at the budget (10): only their last steps send, and all the bytes counted.
+        sent = [r["gravac/bytes_sent"] for r in rows]
+        assert [i + 1 for i, b in enumerate(sent) if b] == [4, 8, 10]
+        assert sum(sent) == result["outer bytes"]
+        assert all("gravac/achieved_cf" not in r for r in rows[:3])  # nothing sent yet: no factor achieved
+        for last, steps in ((3, 4), (7, 4), (9, 2)):
+            row = rows[last]
+            assert row["gravac/achieved_cf"] == steps * row["gravac/bytes_dense"] / row["gravac/bytes_sent"]
+        assert [r["gravac/achieved_cf"] for r in rows[4:7]] == [rows[3]["gravac/achieved_cf"]] * 3  # the last round's
+        if cf == 1:  # sent whole: a round's change is one step's dense bytes
+            assert rows[3]["gravac/achieved_cf"] == 4.0
+        else:
+            assert 4 * 7 < rows[3]["gravac/achieved_cf"] < 4 * 8  # four steps, each a code of about 8x
+    assert "Local steps: 7 of the 10 steps sent nothing" in ranks[0]["table"]
+    (metrics_csv,) = tmp_path.rglob("metrics.csv")
+    written = [float(row["gravac/cf"]) for row in csv.DictReader(metrics_csv.open()) if row.get("gravac/cf")]
+    assert written == [logged] * 10  # what W&B or any logger gets

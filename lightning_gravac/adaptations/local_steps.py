@@ -122,6 +122,7 @@ class OuterUpdate(Adaptation):
         self.add_state("began", "began", reset=False)  # with overlap: this rank's parameters as the round began
         self.since = 0  # inner steps taken in the current round
         self.rounds = 0  # rounds ended: seeds the method's draws
+        self.sent_steps = 0  # the steps the last change sent covers (a round's inner steps; 1 a step of a hold)
         self.budget = 0  # the fit's last step (``max_steps``), 0 when none
         self.steps = 0  # inner steps taken in the fit (Lightning's global step)
         self.epoch_ends: Callable[[], bool] = _never  # set at fit start (module-level defaults: the strategy pickles)
@@ -162,6 +163,17 @@ class OuterUpdate(Adaptation):
     def bytes_sent(self) -> int:
         """This fit's outer updates, as each rank put them into the collectives."""
         return self.exchange.bytes_sent
+
+    @property
+    def cf(self) -> float:
+        """The factor the current round's change goes at: the code's (``LocalSteps.cf``), 1 where it goes whole (a
+        factor of 1, a method that sends its input as it is, a step of the guard's hold)."""
+        return self.exchange.cf if self.exchange.compresses and not self.guard.holding else 1.0
+
+    @property
+    def sent_cf(self) -> float:
+        """The factor the last change sent went at (1: whole)."""
+        return self.exchange.sent_cf
 
     @property
     def sent(self) -> Callable[[int, bool], None]:
@@ -298,6 +310,7 @@ class OuterUpdate(Adaptation):
                 # A round with a change in flight began at `began` (its own progress is measured from there), which the
                 # outer step just taken leaves as it was; any other began at the anchor.
                 starts = self.began.kept or self.anchor.kept
+                self.sent_steps = 1 if synchronous else self.since
                 for names in self._groups():
                     delta = self.exchange.change(names, starts)
                     if overlap:  # rebased on the outer step, own progress kept

@@ -37,6 +37,7 @@ class OuterExchange:
         self.residual = Staged()  # what compression left out of each change, added into the next (biased methods)
         self.landed = Staged()  # with overlap: the averaging in flight, landed for a checkpoint
         self.bytes_sent = 0  # this fit's outer updates, as each rank put them into the collectives
+        self.sent_cf = 1.0  # the factor the last change went at: 1 sent whole
         #: Told of each outer update's bytes and whether they were gathered (the strategy records them as a step's).
         self.sent: Callable[[int, bool], None] = _unrecorded
         #: The embedding tables a compressed round sends by the rows some rank changed (the strategy's, found when DDP
@@ -53,6 +54,12 @@ class OuterExchange:
     def take_from(self, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
         """The parameters whose changes are sent, by name, and the inner optimizer (its weight decay)."""
         self._params, self._optimizer = params, optimizer
+
+    @property
+    def compresses(self) -> bool:
+        """Whether a change goes in the method's code (at :attr:`cf`) unless sent whole: not at a factor of 1, nor
+        with a method that sends its input as it is."""
+        return self.cf > 1 and not (self.compressor is not None and self.compressor.passthrough)
 
     @property
     def in_flight(self) -> bool:
@@ -81,13 +88,15 @@ class OuterExchange:
                 if residual is not None:
                     part.add_(residual)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if whole or self.cf <= 1 or self.compressor.passthrough:
+        if whole or not self.compresses:
+            self.sent_cf = 1.0
             for n in names:
                 self.residual.kept.pop(n, None)
             self._record(delta.numel() * delta.element_size(), gathered=False)
             handle = dist.all_reduce(delta, async_op=True) if world > 1 else None
             self._in_flight.append(_Averaging(names, like, world, handle, delta))
             return
+        self.sent_cf = self.cf
         rows = self._changed_rows(names, parts, world)
         selected = torch.cat(rows.select(parts)) if rows.chosen else delta
         payload = self.compressor.compress(selected, self.cf, key="outer", step=step)

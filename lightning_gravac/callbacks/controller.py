@@ -11,7 +11,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from pytorch_lightning import Callback
 from typing_extensions import override
 
-from lightning_gravac.adaptations import scales_per_coordinate
+from lightning_gravac.adaptations import OuterUpdate, scales_per_coordinate
 from lightning_gravac.callbacks.guard import DivergenceGuard
 from lightning_gravac.state import CompressionState, Factors, StepStats
 
@@ -60,7 +60,8 @@ class Controller(Callback):
     sent bytes), ``gravac/gain`` (``sum ||C(g)||^2 / sum ||g||^2``), ``gravac/bytes_sent``, ``gravac/bytes_dense``,
     ``gravac/compress_ms``, ``gravac/comm_ms`` (this rank's host time), ``gravac/collective`` (the fraction of
     buckets that were reduced rather than gathered: 0 all gathered, 1 all reduced) and ``gravac/guarded`` (1 when
-    the divergence guard, :attr:`guard`, holds the next step at factor 1). Every step's values are in
+    the divergence guard, :attr:`guard`, holds the next step at factor 1); under local steps the two factors are the
+    rounds' (:meth:`_round_factors`). Every step's values are in
     ``trainer.callback_metrics`` on every rank right after the step (so a callback or ``ModelCheckpoint(monitor=...)``
     sees them fresh), and go to every configured logger on the steps Lightning writes to its loggers (every
     ``Trainer(log_every_n_steps=...)``).
@@ -83,6 +84,7 @@ class Controller(Callback):
         self.metrics_step = 0
         self.nonfinite_steps = 0
         self._state: CompressionState | None = None
+        self._round_cf: float | None = None  # under local steps: the last round's dense bytes over its bytes sent
 
     @property
     def cf(self) -> float:
@@ -266,8 +268,9 @@ class Controller(Callback):
         state.decide(factors)
 
     def metrics(self, stats: StepStats) -> dict[str, float]:
-        """The ``gravac/*`` metrics of the step that produced ``stats``."""
-        return {
+        """The ``gravac/*`` metrics of the step that produced ``stats`` (under local steps, the factors of the rounds:
+        :meth:`_round_factors`)."""
+        metrics = {
             "gravac/cf": self.state.cf,
             "gravac/achieved_cf": stats.achieved_cf,
             "gravac/gain": stats.gain,
@@ -277,6 +280,26 @@ class Controller(Callback):
             "gravac/comm_ms": 1e3 * stats.comm_s,
             "gravac/collective": 1.0 - stats.gathered / stats.buckets,
         }
+        outer = self.state.carry.get(OuterUpdate)
+        if outer:
+            self._round_factors(outer, stats, metrics)
+        return metrics
+
+    def _round_factors(self, outer: OuterUpdate, stats: StepStats, metrics: dict[str, float]) -> None:
+        """Under local steps the hook sends nothing and the rounds send their change in the outer code: ``gravac/cf``
+        is that code's factor (on the step a round's change is sent, the one it went at; on the others, the one the
+        round's will go at; 1 sent whole), ``gravac/achieved_cf`` the round's dense bytes over its bytes sent (what
+        each of its steps saved against stock DDP): from the step the first round's change is sent on, each inner step
+        the last round's, none before."""
+        if stats.bytes_sent:  # only a round's change is sent under local steps
+            self._round_cf = outer.sent_steps * stats.bytes_dense / stats.bytes_sent
+            metrics["gravac/cf"] = outer.sent_cf
+        else:
+            metrics["gravac/cf"] = outer.cf
+        if self._round_cf is None:
+            del metrics["gravac/achieved_cf"]
+        else:
+            metrics["gravac/achieved_cf"] = self._round_cf
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pytorch_lightning import Callback
 from pytorch_lightning.utilities import rank_zero_only
 from typing_extensions import override
 
+from lightning_gravac.adaptations import OuterUpdate
 from lightning_gravac.callbacks.controller import Controller, controllers_of
 
 
@@ -18,7 +19,8 @@ class RunSummary(Callback):
 
     The table: steps, last value of ``monitor`` ("not measured" when the module never logged it, with the names it
     did log), bytes sent against dense DDP's, the harmonic mean of the compression factors asked for (what they would
-    have saved) and the training time, from the first step to the end of training. :attr:`history` keeps
+    have saved; under local steps, the codes the rounds' changes went in, and a line says how many steps sent nothing)
+    and the training time, from the first step to the end of training. :attr:`history` keeps
     one row a step for plots and tests. Its place among the callbacks does not
     matter: a step is collected once the controller has seen it.
 
@@ -44,6 +46,8 @@ class RunSummary(Callback):
         self.final: float | None = None
         #: The series the last plot holds: those measured at least once.
         self.plotted: list[str] = []
+        #: Whether the fit ran local steps (by its end): the table says what their factors count.
+        self.local_steps = False
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -100,6 +104,12 @@ class RunSummary(Callback):
                 "The traffic saved is below what the factors asked for: the method sent more on some steps (a warm-up "
                 "that sends denser, as DGC's; headers and at least one entry a tensor on small layers)."
             )
+        quiet = sum(1 for r in self.history if not r["gravac/bytes_sent"])
+        if self.local_steps and quiet:
+            table.append(
+                f"Local steps: {quiet} of the {len(self.history)} steps sent nothing (a round's inner steps); the "
+                "traffic saved counts them, and cf is the code each round's change went in."
+            )
         if last is None:
             logged = ", ".join(self.logged) or "none"
             table.append(
@@ -114,6 +124,8 @@ class RunSummary(Callback):
         metrics = trainer.callback_metrics
         self.logged = sorted(name for name in metrics if not name.startswith("gravac/"))
         self.final = float(metrics[self.monitor]) if self.monitor in metrics else None
+        state = self._controller.compression_state if self._controller is not None else None
+        self.local_steps = state is not None and bool(state.carry.get(OuterUpdate))
         # `Trainer.log_dir` broadcasts from rank 0: every rank must ask for it, not rank 0 alone.
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         self._report(log_dir, time.perf_counter() - self._start)
