@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from lightning_gravac.adaptations import ErrorFeedback, LocalSteps, LocalStepsDiverged
     from lightning_gravac.callbacks import Accordion, Controller, DivergenceGuard, GraVAC, RunSummary, Static
     from lightning_gravac.compressors import Compressor, Payload, get_compressor, list_compressors
+    from lightning_gravac.sharded import GraVACModelParallelStrategy
     from lightning_gravac.strategies import CompressionState, GraVACStrategy, StepStats
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ _HOMES = {
     "lightning_gravac.compressors": ("Compressor", "Payload", "get_compressor", "list_compressors"),
     "lightning_gravac.adaptations": ("ErrorFeedback", "LocalSteps", "LocalStepsDiverged"),
     "lightning_gravac.strategies": ("CompressionState", "GraVACStrategy", "StepStats"),
+    "lightning_gravac.sharded": ("GraVACModelParallelStrategy",),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
@@ -30,6 +32,7 @@ __all__ = [
     "DivergenceGuard",
     "ErrorFeedback",
     "GraVAC",
+    "GraVACModelParallelStrategy",
     "GraVACStrategy",
     "LocalSteps",
     "LocalStepsDiverged",
@@ -53,13 +56,17 @@ def __getattr__(name: str) -> Any:
 
 
 def register_strategies() -> None:
-    """Register ``"gravac"`` (and its variants) in Lightning's strategy registry, once."""
+    """Register ``"gravac"`` (and its variants) and ``"gravac_model_parallel"`` in Lightning's strategy registry,
+    once."""
     from pytorch_lightning.strategies import StrategyRegistry  # noqa: PLC0415 - on use: see the end of this file
 
+    from lightning_gravac.sharded import GraVACModelParallelStrategy  # noqa: PLC0415
     from lightning_gravac.strategies import GraVACStrategy  # noqa: PLC0415
 
     if "gravac" not in StrategyRegistry:
         GraVACStrategy.register_strategies(StrategyRegistry)
+    if GraVACModelParallelStrategy.strategy_name not in StrategyRegistry:
+        GraVACModelParallelStrategy.register_strategies(StrategyRegistry)
 
 
 def _run_as_command() -> bool:

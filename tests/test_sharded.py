@@ -1,0 +1,89 @@
+"""GraVACModelParallelStrategy: FSDP2 through Lightning's Trainer on 2 CPU ranks (gloo), against stock."""
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.strategies import StrategyRegistry
+from sharded_models import EveryStep, ShardedMLP, sharded_kwargs, sharded_loader, stock_strategy
+
+from lightning_gravac import GraVACModelParallelStrategy
+from lightning_gravac.launch import run_distributed
+
+STEPS = 6
+
+
+def _fit(rank: int, world_size: int, method: str | None, **trainer: Any) -> dict[str, Any]:
+    """``STEPS`` steps of the sharded MLP under ``method`` (``None``: stock ``ModelParallelStrategy``): the whole
+    parameters after each step, and the bytes the reduce-scatters sent."""
+    pl.seed_everything(0)
+    strategy = (
+        stock_strategy(world_size)
+        if method is None
+        else GraVACModelParallelStrategy(method, data_parallel_size=world_size, tensor_parallel_size=1)
+    )
+    steps = EveryStep()
+    fit = pl.Trainer(strategy=strategy, max_steps=STEPS, callbacks=[steps], **sharded_kwargs(world_size, **trainer))
+    fit.fit(ShardedMLP(), sharded_loader())
+    sent = strategy.bytes_sent if isinstance(strategy, GraVACModelParallelStrategy) else None
+    return {"steps": steps.steps, "sent": sent}
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_none_equals_stock_model_parallel_bit_for_bit():
+    stock = run_distributed(_fit, method=None, timeout=240)
+    dense = run_distributed(_fit, method="none", timeout=240)
+    for s, d in zip(stock, dense, strict=True):
+        assert len(s["steps"]) == len(d["steps"]) == STEPS
+        for before, after in zip(s["steps"], d["steps"], strict=True):
+            _assert_equal(before, after)
+    assert dense[0]["sent"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_int8_trains_close_to_stock_with_the_same_parameters_on_every_rank_and_fewer_bytes():
+    stock = run_distributed(_fit, method=None, timeout=240)
+    dense = run_distributed(_fit, method="none", timeout=240)
+    coded = run_distributed(_fit, method="int8", timeout=240)
+    for step in range(STEPS):
+        _assert_equal(coded[0]["steps"][step], coded[1]["steps"][step])
+    # Close to stock's trajectory: AdamW moves each entry by about its learning rate a step, so an entry whose coded
+    # gradient rounds to zero can part by that much; over all entries the gap is a small share of the distance moved.
+    ends = (stock[0]["steps"][0], stock[0]["steps"][-1], coded[0]["steps"][-1])
+    first, last_stock, last_coded = (torch.cat([p.flatten() for p in ps.values()]) for ps in ends)
+    gap, moved = (last_coded - last_stock).norm(), (last_stock - first).norm()
+    assert 0 < gap < 0.2 * moved, (float(gap), float(moved))
+    # About a quarter of fp32's bytes (a scale each 128 entries, chunks padded to whole scales).
+    assert coded[0]["sent"] < 0.3 * dense[0]["sent"]
+
+
+def test_registered_under_its_name():
+    assert GraVACModelParallelStrategy.strategy_name in StrategyRegistry
+    strategy = StrategyRegistry.get(GraVACModelParallelStrategy.strategy_name)
+    assert isinstance(strategy, GraVACModelParallelStrategy)
+
+
+@pytest.mark.parametrize("method", ["topk", "powersgd", "qsgd"])
+def test_a_method_that_needs_a_whole_gradient_is_refused(method):
+    with pytest.raises(ValueError, match=rf"`compressor` must be 'int8', 'int4'.*got '{method}'"):
+        GraVACModelParallelStrategy(method)
+
+
+def test_the_lightning_flavour_has_its_own_registered():
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import ModelParallelStrategy as UnifiedModelParallel
+    from lightning.pytorch.strategies import StrategyRegistry as UnifiedRegistry
+
+    from lightning_gravac.lightning import GraVACModelParallelStrategy as Unified
+
+    assert issubclass(Unified, UnifiedModelParallel) and Unified is not GraVACModelParallelStrategy
+    assert isinstance(UnifiedRegistry.get(Unified.strategy_name), Unified)
