@@ -258,7 +258,8 @@ class GraVAC(Controller):
         (:meth:`measure_half`); ``fresh``: not a resumed run."""
         cost = self.cost
         cost.timed = self.measure_link(trainer)
-        rank_zero_info(link_said(cost.timed, trainer))
+        runs = self._timer.per_byte_runs if self._timer is not None else None  # their spread, where the link was timed
+        rank_zero_info(link_said(cost.timed, trainer, runs))
         if self.fp16_rung:
             cost.take_half(*self.measure_half(trainer), fresh)
         if not self.state.compressor.passthrough:

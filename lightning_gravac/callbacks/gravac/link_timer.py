@@ -30,12 +30,22 @@ def loopback_note(trainer: "pl.Trainer") -> str:
     return " (the processes of one machine: a loopback, not a network; its speed follows the machine's load)"
 
 
-def link_said(timed: tuple[float, float], trainer: "pl.Trainer") -> str:
-    """What GraVAC says on rank 0 of the link timed at fit start (``timed``: seconds a message, seconds a byte)."""
-    speed = 8 / timed[1] / 1e6 if timed[1] > 0 else math.inf
-    return f"GraVAC: link measured at fit start: {timed[0] * 1e6:.0f} us a message, {speed:.0f} Mbit/s" + (
+def link_said(timed: tuple[float, float], trainer: "pl.Trainer", runs: list[float] | None = None) -> str:
+    """What GraVAC says on rank 0 of the link timed at fit start (``timed``: seconds a message, seconds a byte), with
+    the spread of the timings it took the best of (``runs``: the seconds a byte each gave; none: not said)."""
+    spread = ""
+    if runs:
+        low, high = min(mbits(r) for r in runs), max(mbits(r) for r in runs)
+        spread = f", the best of {len(runs)} timings that ranged {low:.0f}-{high:.0f}"
+    return (
+        f"GraVAC: link measured at fit start: {timed[0] * 1e6:.0f} us a message, {mbits(timed[1]):.0f} Mbit/s{spread}"
         f"{loopback_note(trainer)}."
     )
+
+
+def mbits(seconds_per_byte: float) -> float:
+    """The Mbit/s of a link that moves a byte in ``seconds_per_byte`` (infinite at 0)."""
+    return 8 / seconds_per_byte / 1e6 if seconds_per_byte > 0 else math.inf
 
 
 class LinkTimer:
@@ -55,6 +65,10 @@ class LinkTimer:
         self.numel = sum(p.numel() for _, p in self.trainable)
         #: The bytes of the largest all-reduce :meth:`message_and_byte` timed.
         self.largest = TIMED_BYTES[1]
+        #: The seconds a moved byte each of the largest all-reduce's timings gives, each the slowest rank's: the spread
+        #: of what :meth:`message_and_byte` took the best of (empty before it).
+        self.per_byte_runs: list[float] = []
+        self._runs: list[float] = []  # the last :meth:`timed`'s runs, each the slowest rank's
 
     def message_and_byte(self) -> tuple[float, float]:
         """``(seconds a message, seconds a moved byte)`` of the group's all-reduce.
@@ -72,7 +86,9 @@ class LinkTimer:
         self.largest = size
         per_byte = (t_large - t_small) / (share * (size - small))
         if per_byte <= 0:  # noise on a fast link: all of it per byte
+            self.per_byte_runs = [t / (share * size) for t in self._runs]
             return 0.0, t_large / (share * size)
+        self.per_byte_runs = [max(0.0, t - t_small) / (share * (size - small)) for t in self._runs]
         return max(0.0, t_small - per_byte * share * small), per_byte
 
     def half(self, cast: Compressor, latency: float) -> tuple[float, float]:
@@ -170,11 +186,14 @@ class LinkTimer:
         return size, seconds
 
     def timed(self, nbytes: int, dtype: torch.dtype) -> float:
-        """The slowest rank's best of three all-reduces of ``nbytes`` of ``dtype`` (after one to warm up)."""
+        """The slowest rank's best of three all-reduces of ``nbytes`` of ``dtype`` (after one to warm up); each run's,
+        the slowest rank's, kept (in the same collective)."""
         width = torch.empty((), dtype=dtype).element_size()
         tensor = torch.zeros(max(1, nbytes // width), dtype=dtype, device=self.device)
         dist.all_reduce(tensor, group=self.group)
-        return self.slowest(self.best_of_three(lambda: dist.all_reduce(tensor, group=self.group)))
+        runs = self.runs_of_three(lambda: dist.all_reduce(tensor, group=self.group))
+        best, *self._runs = self.reduce_max(torch.tensor([min(runs), *runs], dtype=torch.float64)).tolist()
+        return float(best)
 
     def quietly_timed(self, work: Callable[[], object], scale: float) -> float:
         """The slowest rank's best of three runs of ``work``, times ``scale`` (the model's entries over those timed),
@@ -186,17 +205,21 @@ class LinkTimer:
 
     def best_of_three(self, work: Callable[[], object]) -> float:
         """This rank's fastest of three runs of ``work``."""
+        return min(self.runs_of_three(work))
+
+    def runs_of_three(self, work: Callable[[], object]) -> list[float]:
+        """This rank's seconds of three runs of ``work``."""
         # A CUDA collective or kernel returns before it completes: wait for the device around each timing (untested
         # here, no GPU). Gloo's all-reduce and CPU ops are synchronous.
         synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        best = math.inf
+        runs = []
         for _ in range(3):
             synchronize()
             start = time.perf_counter()
             work()
             synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best
+            runs.append(time.perf_counter() - start)
+        return runs
 
     def slowest(self, seconds: float) -> float:
         """The largest of every rank's ``seconds``."""
