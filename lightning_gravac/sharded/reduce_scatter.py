@@ -136,7 +136,9 @@ class CodedReduceScatter(ReduceScatter):
             return {}
         out, offset = {}, 0
         for name, numel, per_chunk in self.layout:
-            out[name] = self.residual[:, offset : offset + per_chunk].reshape(-1)[:numel].clone()
+            # A fresh contiguous tensor: a one-entry slice of the columns keeps the rows' stride through `clone()`.
+            flat = self.residual[:, offset : offset + per_chunk].reshape(-1)[:numel]
+            out[name] = flat.clone(memory_format=torch.contiguous_format)
             offset += per_chunk
         return out
 

@@ -1,0 +1,134 @@
+"""GraVACModelParallelStrategy as a Lightning strategy: checkpoints resumed bit for bit, clipping, validation, errors.
+
+Each test runs 2 CPU ranks (gloo) through Lightning's Trainer.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning import Callback
+from sharded_models import EveryStep, ShardedMLP, full_parameters, sharded_kwargs, sharded_loader
+from torch.distributed.tensor import DTensor
+
+from lightning_gravac import GraVACModelParallelStrategy
+from lightning_gravac.launch import run_distributed
+
+#: Samples a run reads an epoch: 4 batches of 16 on each of 2 ranks, so an epoch's end is a step's.
+SAMPLES = 128
+
+
+def _strategy(method: str = "int8", **kwargs: Any) -> GraVACModelParallelStrategy:
+    return GraVACModelParallelStrategy(method, data_parallel_size=2, tensor_parallel_size=1, **kwargs)
+
+
+def _resumed(rank: int, world_size: int, where: str, distributed: bool) -> dict[str, Any]:
+    """Two epochs in one fit, and one epoch then a second resumed from its checkpoint: the whole parameters after
+    each of the last epoch's steps and the residuals at the end of each."""
+    out: dict[str, Any] = {}
+    for run in ("whole", "first", "resumed"):
+        pl.seed_everything(0)
+        strategy = _strategy(save_distributed_checkpoint=distributed)
+        steps = EveryStep()
+        epochs = 1 if run == "first" else 2
+        trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[steps], **sharded_kwargs(world_size))
+        path = str(Path(where, "epoch1.ckpt"))
+        trainer.fit(ShardedMLP(), sharded_loader(SAMPLES), ckpt_path=path if run == "resumed" else None)
+        if run == "first":
+            trainer.save_checkpoint(path)
+        out[run] = {"steps": steps.steps[-4:], "residuals": strategy._residuals()}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("distributed", [True, False], ids=["sharded-checkpoint", "full-checkpoint"])
+def test_a_run_resumed_from_a_checkpoint_is_the_uninterrupted_run_bit_for_bit(tmp_path, distributed):
+    for rank in run_distributed(_resumed, timeout=300, where=str(tmp_path), distributed=distributed):
+        whole, first, resumed = rank["whole"], rank["first"], rank["resumed"]
+        assert first["residuals"] and any(r.abs().sum() > 0 for r in first["residuals"].values())
+        assert resumed["residuals"].keys() == whole["residuals"].keys()
+        for name, residual in whole["residuals"].items():
+            assert torch.equal(resumed["residuals"][name], residual), name
+        for a, b in zip(whole["steps"], resumed["steps"], strict=True):
+            for name, p in a.items():
+                assert torch.equal(b[name], p), name
+
+
+class GradientNorms(Callback):
+    """The gradients' whole norm before the optimizer steps (as the Trainer hands them over) and after (clipped)."""
+
+    def __init__(self) -> None:
+        self.before: list[float] = []
+        self.after: list[float] = []
+
+    @staticmethod
+    def norm(module: pl.LightningModule) -> float:
+        squares = torch.zeros(())
+        for p in module.parameters():
+            if p.grad is not None:
+                local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                squares += local.float().square().sum()
+        dist.all_reduce(squares)
+        return float(squares.sqrt())
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.before.append(self.norm(pl_module))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.after.append(self.norm(pl_module))
+
+
+def _clipped_and_validated(rank: int, world_size: int) -> dict[str, Any]:
+    pl.seed_everything(0)
+    norms = GradientNorms()
+    trainer = pl.Trainer(
+        strategy=_strategy(),
+        max_steps=4,
+        gradient_clip_val=0.05,
+        val_check_interval=2,
+        limit_val_batches=2,
+        callbacks=[norms],
+        **sharded_kwargs(world_size),
+    )
+    model = ShardedMLP()
+    trainer.fit(model, sharded_loader(SAMPLES * 4), sharded_loader(64))
+    return {
+        "before": norms.before,
+        "after": norms.after,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "parameters": full_parameters(model),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gradients_are_clipped_to_their_whole_norm_and_validation_runs():
+    ranks = run_distributed(_clipped_and_validated, timeout=240)
+    for rank in ranks:
+        assert len(rank["after"]) == 4
+        assert all(before > 0.05 for before in rank["before"]), "the clip must bind to be tested"
+        assert all(after <= 0.05 * (1 + 1e-4) for after in rank["after"])
+        assert torch.isfinite(torch.tensor(rank["val_loss"]))
+    assert ranks[0]["val_loss"] == ranks[1]["val_loss"]
+    for name, p in ranks[0]["parameters"].items():
+        assert torch.equal(ranks[1]["parameters"][name], p)
+
+
+class Unsharded(ShardedMLP):
+    def configure_model(self) -> None:
+        pass  # no fully_shard
+
+
+def _unsharded(rank: int, world_size: int) -> None:
+    trainer = pl.Trainer(strategy=_strategy(), max_steps=1, **sharded_kwargs(world_size))
+    trainer.fit(Unsharded(), sharded_loader(SAMPLES))
+
+
+@pytest.mark.distributed
+def test_a_model_without_fully_shard_is_refused_before_a_step():
+    with pytest.raises(RuntimeError, match="no module sharded with `fully_shard`"):
+        run_distributed(_unsharded, timeout=120)
