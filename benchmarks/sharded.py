@@ -1,0 +1,160 @@
+"""Fully sharded training (FSDP2) with block-coded gradients against stock ``ModelParallelStrategy``: held-out loss.
+
+    python benchmarks/sharded.py [--methods stock int8 int4] [--seeds 0 1 2] [--steps 150] [--width 128]
+                                 [--world-size 2] [--links unlimited 1gbit 100mbit] [--out benchmarks/results]
+
+Each method trains the matrix's gpt task (``ByteGPT``, AdamW at lr 1e-3, 64-byte windows of the text Lightning ships
+with itself, the last tenth held out) with every transformer block and the whole model sharded by ``fully_shard``,
+from the same seed on the same data, for ``--steps`` steps, then measures the held-out loss. ``stock`` is Lightning's
+``ModelParallelStrategy``; ``none``, ``int8`` and ``int4`` are ``GraVACModelParallelStrategy``'s. Seeds are paired:
+each seed's methods start from one initialization and read one order of windows; the table gives each method's
+held-out loss relative to stock's, seed by seed and their mean, and the bytes the gradient reduce-scatters sent.
+
+Without ``--links`` nothing is shaped and the wall time is not a measurement (the machine may be busy): fidelity only.
+With ``--links`` the script re-executes itself as root in a private network namespace whose loopback ``tc`` shapes,
+as ``benchmarks/bandwidth.py`` does, and every method runs on each link: the table adds its seconds for the steps.
+
+Writes ``sharded.json`` and ``sharded.md`` under ``--out`` and prints the table.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from bandwidth import _shape, prepare_namespace, run_in_namespace  # the bandwidth benchmark's token-bucket shaping
+from pytorch_lightning.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.utils.data import DataLoader
+
+from lightning_gravac import GraVACModelParallelStrategy
+from lightning_gravac.launch import run_distributed
+from lightning_gravac.zoo.gpt import ByteGPT, Windows, read_bytes
+
+_INSIDE = "GRAVAC_SHARDED_NETNS"
+METHODS = ("stock", "none", "int8", "int4")
+CONTEXT = 64
+
+
+class ShardedGPT(ByteGPT):
+    """ByteGPT whose ``configure_model`` shards each transformer block and then the whole model (FSDP2)."""
+
+    def configure_model(self) -> None:
+        if isinstance(self, FSDPModule):  # sharded by the fit already: Lightning calls this again to validate
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def _text() -> torch.Tensor:
+    path = Path(pl.__file__).parent / "CHANGELOG.md"
+    if not path.is_file():
+        raise SystemExit(f"The benchmark reads the text Lightning ships with itself, {path}: not found.")
+    return read_bytes(path)
+
+
+def _train(rank: int, world_size: int, method: str, seed: int, steps: int, width: int) -> dict[str, Any]:
+    pl.seed_everything(seed)
+    text = _text()
+    cut = int(text.numel() * 0.9)
+    train = Windows(text[:cut], CONTEXT, steps * 16 * world_size, seed=1 + seed)
+    held = Windows(text[cut:], CONTEXT, 512, seed=0)
+    model = ShardedGPT(width=width, layers=4, heads=4, context=CONTEXT, lr=1e-3)
+    sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
+    strategy = ModelParallelStrategy(**sizes) if method == "stock" else GraVACModelParallelStrategy(method, **sizes)
+    quiet = {f"enable_{part}": False for part in ("checkpointing", "progress_bar", "model_summary")}
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, **quiet)  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(model, DataLoader(train, 16, shuffle=False))
+    seconds = time.perf_counter() - start
+    trainer.limit_val_batches = 1.0
+    (metrics,) = trainer.validate(model, DataLoader(held, 64), verbose=False)
+    sent = strategy.bytes_sent if isinstance(strategy, GraVACModelParallelStrategy) else None
+    return {
+        "method": method,
+        "seed": seed,
+        "held_out": float(metrics["val_loss"]),
+        "seconds": seconds,
+        "bytes_sent": sent,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _table(rows: list[dict[str, Any]], link: str | None) -> list[str]:
+    stock = {r["seed"]: r["held_out"] for r in rows if r["method"] == "stock"}
+    seeds = sorted(stock)
+    head = "| method | held-out loss, mean | x stock's, by seed | mean | bytes a rank sent |" + (
+        " seconds |" if link else ""
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        mine = {r["seed"]: r for r in rows if r["method"] == method}
+        gaps = [mine[s]["held_out"] / stock[s] - 1 for s in seeds if s in mine]
+        by_seed = ", ".join(f"{g:+.2%}" for g in gaps)
+        mean_loss = statistics.mean(r["held_out"] for r in mine.values())
+        sent = [r["bytes_sent"] for r in mine.values() if r["bytes_sent"] is not None]
+        sent_text = f"{statistics.mean(sent) / 1e6:.1f} MB" if sent else ""
+        line = f"| {method} | {mean_loss:.4f} | {by_seed} | {statistics.mean(gaps):+.2%} | {sent_text} |"
+        if link:
+            line += f" {statistics.mean(r['seconds'] for r in mine.values()):.1f} |"
+        lines.append(line)
+    return lines
+
+
+def _run(args: argparse.Namespace, out: Path, links: list[str | None]) -> None:
+    results: dict[str, list[dict[str, Any]]] = {}
+    lines = []
+    for link in links:
+        if link is not None:
+            _shape(link)
+        rows = []
+        for seed in args.seeds:
+            for method in args.methods:
+                row = run_distributed(
+                    _train, args.world_size, timeout=7200, method=method, seed=seed, steps=args.steps, width=args.width
+                )[0]
+                rows.append(row)
+                print(f"[{link or 'unshaped'}] seed {seed} {method}: held-out {row['held_out']:.4f}", flush=True)
+        results[link or "unshaped"] = rows
+        lines += [f"\n{link or 'unshaped'}, {args.steps} steps, {rows[0]['parameters'] / 1e6:.2f}M parameters:\n"]
+        lines += _table(rows, link)
+    if any(links):
+        _shape("unlimited")
+    text = "\n".join(lines)
+    print(text)
+    (out / "sharded.md").write_text(text + "\n")
+    (out / "sharded.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=["stock", "int8", "int4"], choices=METHODS)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--width", type=int, default=128, help="the transformer's width (256: ByteGPT's 3.3M)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--links", nargs="+", default=None, help="shaped links, e.g. unlimited 1gbit 100mbit (root)")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if "stock" not in args.methods:
+        parser.error("--methods must include stock, which the others are measured against")
+    if args.links is None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        _run(args, out, [None])
+    elif os.environ.get(_INSIDE) == "1":
+        _run(args, prepare_namespace(args.out), args.links)
+    else:
+        run_in_namespace(_INSIDE, "benchmarks/sharded.py")
+
+
+if __name__ == "__main__":
+    main()
