@@ -99,6 +99,9 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningC
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         # Lightning's own call of an API newer torch deprecates, once a rank: nothing a run's user can change.
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+        # An empty list of validation loaders is how a recipe's data module says it holds nothing out (the teacher's at
+        # `val_n=0`): Lightning skips validation and asks whether that was meant. An empty loader is still said.
+        warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
         try:
             cli = CLI(
                 subclass_mode_model=True,

@@ -27,8 +27,9 @@ class WandbLogger(_LightningWandbLogger):
 
     With ``offline=None`` (the default) the run is online if a key is set up (``WANDB_API_KEY`` or ``wandb login``)
     and ``WANDB_MODE`` does not say otherwise, else offline under ``save_dir``; the log says how to upload it later
-    with ``wandb sync``. W&B's own lines are quiet (``wandb.Settings(quiet=True)``: no tables of the run's history at
-    its end; pass ``settings`` to choose). Everything else is Lightning's ``WandbLogger``.
+    with ``wandb sync``, in the one line that then replaces W&B's own three. W&B's own lines are quiet
+    (``wandb.Settings(quiet=True)``: no tables of the run's history at its end; silent where this logger said it is
+    offline; pass ``settings`` to choose). Everything else is Lightning's ``WandbLogger``.
 
     Args:
         offline: ``True`` or ``False`` to decide yourself; ``None`` to decide by the key.
@@ -36,9 +37,11 @@ class WandbLogger(_LightningWandbLogger):
     """
 
     def __init__(self, offline: bool | None = None, **kwargs: Any) -> None:
+        said = False  # whether this logger said where the offline run goes
         if offline is None:
             offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun") or not wandb_api_key_available()
             if offline:
+                said = True
                 where = Path(kwargs.get("save_dir") or kwargs.get("dir") or ".") / "wandb"
                 rank_zero_info(
                     f"W&B: no API key found (WANDB_API_KEY or `wandb login`); logging offline to {where}. "
@@ -48,7 +51,8 @@ class WandbLogger(_LightningWandbLogger):
         if kwargs.get("settings") is None:  # the command line passes every argument of `wandb.init`, None if unset
             import wandb  # noqa: PLC0415 - Lightning's logger imports it on use too
 
-            kwargs["settings"] = wandb.Settings(quiet=True)
+            # Said, W&B's own lines repeat it ("syncing is set to offline", "saved locally", a terminal viewer's tip).
+            kwargs["settings"] = wandb.Settings(quiet=True, silent=said)
         super().__init__(offline=offline, **kwargs)
         if kwargs.get("anonymous") is None:
             # Lightning passes `anonymous=None` to `wandb.init` whatever was asked, and W&B warns that the setting

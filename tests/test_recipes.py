@@ -101,8 +101,11 @@ def test_quickstart_runs_prints_the_summary_plots_and_logs_to_wandb_offline(tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "traffic saved" in done.stdout
     assert "logging offline" in done.stderr and "wandb sync" in done.stderr
-    # Quiet: no advertisement of Lightning's logging service, no deprecation inside Lightning twice (once a rank).
+    # Quiet: no advertisement of Lightning's logging service, no deprecation inside Lightning twice (once a rank), no
+    # W&B lines repeating the offline one, no question whether validating nothing was meant; Lightning's own stay.
     assert "litlogger" not in done.stderr and "is deprecated" not in done.stderr, done.stderr[-3000:]
+    assert "wandb:" not in done.stderr and "Total length" not in done.stderr, done.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=4` reached." in done.stderr and "Trainable params" in done.stderr
     # Into a pipe: no progress bar's redraws, no colour codes (W&B's exit hook wrote them), no tables of W&B's.
     for out in (done.stdout, done.stderr):
         assert "\x1b" not in out and "\r" not in out and "Run history" not in out, out[-3000:]
