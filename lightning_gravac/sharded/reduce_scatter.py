@@ -20,9 +20,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from lightning_gravac.compressors.base import Payload
 from lightning_gravac.compressors.blockwise import BlockCode
-
-#: An fp32 scale's bytes: a row's scales lead its bytes, so they can be read in place as fp32.
-_SCALE_BYTES = 4
+from lightning_gravac.sharded._rows import read_row, row_layout, write_row
 
 
 class CodedReduceScatter(ReduceScatter):
@@ -72,7 +70,7 @@ class CodedReduceScatter(ReduceScatter):
         rows = input_tensor.view(world, -1)
         own = rows[rank].float()
         fed = self._error_fed(rows)
-        send, cut, width = self._encode(fed, rank)
+        send, like = self._encode(fed, rank)
         receive = torch.empty_like(send)
         dist.all_to_all_single(receive, send, group=group)
         self.bytes_sent += send[0].numel() * (world - 1)
@@ -81,7 +79,8 @@ class CodedReduceScatter(ReduceScatter):
             if source == rank:
                 out.add_(own, alpha=scale)
             else:
-                self.code.aggregate_(out, self._payload(receive[source, :width], cut, out.numel()), scale)
+                received = read_row(receive[source], like)
+                self.code.aggregate_(out, received.with_wire([w.unsqueeze(0) for w in received.wire]), scale)
         output_tensor.copy_(out)
         return None
 
@@ -93,10 +92,9 @@ class CodedReduceScatter(ReduceScatter):
             self.residual = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
         return self.residual.add_(rows)
 
-    def _encode(self, fed: Tensor, rank: int) -> tuple[Tensor, int, int]:
-        """Every other chunk's payload as one row of bytes, its scales first (a row padded to whole fp32s, so that
-        every row's scales are aligned); with error feedback ``fed`` becomes the residual. Returns the rows, where a
-        row's codes begin and where they end."""
+    def _encode(self, fed: Tensor, rank: int) -> tuple[Tensor, Payload]:
+        """Every other chunk's payload as one row of bytes; with error feedback ``fed`` becomes the residual. Returns
+        the rows and one payload, whose layout every row shares."""
         assert self.code is not None
         payloads: list[Payload | None] = []
         for destination, chunk in enumerate(fed):
@@ -111,23 +109,12 @@ class CodedReduceScatter(ReduceScatter):
             payloads.append(payload)
         if self.error_feedback:
             fed[rank].zero_()  # sent exact: nothing owed
-        some = next(p for p in payloads if p is not None)
-        cut = some.wire[1].numel() * _SCALE_BYTES
-        width = cut + some.wire[0].numel()
-        send = torch.zeros(len(payloads), width + -width % _SCALE_BYTES, dtype=torch.uint8, device=fed.device)
+        like = next(p for p in payloads if p is not None)
+        send = torch.zeros(len(payloads), row_layout(like)[2], dtype=torch.uint8, device=fed.device)
         for row, payload in zip(send, payloads, strict=True):
             if payload is not None:
-                packed, peaks = payload.wire
-                row[:cut].view(torch.float32).copy_(peaks)
-                row[cut:width].copy_(packed)
-        return send, cut, width
-
-    def _payload(self, row: Tensor, cut: int, numel: int) -> Payload:
-        """The one-row stacked payload of ``numel`` entries a rank sent as ``row`` (its scales, then its codes)."""
-        assert self.code is not None
-        peaks, codes = row[:cut].view(torch.float32), row[cut:]
-        levels = torch.tensor(self.code.levels)
-        return Payload((codes.unsqueeze(0), peaks.unsqueeze(0)), torch.Size([numel]), torch.float32, derived=(levels,))
+                write_row(row, payload)
+        return send, like
 
     def state_dict(self) -> dict[str, Tensor]:
         """Every parameter's residual by name, flat, in its own entries' order (its padding dropped): each rank's

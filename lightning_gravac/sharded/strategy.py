@@ -17,6 +17,7 @@ from lightning_gravac._flavours import mixed_up, visible_to_the_other_trainer
 from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.compressors.none import NoCompression
+from lightning_gravac.sharded.all_gather import CodedAllGather
 from lightning_gravac.sharded.reduce_scatter import CodedReduceScatter
 from lightning_gravac.strategies.checkpoint import gather_rows
 
@@ -30,8 +31,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
 
     Each rank codes the chunk of the gradients it sends to each other rank; every payload is decoded to fp32 before
     it is added (:class:`~lightning_gravac.sharded.reduce_scatter.CodedReduceScatter`). The parameters' all-gather is
-    FSDP2's own. With ``"none"`` the run is stock ``ModelParallelStrategy``'s bit for bit. Tested on CPU with gloo;
-    CUDA is untested.
+    FSDP2's own unless ``all_gather_code`` names a block code. With ``"none"`` the run is stock
+    ``ModelParallelStrategy``'s bit for bit. Tested on CPU with gloo; CUDA is untested.
 
     Args:
         compressor: ``"int8"``, ``"int4"`` (or a :class:`~lightning_gravac.compressors.blockwise.BlockCode`, for
@@ -39,13 +40,17 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             cannot code the slices FSDP sends each rank and is refused.
         error_feedback: keep what coding dropped and add it to the next step's gradient (a buffer of the unsharded
             parameters' size on each rank, saved in checkpoints by parameter name).
+        all_gather_code: ``"int8"`` (or ``"int4"``, a ``BlockCode``) gathers the parameters' shards before each
+            forward and backward in that code (:class:`~lightning_gravac.sharded.all_gather.CodedAllGather`): the
+            forward computes with rounded weights, the optimizer's shards stay exact. ``None``: FSDP2's own.
         data_parallel_size: the ranks that shard the model (``ModelParallelStrategy``'s; ``"auto"`` is the number of
             nodes, so on one machine pass the number of devices).
         tensor_parallel_size: ``ModelParallelStrategy``'s.
         **kwargs: everything else ``ModelParallelStrategy`` takes (``save_distributed_checkpoint``, ``timeout``, ...).
 
     Raises:
-        ValueError: for a ``compressor`` other than the block codes and ``"none"``.
+        ValueError: for a ``compressor`` other than the block codes and ``"none"``, or an ``all_gather_code`` other
+            than a block code.
 
     Example::
 
@@ -58,6 +63,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         self,
         compressor: str | Compressor = "int8",
         error_feedback: bool = True,
+        all_gather_code: str | BlockCode | None = None,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
         **kwargs: Any,
@@ -70,7 +76,14 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                 f"{compressor!r}: FSDP sends each rank a slice of every gradient, which only a code of independent "
                 "blocks can code on its own (Top-K, PowerSGD and QSGD need each gradient whole)."
             )
+        gather = get_compressor(all_gather_code) if isinstance(all_gather_code, str) else all_gather_code
+        if gather is not None and not isinstance(gather, BlockCode):
+            raise ValueError(
+                f"GraVACModelParallelStrategy: `all_gather_code` must be 'int8', 'int4', a BlockCode or None, got "
+                f"{all_gather_code!r}."
+            )
         super().__init__(data_parallel_size, tensor_parallel_size, **kwargs)
+        self.all_gather_code = gather
         self.compressor: Compressor = method
         self.error_feedback = error_feedback
         #: Each sharded module's reduce-scatter, by the module's name ("" for the root).
@@ -112,6 +125,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                 ]
             comm = CodedReduceScatter(code, self.error_feedback, layout)
             module.set_custom_reduce_scatter(comm)
+            if self.all_gather_code is not None:
+                module.set_custom_all_gather(CodedAllGather(self.all_gather_code))
             # Every parameter in every reduce-scatter (zeros where a step used none): the chunks' layout is fixed.
             module.set_reduce_scatter_unused_params(True, recurse=False)
             self.reduce_scatters[prefix] = comm
