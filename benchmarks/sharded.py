@@ -6,9 +6,11 @@
 Each method trains the matrix's gpt task (``ByteGPT``, AdamW at lr 1e-3, 64-byte windows of the text Lightning ships
 with itself, the last tenth held out) with every transformer block and the whole model sharded by ``fully_shard``,
 from the same seed on the same data, for ``--steps`` steps, then measures the held-out loss. ``stock`` is Lightning's
-``ModelParallelStrategy``; ``none``, ``int8`` and ``int4`` are ``GraVACModelParallelStrategy``'s. Seeds are paired:
+``ModelParallelStrategy``; ``none``, ``int8`` and ``int4`` are ``GraVACModelParallelStrategy``'s, and ``int8-w8``
+(``int4-w8``) gathers the parameters in 8-bit codes as well (``all_gather_code="int8"``). Seeds are paired:
 each seed's methods start from one initialization and read one order of windows; the table gives each method's
-held-out loss relative to stock's, seed by seed and their mean, and the bytes the gradient reduce-scatters sent.
+held-out loss relative to stock's, seed by seed and their mean, and the bytes the gradient reduce-scatters sent (the
+parameters' all-gather not counted).
 
 Without ``--links`` nothing is shaped and the wall time is not a measurement (the machine may be busy): fidelity only.
 With ``--links`` the script re-executes itself as root in a private network namespace whose loopback ``tc`` shapes,
@@ -37,7 +39,7 @@ from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo.gpt import ByteGPT, Windows, read_bytes
 
 _INSIDE = "GRAVAC_SHARDED_NETNS"
-METHODS = ("stock", "none", "int8", "int4")
+METHODS = ("stock", "none", "int8", "int4", "int8-w8", "int4-w8")
 CONTEXT = 64
 
 
@@ -68,7 +70,9 @@ def _train(rank: int, world_size: int, method: str, seed: int, steps: int, width
     held = Windows(text[cut:], CONTEXT, 512, seed=0)
     model = ShardedGPT(width=width, layers=4, heads=4, context=CONTEXT, lr=1e-3)
     sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
-    strategy = ModelParallelStrategy(**sizes) if method == "stock" else GraVACModelParallelStrategy(method, **sizes)
+    code, _, weights = method.partition("-w")  # "int8-w8": int8 gradients, parameters gathered in int8
+    ours = {"all_gather_code": f"int{weights}" if weights else None}
+    strategy = ModelParallelStrategy(**sizes) if code == "stock" else GraVACModelParallelStrategy(code, **sizes, **ours)
     quiet = {f"enable_{part}": False for part in ("checkpointing", "progress_bar", "model_summary")}
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
                          num_sanity_val_steps=0, limit_val_batches=0, **quiet)  # fmt: skip
