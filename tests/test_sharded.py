@@ -102,3 +102,14 @@ def test_the_lightning_flavour_has_its_own_registered():
 def test_an_all_gather_code_that_is_not_a_block_code_is_refused():
     with pytest.raises(ValueError, match=r"`all_gather_code` must be 'int8', 'int4'.*got 'topk'"):
         GraVACModelParallelStrategy("int8", all_gather_code="topk")
+
+
+def test_it_says_what_each_collective_sends():
+    assert GraVACModelParallelStrategy("int8").said() == (
+        "GraVACModelParallelStrategy: gradients reduce-scattered in int8 block codes of 128 entries (about 3.9x fewer "
+        "bytes than fp32), with error feedback; parameters gathered as they are."
+    )
+    both = GraVACModelParallelStrategy("int4", error_feedback=False, all_gather_code="int8")
+    assert "int4 block codes of 128 entries (about 7.5x fewer bytes than fp32), without error feedback" in both.said()
+    assert both.said().endswith("parameters gathered in int8 block codes.")
+    assert "as they are (FSDP2's own)" in GraVACModelParallelStrategy("none").said()

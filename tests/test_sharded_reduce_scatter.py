@@ -43,10 +43,11 @@ def _reduce(rank: int, world: int, method: str, steps: int, error_feedback: bool
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("op", ["SUM", "AVG"])
-def test_each_entry_within_half_a_level_of_each_senders_block_peak(method, op):
-    world = 2
+@pytest.mark.parametrize(
+    ("method", "op", "world"),
+    [("int8", "SUM", 2), ("int8", "AVG", 2), ("int4", "SUM", 2), ("int4", "AVG", 2), ("int8", "AVG", 4)],
+)
+def test_each_entry_within_half_a_level_of_each_senders_block_peak(method, op, world):
     ranks = run_distributed(_reduce, world, timeout=120, method=method, steps=1, error_feedback=False, op=op)
     levels = get_compressor(method).levels
     scale = 1.0 / world if op == "AVG" else 1.0
@@ -64,9 +65,9 @@ def test_each_entry_within_half_a_level_of_each_senders_block_peak(method, op):
         assert (error <= scale * bound * (1 + 1e-5) + 1e-6).all()
         assert error.max() > 0, "nothing was coded"
         assert error.max() <= world * scale * bound.max()
-    # One peer, a chunk of codes and the scales of its ceil(1000 / 128) = 8 blocks.
+    # To each peer, a chunk of codes and the scales of its ceil(1000 / 128) = 8 blocks.
     bits = 8 if method == "int8" else 4
-    assert ranks[0]["sent"] == CHUNK * bits // 8 + 8 * 4
+    assert ranks[0]["sent"] == (world - 1) * (CHUNK * bits // 8 + 8 * 4)
 
 
 @pytest.mark.distributed

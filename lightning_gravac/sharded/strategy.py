@@ -6,7 +6,7 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.types import _PATH
-from lightning_utilities.core.rank_zero import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
@@ -95,6 +95,22 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         """The bytes this rank's gradient reduce-scatters have sent to the other ranks so far."""
         return sum(comm.bytes_sent for comm in self.reduce_scatters.values())
 
+    def said(self) -> str:
+        """The one line the strategy says at fit start: what each collective sends."""
+        method = self.compressor
+        if isinstance(method, BlockCode):
+            feedback = "with" if self.error_feedback else "without"
+            grads = (
+                f"gradients reduce-scattered in {method.name} block codes of {method.block_size} entries "
+                f"(about {4 * 8 / (method.bits + 32 / method.block_size):.1f}x fewer bytes than fp32), "
+                f"{feedback} error feedback"
+            )
+        else:
+            grads = "gradients reduce-scattered as they are (FSDP2's own)"
+        gather = self.all_gather_code
+        params = f"parameters gathered in {gather.name} block codes" if gather else "parameters gathered as they are"
+        return f"GraVACModelParallelStrategy: {grads}; {params}."
+
     @override
     def _configure_launcher(self) -> None:
         # The Trainer has handed over its accelerator: the first sight this strategy has of which package built it.
@@ -108,6 +124,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             assert self.model is not None
             self._install(self.model)
+            rank_zero_info(self.said())
 
     def _install(self, model: nn.Module) -> None:
         """Give every module ``fully_shard`` made a coded reduce-scatter (the dense one for ``"none"``)."""
