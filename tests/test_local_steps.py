@@ -4,6 +4,7 @@ resume mid-round, a non-finite inner step skipped, and the arguments checked."""
 
 import pickle
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from lightning_gravac import GraVAC, GraVACStrategy, LocalSteps, Static
 from lightning_gravac.adaptations import OuterUpdate, Setup
+from lightning_gravac.adaptations.outer_exchange import OuterExchange
 from lightning_gravac.callbacks.gravac.rounds import choose_length, fitting_length
 from lightning_gravac.compressors import get_compressor
 from lightning_gravac.launch import run_distributed
@@ -219,6 +221,33 @@ def test_overlap_applies_each_round_one_round_late():
     anchor = {n: a - 0.5 * (began[n] - x[n]) for n, a in anchor.items()}
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), anchor[n], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("method", "residual"), [("qsgd", False), ("topk", True)])
+def test_a_compressed_change_is_let_go_once_sent_unless_its_residual_holds_it(method, residual):
+    # One process: what the exchange keeps while the collective runs is its layout and the gathered bytes; the change
+    # stays only where error feedback makes it the residual, the codes not at all. The mean is the code decoded.
+    model = nn.Linear(64, 32)
+    codes, decoded = [], []
+
+    class Spy(type(get_compressor(method))):  # type: ignore[misc]
+        def compress(self, tensor, cf, *, key="", step=0):
+            payload = super().compress(tensor, cf, key=key, step=step)
+            codes.extend(weakref.ref(w) for w in payload.wire)
+            decoded.append(self.decompress(payload))
+            return payload
+
+    exchange, params = OuterExchange(), dict(model.named_parameters())
+    exchange.configure(Spy(), 8.0, error_feedback=residual)
+    exchange.take_from(params, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    starts = {n: p.detach() + torch.randn(p.shape, generator=g) for n, p in params.items()}
+    with torch.no_grad():  # as at a round's end
+        change = weakref.ref(exchange.change(list(params), starts))
+        exchange.send(list(params), whole=False, step=0)
+        assert (change() is not None) == residual and codes and all(code() is None for code in codes)
+        mean = exchange.take()
+    assert torch.equal(torch.cat([mean[n].reshape(-1) for n in params]), decoded[0])
 
 
 def _resumed(rank: int, world_size: int, ckpt_dir: str, overlap: bool) -> dict[str, Any]:

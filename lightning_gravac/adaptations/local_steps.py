@@ -313,11 +313,10 @@ class OuterUpdate(Adaptation):
                 self.sent_steps = 1 if synchronous else self.since
                 for names in self._groups():
                     delta = self.exchange.change(names, starts)
-                    if overlap:  # rebased on the outer step, own progress kept
-                        for name, part in zip(names, split_like(delta, [self._params[n] for n in names]), strict=True):
-                            torch.sub(self.anchor.kept[name], part, out=self._params[name])
-                            self._hold(self.began, name, self._params[name])
-                    self.exchange.send(names, delta, whole, self.rounds)
+                    if overlap:
+                        self._rebase(names, delta)
+                    del delta  # the exchange holds it, and lets it go once sent where nothing else needs it
+                    self.exchange.send(names, whole, self.rounds)
                 if not overlap:
                     if self._outer_step(self.exchange.take(), plain=synchronous):
                         self.began.clear()
@@ -331,6 +330,13 @@ class OuterUpdate(Adaptation):
         self.guard.ended()
         self.since = 0
         self.rounds += 1
+
+    def _rebase(self, names: list[str], delta: Tensor) -> None:
+        """With overlap, ``names`` rebased on the outer step just taken, each rank's own progress (``delta``, its
+        change over the round) kept, and held as the next round's start."""
+        for name, part in zip(names, split_like(delta, [self._params[n] for n in names]), strict=True):
+            torch.sub(self.anchor.kept[name], part, out=self._params[name])
+            self._hold(self.began, name, self._params[name])
 
     def _undo(self, loss: float | None) -> None:
         """Every rank back at the round's start (the anchor; its own inner optimizer state as the round began), the

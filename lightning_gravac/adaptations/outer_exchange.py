@@ -2,13 +2,17 @@
 for a biased method, compressed and averaged over the ranks, and the mean decoded back, one tensor a parameter.
 
 A whole change (``cf`` 1, a method that sends its input as it is, or a round sent whole) is all-reduced in place; a
-compressed one is all-gathered as each rank's payload and decoded into the change's own tensor. An embedding table
+compressed one is all-gathered as each rank's payload and the mean decoded into a tensor of its own: once packed, the
+change (where no residual holds it) and its codes are let go, so that neither sits beside the collective's buffers nor
+the mean, and the heap's freed pages go back to the system before the mean is allocated. An embedding table
 whose rows a round left unchanged on every rank is sent by the rows some rank changed (which rows: one small MAX
 all-reduce of a byte a row), the rest of its change exactly zero on every rank; one under weight decay goes whole.
 With overlap the exchange stays in flight through the next round; a checkpoint lands it (the same bits as landing it at
 the round's end), so the run that saved goes on as the run that did not.
 """
 
+import ctypes
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +50,7 @@ class OuterExchange:
         self._params: dict[str, nn.Parameter] = {}
         self._optimizer: torch.optim.Optimizer | None = None
         self._in_flight: list[_Averaging] = []
+        self._formed: Tensor | None = None  # the change :meth:`change` formed, until :meth:`send` takes it
 
     def configure(self, compressor: Compressor, cf: float, error_feedback: bool) -> None:
         """Send each change with ``compressor`` at factor ``cf``, error-fed when ``error_feedback``."""
@@ -68,18 +73,22 @@ class OuterExchange:
 
     def change(self, names: list[str], starts: dict[str, Tensor]) -> Tensor:
         """This rank's change of ``names`` since ``starts`` (``start - x``), written once, into one flat tensor: what
-        an all-reduce sums, what the method compresses and, with error feedback, the new residual, in place."""
+        an all-reduce sums, what the method compresses and, with error feedback, the new residual, in place. Held
+        here until :meth:`send` (a caller that reads it lets it go first: sent compressed, nothing else keeps it)."""
         like = [self._params[n] for n in names]
         delta = torch.empty(sum(p.numel() for p in like), dtype=like[0].dtype, device=like[0].device)
         for name, part, p in zip(names, split_like(delta, like), like, strict=True):
             torch.sub(starts[name], p, out=part)
+        self._formed = delta
         return delta
 
-    def send(self, names: list[str], delta: Tensor, whole: bool, step: int) -> None:
-        """Start averaging ``delta``, the change of ``names`` (:meth:`change`; error-fed first for a biased method,
-        the new residuals kept): an all-reduce of the whole change, or an all-gather of the compressed one, its draws
-        seeded by ``step`` (the rounds ended). ``whole``: sent uncompressed, the residual with it."""
-        assert self.compressor is not None
+    def send(self, names: list[str], whole: bool, step: int) -> None:
+        """Start averaging the change of ``names`` :meth:`change` formed (error-fed first for a biased method, the new
+        residuals kept): an all-reduce of the whole change, or an all-gather of the compressed one, its draws seeded
+        by ``step`` (the rounds ended). ``whole``: sent uncompressed, the residual with it. A compressed change no
+        residual holds is let go once packed: the collective's buffers and the mean's tensor never sit beside it."""
+        assert self.compressor is not None and self._formed is not None
+        delta, self._formed = self._formed, None
         like = [self._params[n] for n in names]
         parts = split_like(delta, like)
         if self.error_feedback:
@@ -108,13 +117,17 @@ class OuterExchange:
                 rows.place(selected, parts)
             for n, rest in zip(names, parts, strict=True):
                 self.residual.kept[n] = rest
+        # Packed, the codes go, and the change where no residual holds it: reading every rank's back needs the
+        # payload's layout alone, and the mean gets a tensor of its own once the collective's buffers are gone.
+        payload = payload.with_wire([w.new_empty(0) for w in payload.wire])
+        kept = delta if self.error_feedback else None
+        del delta, parts, selected
         gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=packed.device)
         self._record(layout.nbytes, gathered=True)
         handle = dist.all_gather_single(gathered, packed, async_op=True) if world > 1 else None
         if handle is None:
             gathered.copy_(packed)
-        free = not self.error_feedback  # nothing else holds the change once sent: its tensor can hold the mean
-        self._in_flight.append(_Averaging(names, like, world, handle, delta, gathered, layout, payload, rows, free))
+        self._in_flight.append(_Averaging(names, like, world, handle, kept, gathered, layout, payload, rows))
 
     def take(self) -> dict[str, Tensor]:
         """The ranks' mean changes of what :meth:`send` sent since the last take (waited for), or those a checkpoint
@@ -179,24 +192,25 @@ class OuterExchange:
         tensor where nothing else holds it)."""
         if averaging.handle is not None:
             averaging.handle.wait()
+            averaging.handle = None  # the collective's own buffers go before the mean is written
         world, like = averaging.world, averaging.like
         if averaging.payload is None:
+            assert averaging.buffer is not None
             return split_like(averaging.buffer.div_(world), like)
         assert self.compressor is not None and averaging.layout is not None and averaging.gathered is not None
         assert averaging.rows is not None
         _, (stacked,) = averaging.layout.unpack(
             averaging.gathered.view(world, averaging.layout.nbytes), [averaging.payload]
         )
-        buffer, rows = averaging.buffer, averaging.rows
-        if averaging.free and not rows.chosen:
-            self.compressor.decode_(buffer, stacked, 1.0 / world)
-            return split_like(buffer, like)
-        mean = torch.empty(rows.numel(like), dtype=buffer.dtype, device=buffer.device)
+        rows, first = averaging.rows, like[0]
+        if first.device.type == "cpu":
+            _trim_heap()
+        mean = torch.empty(rows.numel(like), dtype=first.dtype, device=first.device)
         self.compressor.decode_(mean, stacked, 1.0 / world)
         if not rows.chosen:
             return split_like(mean, like)
-        out = buffer.zero_() if averaging.free else torch.zeros_like(buffer)  # zero in the rows no rank changed
-        rows.place(mean, split_like(out, like))
+        out = torch.zeros(sum(p.numel() for p in like), dtype=first.dtype, device=first.device)  # zero in the rows
+        rows.place(mean, split_like(out, like))  # no rank changed
         return split_like(out, like)
 
 
@@ -209,22 +223,40 @@ def split_like(flat: Tensor, like: list[Tensor] | list[nn.Parameter]) -> list[Te
     return out
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, ``None`` where the C library has none (macOS, musl)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+def _trim_heap() -> None:
+    """Hand the pages the heap holds free back to the system. A round's codes, their packed copy and the collective's
+    own buffers are each a few MiB: after the first round, glibc serves such sizes from its heap, where freed they stay
+    resident; the mean's parameter-sized tensor, allocated after them, would add to them at the round's peak."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _unrecorded(nbytes: int, gathered: bool) -> None:
     """Bytes not recorded anywhere (before the strategy's setup)."""
 
 
 @dataclass
 class _Averaging:
-    """One flat tensor's averaging in flight: its names and shapes, the collective's handle, the change (summed in
-    place when sent whole) and, compressed, the gathered payloads."""
+    """One flat tensor's averaging in flight: its names and shapes, the collective's handle, the change summed in
+    place when sent whole (compressed, the residual's tensor where error feedback holds one) and, compressed, the
+    gathered payloads and the layout to read them by."""
 
     names: list[str]
     like: list[nn.Parameter]
     world: int
     handle: Any
-    buffer: Tensor
+    buffer: Tensor | None
     gathered: Tensor | None = None
     layout: Layout | None = None
     payload: Payload | None = None
     rows: ByRows | None = None
-    free: bool = False  # whether nothing but the averaging holds ``buffer`` (the mean is decoded into it)
