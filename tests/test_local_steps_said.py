@@ -15,7 +15,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
-from lightning_gravac import GraVACStrategy, LocalSteps, RunSummary, Static
+from lightning_gravac import Accordion, GraVACStrategy, LocalSteps, RunSummary, Static
 from lightning_gravac.adaptations.round_guard import RoundGuard
 from lightning_gravac.launch import run_distributed
 
@@ -94,22 +94,27 @@ def test_the_fit_start_line_says_what_local_steps_send(caplog, rounds, said):
     assert said in line and "Static" not in line
 
 
-def _logged(rank: int, world_size: int, rounds: LocalSteps, log_dir: str) -> dict[str, Any]:
+def _logged(rank: int, world_size: int, rounds: LocalSteps, log_dir: str, accordion: bool) -> dict[str, Any]:
     from test_local_steps import StepData
 
     pl.seed_everything(0)
     strategy, summary = GraVACStrategy(local_steps=rounds), RunSummary(plot=False)
     logger = CSVLogger(log_dir, name="m", version=0)
-    trainer = pl.Trainer(strategy=strategy, callbacks=[summary], max_steps=10, **trainer_kwargs(2, logger=logger))
+    callbacks = [summary, *([Accordion()] if accordion else [])]  # one that logs its own factor every step otherwise
+    trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, max_steps=10, **trainer_kwargs(2, logger=logger))
     trainer.fit(StepData(), loader(n=4096))
     return {"rows": summary.history, "outer bytes": strategy.outer.bytes_sent, "table": summary.table(0.0)}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("cf", "logged"), [(8, 8.0), (1, 1.0)], ids=["4-bit", "whole"])
-def test_the_logged_factors_say_what_the_rounds_send(tmp_path, cf, logged):
+@pytest.mark.parametrize(
+    ("cf", "logged", "accordion"),
+    [(8, 8.0, False), (1, 1.0, False), (8, 8.0, True)],
+    ids=["4-bit", "whole", "accordion"],
+)
+def test_the_logged_factors_say_what_the_rounds_send(tmp_path, cf, logged, accordion):
     rounds = LocalSteps(every=4, cf=cf)
-    ranks = run_distributed(_logged, timeout=300, rounds=rounds, log_dir=str(tmp_path))
+    ranks = run_distributed(_logged, timeout=300, rounds=rounds, log_dir=str(tmp_path), accordion=accordion)
     for result in ranks:
         rows = result["rows"]
         assert len(rows) == 10 and all(r["gravac/cf"] == logged for r in rows)

@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gravac._validation import choice, fraction, whole
+from lightning_gravac.adaptations import OuterUpdate
 from lightning_gravac.callbacks.controller import Controller
 from lightning_gravac.compressors.base import validate_cf
 from lightning_gravac.state import DENSE, CompressionState, Factors, StepStats
@@ -160,7 +161,8 @@ class Accordion(Controller):
     @override
     def metrics(self, stats: StepStats) -> dict[str, float]:
         metrics = super().metrics(stats)
-        metrics["gravac/cf"] = stats.achieved_cf  # factors differ by layer: report what the step achieved
+        if not self.state.carry.get(OuterUpdate):  # under local steps the base's are the rounds' factors
+            metrics["gravac/cf"] = stats.achieved_cf  # factors differ by layer: report what the step achieved
         metrics["gravac/critical"] = self.critical_fraction
         return metrics
 
