@@ -17,26 +17,27 @@ from torch.distributed.tensor import DTensor
 from lightning_gravac import GraVACModelParallelStrategy
 from lightning_gravac.launch import run_distributed
 
-#: Samples a run reads an epoch: 4 batches of 16 on each of 2 ranks, so an epoch's end is a step's.
-SAMPLES = 128
+#: Samples a rank reads an epoch: 4 batches of 16, so an epoch's end is a step's.
+SAMPLES = 64
 
 
-def _strategy(method: str = "int8", **kwargs: Any) -> GraVACModelParallelStrategy:
-    return GraVACModelParallelStrategy(method, data_parallel_size=2, tensor_parallel_size=1, **kwargs)
+def _strategy(method: str = "int8", world: int = 2, **kwargs: Any) -> GraVACModelParallelStrategy:
+    return GraVACModelParallelStrategy(method, data_parallel_size=world, tensor_parallel_size=1, **kwargs)
 
 
-def _resumed(rank: int, world_size: int, where: str, distributed: bool) -> dict[str, Any]:
+def resumed(rank: int, world_size: int, where: str, distributed: bool, **options: Any) -> dict[str, Any]:
     """Two epochs in one fit, and one epoch then a second resumed from its checkpoint: the whole parameters after
-    each of the last epoch's steps and the residuals at the end of each."""
+    each of the last epoch's steps and the residuals at the end of each (``options``: the strategy's)."""
     out: dict[str, Any] = {}
     for run in ("whole", "first", "resumed"):
         pl.seed_everything(0)
-        strategy = _strategy(save_distributed_checkpoint=distributed)
+        strategy = _strategy(world=world_size, save_distributed_checkpoint=distributed, **options)
         steps = EveryStep()
         epochs = 1 if run == "first" else 2
         trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[steps], **sharded_kwargs(world_size))
         path = str(Path(where, "epoch1.ckpt"))
-        trainer.fit(ShardedMLP(), sharded_loader(SAMPLES), ckpt_path=path if run == "resumed" else None)
+        loader = sharded_loader(SAMPLES * world_size)
+        trainer.fit(ShardedMLP(), loader, ckpt_path=path if run == "resumed" else None)
         if run == "first":
             trainer.save_checkpoint(path)
         out[run] = {"steps": steps.steps[-4:], "residuals": strategy._residuals()}
@@ -47,13 +48,18 @@ def _resumed(rank: int, world_size: int, where: str, distributed: bool) -> dict[
 @pytest.mark.distributed
 @pytest.mark.parametrize("distributed", [True, False], ids=["sharded-checkpoint", "full-checkpoint"])
 def test_a_run_resumed_from_a_checkpoint_is_the_uninterrupted_run_bit_for_bit(tmp_path, distributed):
-    for rank in run_distributed(_resumed, timeout=300, where=str(tmp_path), distributed=distributed):
-        whole, first, resumed = rank["whole"], rank["first"], rank["resumed"]
+    assert_resumed_bit_for_bit(run_distributed(resumed, timeout=300, where=str(tmp_path), distributed=distributed))
+
+
+def assert_resumed_bit_for_bit(ranks: list[dict[str, Any]]) -> None:
+    """Every rank's residuals and last epoch's parameters the same resumed as uninterrupted."""
+    for rank in ranks:
+        whole, first, again = rank["whole"], rank["first"], rank["resumed"]
         assert first["residuals"] and any(r.abs().sum() > 0 for r in first["residuals"].values())
-        assert resumed["residuals"].keys() == whole["residuals"].keys()
+        assert again["residuals"].keys() == whole["residuals"].keys()
         for name, residual in whole["residuals"].items():
-            assert torch.equal(resumed["residuals"][name], residual), name
-        for a, b in zip(whole["steps"], resumed["steps"], strict=True):
+            assert torch.equal(again["residuals"][name], residual), name
+        for a, b in zip(whole["steps"], again["steps"], strict=True):
             for name, p in a.items():
                 assert torch.equal(b[name], p), name
 
@@ -95,7 +101,7 @@ def _clipped_and_validated(rank: int, world_size: int) -> dict[str, Any]:
         **sharded_kwargs(world_size),
     )
     model = ShardedMLP()
-    trainer.fit(model, sharded_loader(SAMPLES * 4), sharded_loader(64))
+    trainer.fit(model, sharded_loader(SAMPLES * 8), sharded_loader(64))
     return {
         "before": norms.before,
         "after": norms.after,

@@ -4,9 +4,11 @@ A row is padded to whole fp32s, so that in a buffer of rows every row's scales s
 """
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Payload
+from lightning_gravac.compressors.blockwise import BlockCode
 
 #: An fp32 scale's bytes.
 SCALE_BYTES = 4
@@ -32,3 +34,23 @@ def read_row(row: Tensor, like: Payload) -> Payload:
     """The payload another rank wrote as ``row``, with ``like``'s layout (this rank's payload of the same size)."""
     cut, end, _ = row_layout(like)
     return like.with_wire((row[cut:end], row[:cut].view(torch.float32)))
+
+
+def coded(code: BlockCode, chunk: Tensor, error_feedback: bool) -> Payload:
+    """``chunk`` (fp32) in ``code``; with ``error_feedback``, ``chunk`` becomes what coding dropped, in place (in the
+    encode's own pass where the compiled kernel can)."""
+    payload = code.compress_residual_(chunk, code.fixed_cf or 1.0) if error_feedback else None
+    if payload is None:
+        payload = code.compress(chunk, code.fixed_cf or 1.0)
+        if error_feedback:
+            code.residual_(chunk, payload)
+    return payload
+
+
+def all_gather_payload(payload: Payload, group: dist.ProcessGroup) -> Tensor:
+    """Every rank of ``group``'s payload (each of ``payload``'s layout), as rows of bytes in rank order."""
+    row = torch.zeros(row_layout(payload)[2], dtype=torch.uint8, device=payload.wire[0].device)
+    write_row(row, payload)
+    rows = torch.empty(group.size() * row.numel(), dtype=torch.uint8, device=row.device)
+    dist.all_gather_single(rows, row, group=group)  # flat: gloo takes no rows
+    return rows.view(group.size(), -1)

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from lightning_gravac.compressors.blockwise import BlockCode
-from lightning_gravac.sharded._rows import read_row, row_layout, write_row
+from lightning_gravac.sharded._rows import all_gather_payload, read_row
 
 
 class CodedAllGather(AllGather):
@@ -42,11 +42,8 @@ class CodedAllGather(AllGather):
             self.bytes_sent += input_tensor.numel() * input_tensor.element_size() * (world - 1)
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         payload = self.code.compress(input_tensor, self.code.fixed_cf or 1.0)
-        row = torch.zeros(row_layout(payload)[2], dtype=torch.uint8, device=input_tensor.device)
-        write_row(row, payload)
-        rows = torch.empty(world * row.numel(), dtype=torch.uint8, device=row.device)
-        dist.all_gather_single(rows, row, group=group)  # flat: gloo takes no rows
-        self.bytes_sent += row.numel() * (world - 1)
-        for shard, received in zip(output_tensor.view(world, -1), rows.view(world, -1), strict=True):
+        rows = all_gather_payload(payload, group)
+        self.bytes_sent += rows.shape[1] * (world - 1)
+        for shard, received in zip(output_tensor.view(world, -1), rows, strict=True):
             shard.copy_(self.code.decompress(read_row(received, payload)))
         return None

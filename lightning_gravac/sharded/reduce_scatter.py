@@ -20,7 +20,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from lightning_gravac.compressors.base import Payload
 from lightning_gravac.compressors.blockwise import BlockCode
-from lightning_gravac.sharded._rows import read_row, row_layout, write_row
+from lightning_gravac.sharded._rows import coded, read_row, row_layout, write_row
 
 
 class CodedReduceScatter(ReduceScatter):
@@ -101,12 +101,7 @@ class CodedReduceScatter(ReduceScatter):
             if destination == rank:
                 payloads.append(None)
                 continue
-            payload = self.code.compress_residual_(chunk, self.code.fixed_cf or 1.0) if self.error_feedback else None
-            if payload is None:
-                payload = self.code.compress(chunk, self.code.fixed_cf or 1.0)
-                if self.error_feedback:
-                    self.code.residual_(chunk, payload)
-            payloads.append(payload)
+            payloads.append(coded(self.code, chunk, self.error_feedback))
         if self.error_feedback:
             fed[rank].zero_()  # sent exact: nothing owed
         like = next(p for p in payloads if p is not None)

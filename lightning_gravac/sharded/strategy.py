@@ -10,6 +10,7 @@ from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.strategies import ModelParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
@@ -19,10 +20,13 @@ from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.compressors.none import NoCompression
 from lightning_gravac.sharded.all_gather import CodedAllGather
 from lightning_gravac.sharded.reduce_scatter import CodedReduceScatter
+from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
 from lightning_gravac.strategies.checkpoint import gather_rows
 
 #: Where the strategy keeps every rank's residuals in a Lightning checkpoint.
 CHECKPOINT_KEY = "gravac_sharded"
+#: The prefix of the residuals of the all-reduce between replica groups, by parameter name.
+REPLICAS = "replicas."
 
 
 class GraVACModelParallelStrategy(ModelParallelStrategy):
@@ -43,14 +47,20 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         all_gather_code: ``"int8"`` (or ``"int4"``, a ``BlockCode``) gathers the parameters' shards before each
             forward and backward in that code (:class:`~lightning_gravac.sharded.all_gather.CodedAllGather`): the
             forward computes with rounded weights, the optimizer's shards stay exact. ``None``: FSDP2's own.
+        replica_groups: hybrid sharding (HSDP): the data-parallel ranks split into this many groups, each sharding
+            the model (``self.device_mesh["data_parallel"]`` in ``configure_model`` is then a group's ranks), the
+            groups holding replicas; each rank's reduced shard is averaged with its replicas' in ``compressor``'s
+            code, with error feedback (:class:`~lightning_gravac.sharded.replicas.CodedReplicaAllReduce`). 1: plain
+            sharding over every data-parallel rank.
         data_parallel_size: the ranks that shard the model (``ModelParallelStrategy``'s; ``"auto"`` is the number of
             nodes, so on one machine pass the number of devices).
         tensor_parallel_size: ``ModelParallelStrategy``'s.
         **kwargs: everything else ``ModelParallelStrategy`` takes (``save_distributed_checkpoint``, ``timeout``, ...).
 
     Raises:
-        ValueError: for a ``compressor`` other than the block codes and ``"none"``, or an ``all_gather_code`` other
-            than a block code.
+        ValueError: for a ``compressor`` other than the block codes and ``"none"``, an ``all_gather_code`` other
+            than a block code, or ``replica_groups`` not a whole number >= 1 (at setup: not dividing the
+            data-parallel ranks).
 
     Example::
 
@@ -64,6 +74,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         compressor: str | Compressor = "int8",
         error_feedback: bool = True,
         all_gather_code: str | BlockCode | None = None,
+        replica_groups: int = 1,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
         **kwargs: Any,
@@ -82,8 +93,14 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                 f"GraVACModelParallelStrategy: `all_gather_code` must be 'int8', 'int4', a BlockCode or None, got "
                 f"{all_gather_code!r}."
             )
+        if isinstance(replica_groups, bool) or not isinstance(replica_groups, int) or replica_groups < 1:
+            raise ValueError(f"`replica_groups` must be a whole number >= 1, got {replica_groups!r}.")
         super().__init__(data_parallel_size, tensor_parallel_size, **kwargs)
         self.all_gather_code = gather
+        self.replica_groups = replica_groups
+        #: Each sharded module's all-reduce between replica groups, by the module's name (none without groups).
+        self.replica_all_reduces: dict[str, CodedReplicaAllReduce] = {}
+        self._replicas: torch.distributed.ProcessGroup | None = None
         self.compressor: Compressor = method
         self.error_feedback = error_feedback
         #: Each sharded module's reduce-scatter, by the module's name ("" for the root).
@@ -94,6 +111,30 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
     def bytes_sent(self) -> int:
         """The bytes this rank's gradient reduce-scatters have sent to the other ranks so far."""
         return sum(comm.bytes_sent for comm in self.reduce_scatters.values())
+
+    @property
+    def bytes_between_groups(self) -> int:
+        """The bytes this rank has sent to its replicas in the other groups so far (0 without replica groups)."""
+        return sum(hook.bytes_sent for hook in self.replica_all_reduces.values())
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.replica_groups == 1:
+            return
+        data, tensor = self.device_mesh["data_parallel"].size(), self.device_mesh["tensor_parallel"].size()
+        if data % self.replica_groups:
+            raise ValueError(
+                f"GraVACModelParallelStrategy: `replica_groups` must divide the {data} data-parallel ranks, got "
+                f"{self.replica_groups}."
+            )
+        # The module shards over a group's ranks; the sampler still deals the data to every data-parallel rank.
+        names = ("replicate", "data_parallel", "tensor_parallel")
+        shape = (self.replica_groups, data // self.replica_groups, tensor)
+        mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        self._replicas = mesh.get_group("replicate")
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = mesh
 
     def said(self) -> str:
         """The one line the strategy says at fit start: what each collective sends."""
@@ -109,7 +150,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             grads = "gradients reduce-scattered as they are (FSDP2's own)"
         gather = self.all_gather_code
         params = f"parameters gathered in {gather.name} block codes" if gather else "parameters gathered as they are"
-        return f"GraVACModelParallelStrategy: {grads}; {params}."
+        groups = f"; {self.replica_groups} replica groups, averaged in the same code" if self.replica_groups > 1 else ""
+        return f"GraVACModelParallelStrategy: {grads}; {params}{groups}."
 
     @override
     def _configure_launcher(self) -> None:
@@ -144,6 +186,11 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             module.set_custom_reduce_scatter(comm)
             if self.all_gather_code is not None:
                 module.set_custom_all_gather(CodedAllGather(self.all_gather_code))
+            if self._replicas is not None:
+                pieces = [(REPLICAS + name, per_chunk) for name, _, per_chunk in layout]
+                hook = CodedReplicaAllReduce(code, self._replicas, self.error_feedback, pieces)
+                module.set_all_reduce_hook(hook)
+                self.replica_all_reduces[prefix] = hook
             # Every parameter in every reduce-scatter (zeros where a step used none): the chunks' layout is fixed.
             module.set_reduce_scatter_unused_params(True, recurse=False)
             self.reduce_scatters[prefix] = comm
@@ -156,12 +203,18 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             self._load_residuals(self._restored)
 
     def _residuals(self) -> dict[str, torch.Tensor]:
-        return {name: t for comm in self.reduce_scatters.values() for name, t in comm.state_dict().items()}
+        comms = [comm.state_dict() for comm in self.reduce_scatters.values()]
+        hooks = [hook.state_dict() for hook in self.replica_all_reduces.values()]
+        return {name: t for state in [*comms, *hooks] for name, t in state.items()}
 
     def _load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
-        world = self.device_mesh["data_parallel"].size()
+        module = self.lightning_module
+        assert module is not None and module.device_mesh is not None
+        world = module.device_mesh["data_parallel"].size()  # a group's under replica groups
         for comm in self.reduce_scatters.values():
             comm.load_state_dict(residuals, world, self.root_device)
+        for hook in self.replica_all_reduces.values():
+            hook.load_state_dict(residuals, self.root_device)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -178,11 +231,13 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             rows: dict[str, torch.Tensor] = saved["residuals"]
             if saved["world_size"] != self.world_size and rows:
                 # Each rank starts from the mean of the saved residuals: what the ranks owed, in sum, is kept.
+                # A residual between replica groups is of one rank's shard, which another world cuts elsewhere.
                 rank_zero_warn(
                     f"GraVACModelParallelStrategy: resuming on {self.world_size} ranks from a checkpoint of "
-                    f"{saved['world_size']}; each rank starts from the mean of the saved residuals."
+                    f"{saved['world_size']}; each rank starts from the mean of the saved residuals (those between "
+                    "replica groups from none)."
                 )
-                self._restored = {name: stacked.mean(0) for name, stacked in rows.items()}
+                self._restored = {n: stacked.mean(0) for n, stacked in rows.items() if not n.startswith(REPLICAS)}
             else:
                 self._restored = {name: stacked[self.global_rank] for name, stacked in rows.items()}
             if self.reduce_scatters:

@@ -1,0 +1,71 @@
+"""Hybrid sharding (HSDP): 2 replica groups of 2 ranks, the average between groups in block codes, on 4 CPU ranks."""
+
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from sharded_models import EveryStep, ShardedMLP, sharded_kwargs, sharded_loader, stock_strategy
+from test_sharded_trainer import assert_resumed_bit_for_bit, resumed
+
+from lightning_gravac import GraVACModelParallelStrategy
+from lightning_gravac.launch import run_distributed
+
+STEPS = 4
+WORLD = 4
+
+
+def _fit(rank: int, world_size: int, method: str | None) -> dict[str, Any]:
+    """``STEPS`` steps sharded over all 4 ranks (``None``: stock) or in 2 groups of 2 under ``method``."""
+    pl.seed_everything(0)
+    sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
+    hybrid = {"replica_groups": 2, **sizes}
+    strategy = stock_strategy(world_size) if method is None else GraVACModelParallelStrategy(method, **hybrid)
+    steps = EveryStep()
+    model = ShardedMLP()
+    trainer = pl.Trainer(strategy=strategy, max_steps=STEPS, callbacks=[steps], **sharded_kwargs(world_size))
+    trainer.fit(model, sharded_loader())
+    ours = isinstance(strategy, GraVACModelParallelStrategy)
+    return {
+        "steps": steps.steps,
+        "group": model.device_mesh["data_parallel"].size(),
+        "between": strategy.bytes_between_groups if ours else None,
+        "within": strategy.bytes_sent if ours else None,
+    }
+
+
+def _flat(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.flatten() for p in parameters.values()])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_groups_of_two_train_as_four_ranks_do_and_send_codes_between_groups():
+    stock = run_distributed(_fit, WORLD, timeout=400, method=None)
+    exact = run_distributed(_fit, WORLD, timeout=400, method="none")
+    coded = run_distributed(_fit, WORLD, timeout=400, method="int8")
+    assert exact[0]["group"] == coded[0]["group"] == 2  # configure_model sharded over a group's 2 ranks
+    # Exact averages, in two stages instead of one: stock's parameters to rounding.
+    torch.testing.assert_close(_flat(exact[0]["steps"][-1]), _flat(stock[0]["steps"][-1]), rtol=1e-5, atol=1e-6)
+    for step in range(STEPS):  # every rank of every group gathers the same whole parameters
+        for rank in range(1, WORLD):
+            assert torch.equal(_flat(coded[rank]["steps"][step]), _flat(coded[0]["steps"][step]))
+    first, last = _flat(stock[0]["steps"][0]), _flat(stock[0]["steps"][-1])
+    gap = (_flat(coded[0]["steps"][-1]) - last).norm()
+    assert 0 < gap < 0.2 * (last - first).norm()
+    # Between groups: a shard's codes to one replica, against a ring all-reduce's fp32 share.
+    assert 0 < coded[0]["between"] < 0.3 * exact[0]["between"]
+    assert 0 < coded[0]["within"] < 0.3 * exact[0]["within"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_resumed_between_groups_bit_for_bit(tmp_path):
+    ranks = run_distributed(resumed, WORLD, timeout=600, where=str(tmp_path), distributed=True, replica_groups=2)
+    assert any(name.startswith("replicas.") for name in ranks[0]["whole"]["residuals"])
+    assert_resumed_bit_for_bit(ranks)
+
+
+def test_replica_groups_must_be_a_whole_number():
+    with pytest.raises(ValueError, match=r"`replica_groups` must be a whole number >= 1, got 0"):
+        GraVACModelParallelStrategy("int8", replica_groups=0)
