@@ -1,7 +1,8 @@
 """Fully sharded training (FSDP2) with block-coded gradients against stock ``ModelParallelStrategy``: held-out loss.
 
     python benchmarks/sharded.py [--methods stock int8 int4] [--seeds 0 1 2] [--steps 150] [--width 128]
-                                 [--world-size 2] [--links unlimited 1gbit 100mbit] [--out benchmarks/results]
+                                 [--world-size 2] [--replica-groups 1] [--links unlimited 1gbit 100mbit]
+                                 [--out benchmarks/results]
 
 Each method trains the matrix's gpt task (``ByteGPT``, AdamW at lr 1e-3, 64-byte windows of the text Lightning ships
 with itself, the last tenth held out) with every transformer block and the whole model sharded by ``fully_shard``,
@@ -10,7 +11,8 @@ from the same seed on the same data, for ``--steps`` steps, then measures the he
 (``int4-w8``) gathers the parameters in 8-bit codes as well (``all_gather_code="int8"``). Seeds are paired:
 each seed's methods start from one initialization and read one order of windows; the table gives each method's
 held-out loss relative to stock's, seed by seed and their mean, and the bytes the gradient reduce-scatters sent (the
-parameters' all-gather not counted).
+parameters' all-gather not counted). With ``--replica-groups R`` ours shard within R groups of ranks and average
+between them in the method's code (stock shards over every rank); the table adds the bytes sent between groups.
 
 Without ``--links`` nothing is shaped and the wall time is not a measurement (the machine may be busy): fidelity only.
 With ``--links`` the script re-executes itself as root in a private network namespace whose loopback ``tc`` shapes,
@@ -62,7 +64,9 @@ def _text() -> torch.Tensor:
     return read_bytes(path)
 
 
-def _train(rank: int, world_size: int, method: str, seed: int, steps: int, width: int) -> dict[str, Any]:
+def _train(
+    rank: int, world_size: int, method: str, seed: int, steps: int, width: int, replica_groups: int = 1
+) -> dict[str, Any]:
     pl.seed_everything(seed)
     text = _text()
     cut = int(text.numel() * 0.9)
@@ -71,7 +75,7 @@ def _train(rank: int, world_size: int, method: str, seed: int, steps: int, width
     model = ShardedGPT(width=width, layers=4, heads=4, context=CONTEXT, lr=1e-3)
     sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
     code, _, weights = method.partition("-w")  # "int8-w8": int8 gradients, parameters gathered in int8
-    ours = {"all_gather_code": f"int{weights}" if weights else None}
+    ours = {"all_gather_code": f"int{weights}" if weights else None, "replica_groups": replica_groups}
     strategy = ModelParallelStrategy(**sizes) if code == "stock" else GraVACModelParallelStrategy(code, **sizes, **ours)
     quiet = {f"enable_{part}": False for part in ("checkpointing", "progress_bar", "model_summary")}
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
@@ -81,13 +85,15 @@ def _train(rank: int, world_size: int, method: str, seed: int, steps: int, width
     seconds = time.perf_counter() - start
     trainer.limit_val_batches = 1.0
     (metrics,) = trainer.validate(model, DataLoader(held, 64), verbose=False)
-    sent = strategy.bytes_sent if isinstance(strategy, GraVACModelParallelStrategy) else None
+    mine = isinstance(strategy, GraVACModelParallelStrategy)
+    sent, between = (strategy.bytes_sent, strategy.bytes_between_groups) if mine else (None, None)
     return {
         "method": method,
         "seed": seed,
         "held_out": float(metrics["val_loss"]),
         "seconds": seconds,
         "bytes_sent": sent,
+        "bytes_between_groups": between,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
 
@@ -95,9 +101,9 @@ def _train(rank: int, world_size: int, method: str, seed: int, steps: int, width
 def _table(rows: list[dict[str, Any]], link: str | None) -> list[str]:
     stock = {r["seed"]: r["held_out"] for r in rows if r["method"] == "stock"}
     seeds = sorted(stock)
-    head = "| method | held-out loss, mean | x stock's, by seed | mean | bytes a rank sent |" + (
-        " seconds |" if link else ""
-    )
+    groups = any(r.get("bytes_between_groups") for r in rows)
+    head = "| method | held-out loss, mean | x stock's, by seed | mean | bytes a rank sent |"
+    head += " between groups |" * groups + " seconds |" * bool(link)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = {r["seed"]: r for r in rows if r["method"] == method}
@@ -107,6 +113,9 @@ def _table(rows: list[dict[str, Any]], link: str | None) -> list[str]:
         sent = [r["bytes_sent"] for r in mine.values() if r["bytes_sent"] is not None]
         sent_text = f"{statistics.mean(sent) / 1e6:.1f} MB" if sent else ""
         line = f"| {method} | {mean_loss:.4f} | {by_seed} | {statistics.mean(gaps):+.2%} | {sent_text} |"
+        if groups:
+            between = [r["bytes_between_groups"] for r in mine.values() if r["bytes_between_groups"] is not None]
+            line += f" {statistics.mean(between) / 1e6:.1f} MB |" if between else " |"
         if link:
             line += f" {statistics.mean(r['seconds'] for r in mine.values()):.1f} |"
         lines.append(line)
@@ -122,9 +131,8 @@ def _run(args: argparse.Namespace, out: Path, links: list[str | None]) -> None:
         rows = []
         for seed in args.seeds:
             for method in args.methods:
-                row = run_distributed(
-                    _train, args.world_size, timeout=7200, method=method, seed=seed, steps=args.steps, width=args.width
-                )[0]
+                run = {"method": method, "seed": seed, "steps": args.steps, "width": args.width}
+                row = run_distributed(_train, args.world_size, 7200, replica_groups=args.replica_groups, **run)[0]
                 rows.append(row)
                 print(f"[{link or 'unshaped'}] seed {seed} {method}: held-out {row['held_out']:.4f}", flush=True)
         results[link or "unshaped"] = rows
@@ -145,6 +153,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--width", type=int, default=128, help="the transformer's width (256: ByteGPT's 3.3M)")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--replica-groups", type=int, default=1, help="ours: shard within groups, average between")
     parser.add_argument("--links", nargs="+", default=None, help="shaped links, e.g. unlimited 1gbit 100mbit (root)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
