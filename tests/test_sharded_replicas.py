@@ -69,3 +69,14 @@ def test_resumed_between_groups_bit_for_bit(tmp_path):
 def test_replica_groups_must_be_a_whole_number():
     with pytest.raises(ValueError, match=r"`replica_groups` must be a whole number >= 1, got 0"):
         GraVACModelParallelStrategy("int8", replica_groups=0)
+
+
+def _three_groups_of_two_ranks(rank: int, world_size: int) -> None:
+    strategy = GraVACModelParallelStrategy("int8", replica_groups=3, data_parallel_size=2, tensor_parallel_size=1)
+    pl.Trainer(strategy=strategy, max_steps=1, **sharded_kwargs(world_size)).fit(ShardedMLP(), sharded_loader())
+
+
+@pytest.mark.distributed
+def test_replica_groups_that_do_not_divide_the_ranks_are_refused_before_a_step():
+    with pytest.raises(RuntimeError, match=r"`replica_groups` must divide the 2 data-parallel ranks, got 3"):
+        run_distributed(_three_groups_of_two_ranks, 2, timeout=120)

@@ -94,18 +94,20 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                 f"{all_gather_code!r}."
             )
         if isinstance(replica_groups, bool) or not isinstance(replica_groups, int) or replica_groups < 1:
-            raise ValueError(f"`replica_groups` must be a whole number >= 1, got {replica_groups!r}.")
+            raise ValueError(
+                f"GraVACModelParallelStrategy: `replica_groups` must be a whole number >= 1, got {replica_groups!r}."
+            )
         super().__init__(data_parallel_size, tensor_parallel_size, **kwargs)
-        self.all_gather_code = gather
-        self.replica_groups = replica_groups
-        #: Each sharded module's all-reduce between replica groups, by the module's name (none without groups).
-        self.replica_all_reduces: dict[str, CodedReplicaAllReduce] = {}
-        self._replicas: torch.distributed.ProcessGroup | None = None
         self.compressor: Compressor = method
         self.error_feedback = error_feedback
+        self.all_gather_code = gather
+        self.replica_groups = replica_groups
         #: Each sharded module's reduce-scatter, by the module's name ("" for the root).
         self.reduce_scatters: dict[str, CodedReduceScatter] = {}
-        self._restored: dict[str, torch.Tensor] | None = None
+        #: Each sharded module's all-reduce between replica groups, by the module's name (none without groups).
+        self.replica_all_reduces: dict[str, CodedReplicaAllReduce] = {}
+        self._replicas: torch.distributed.ProcessGroup | None = None  # this rank's shard's replicas
+        self._restored: dict[str, torch.Tensor] | None = None  # this rank's residuals from a checkpoint
 
     @property
     def bytes_sent(self) -> int:
