@@ -258,6 +258,11 @@ class Scratch:
         with self.lock:
             self.records.append(record)
 
+    def record_ended(self, record: BucketRecord) -> None:
+        """See :meth:`CompressionState.record_ended`."""
+        with self.lock:
+            self.done.append(record)
+
     def wire_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """See :meth:`CompressionState.wire_buffer`."""
         self.wires_used.add(key)
@@ -428,6 +433,12 @@ class CompressionState:
     def record(self, record: BucketRecord) -> None:
         """Keep one bucket's record of this step (from a future's callback, on whichever thread runs it)."""
         self.scratch.record(record)
+
+    def record_ended(self, record: BucketRecord) -> None:
+        """Keep a record of what the step that just ended sent after its backward pass (a round of local steps ends
+        after the optimizer's step): read with that step's buckets, without making a step of its own, so that
+        :attr:`step` advances once an optimizer step, as Lightning's ``global_step`` does."""
+        self.scratch.record_ended(record)
 
     def begin_step(self, epoch: int) -> None:
         """Called by the strategy before each batch: tells the compressor when the training epoch changed (epoch-driven

@@ -35,7 +35,7 @@ def _non_finite(value: Any, path: str = "") -> list[str]:
     return []
 
 
-def _undone_and_saved(rank: int, world_size: int, ckpt_dir: str) -> int:
+def _undone_and_saved(rank: int, world_size: int, ckpt_dir: str) -> dict[str, int]:
     from test_local_steps import StepData
 
     pl.seed_everything(0)
@@ -44,13 +44,15 @@ def _undone_and_saved(rank: int, world_size: int, ckpt_dir: str) -> int:
     kwargs = trainer_kwargs(2, enable_checkpointing=True)
     trainer = pl.Trainer(strategy=strategy, callbacks=[every_step], max_steps=14, **kwargs)
     trainer.fit(StepData(blow_at=5), loader(n=32768))
-    return strategy.outer.guard.triggers
+    return {"triggers": strategy.outer.guard.triggers, "step": strategy.compression_state.step}
 
 
 @pytest.mark.distributed
 def test_no_checkpoint_holds_a_non_finite_value_also_after_a_round_undone(tmp_path):
     # Rank 1 is thrown off at step 6: the round of steps 5-8 is undone, and the guard's lowest round starts afresh.
-    assert run_distributed(_undone_and_saved, timeout=300, ckpt_dir=str(tmp_path)) == [1, 1]
+    # Each step of the hold after it ends a round of its own: the step count still advances once a step.
+    ranks = run_distributed(_undone_and_saved, timeout=300, ckpt_dir=str(tmp_path))
+    assert ranks == [{"triggers": 1, "step": 14}] * 2
     paths = sorted(glob.glob(f"{tmp_path}/*.ckpt"))
     assert len(paths) == 14
     undone = 0
@@ -60,6 +62,7 @@ def test_no_checkpoint_holds_a_non_finite_value_also_after_a_round_undone(tmp_pa
         ours = {k: v for k, v in checkpoint["callbacks"].items() if not k.startswith("ModelCheckpoint")}
         assert _non_finite({**checkpoint, "callbacks": ours}) == [], path
         undone += bool(checkpoint["gravac"]["outer"]["triggers"].eq(1).all())
+        assert checkpoint["gravac"]["step"] == checkpoint["global_step"], path  # what a resumed run counts from
     assert undone >= 6, "checkpoints after the undo were scanned"
 
 
@@ -103,7 +106,10 @@ def _logged(rank: int, world_size: int, rounds: LocalSteps, log_dir: str, accord
     callbacks = [summary, *([Accordion()] if accordion else [])]  # one that logs its own factor every step otherwise
     trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, max_steps=10, **trainer_kwargs(2, logger=logger))
     trainer.fit(StepData(), loader(n=4096))
-    return {"rows": summary.history, "outer bytes": strategy.outer.bytes_sent, "table": summary.table(0.0)}
+    return {
+        "rows": summary.history, "outer bytes": strategy.outer.bytes_sent, "table": summary.table(0.0),
+        "steps": (strategy.compression_state.step, trainer.global_step),
+    }  # fmt: skip
 
 
 @pytest.mark.distributed
@@ -118,6 +124,8 @@ def test_the_logged_factors_say_what_the_rounds_send(tmp_path, cf, logged, accor
     for result in ranks:
         rows = result["rows"]
         assert len(rows) == 10 and all(r["gravac/cf"] == logged for r in rows)
+        # A step a row, at Lightning's global step: a round's end is one optimizer step, however much it sends.
+        assert [r["step"] for r in rows] == list(range(1, 11)) and result["steps"] == (10, 10)
         # Rounds end at steps 4 and 8 and at the budget (10): only their last steps send, and all the bytes counted.
         sent = [r["gravac/bytes_sent"] for r in rows]
         assert [i + 1 for i, b in enumerate(sent) if b] == [4, 8, 10]

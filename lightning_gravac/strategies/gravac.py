@@ -173,7 +173,10 @@ class GraVACStrategy(DDPStrategy):
             self.compressor.check_optimizer(optimizer)
         self.outer.take_from(Setup(self.optimizers, {}, module, in_trainer))  # the default may start local steps
         self.outer.tables = state.rows  # found when DDP wrapped the model; empty with `embedding_rows=False`
-        self.outer.sent = lambda nbytes, gathered: state.record(BucketRecord(nbytes, 0, GATHER if gathered else REDUCE))
+        # A round's bytes go after the optimizer's step, once `post_backward` has ended the step: they join its records.
+        self.outer.sent = lambda nbytes, gathered: state.record_ended(
+            BucketRecord(nbytes, 0, GATHER if gathered else REDUCE)
+        )
         # The optimizer's state (SGD's momentum, Adam's first moment) moves into the hook where the method allows it.
         scaled = getattr(self.precision_plugin, "scaler", None) is not None
         state.carry.take_optimizer_state(

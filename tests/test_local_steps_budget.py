@@ -1,0 +1,41 @@
+"""The steps left in the run's budget when the default's first round of local steps ends, through Lightning's Trainer on
+two gloo ranks: counted from Lightning's global step, a round's end one step however much it sends, so a budget that
+holds the fewest rounds allowed at a length exactly is given that length."""
+
+from typing import Any
+
+import pytest
+
+from lightning_gravac import GraVAC, GraVACStrategy
+from lightning_gravac.callbacks.gravac.rounds import MIN_ROUNDS
+from lightning_gravac.launch import run_distributed
+
+
+def _lengths_by_budget(rank: int, world_size: int, budgets: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+    from test_local_steps import SlowBeforeTheSwitch, _fit
+
+    from lightning_gravac.strategies import default_controller
+
+    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(1e6)
+    out = {}
+    for budget in budgets:
+        strategy = GraVACStrategy()
+        _fit(strategy, budget)
+        rounds = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC)).rounds
+        out[budget] = {"every": rounds.every, "start": rounds.start, "rounds": strategy.outer.rounds,
+                       "step": strategy.compression_state.step}  # fmt: skip
+    return out
+
+
+@pytest.mark.distributed
+def test_the_first_rounds_end_counts_the_steps_left_as_lightning_does():
+    # Local steps from step 1 in rounds of 4, chosen again at the first round's end (step 5) from a measured 10 ms a
+    # step: rounds of 8 where they keep the fit's rounds at MIN_ROUNDS (the first and six more), rounds of 4 else.
+    first_end, longer = 5, 8
+    fits = first_end + longer * (MIN_ROUNDS - 1)
+    ranks = run_distributed(_lengths_by_budget, timeout=300, budgets=(fits - 1, fits))
+    assert ranks[0] == ranks[1]  # every rank decides alike
+    short, exact = ranks[0][fits - 1], ranks[0][fits]
+    assert (exact["every"], exact["start"], exact["rounds"]) == (longer, 1, MIN_ROUNDS)
+    assert (short["every"], short["start"]) == (4, 1), "one step short of six more rounds of 8: the rounds stay at 4"
+    assert (short["step"], exact["step"]) == (fits - 1, fits)  # the step count is the global step
