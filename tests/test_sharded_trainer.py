@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback
-from sharded_models import EveryStep, ShardedMLP, full_parameters, sharded_kwargs, sharded_loader
+from sharded_models import EveryStep, ShardedMLP, full_parameters, sharded_kwargs, sharded_loader, stock_strategy
 from torch.distributed.tensor import DTensor
 
 from lightning_gravac import GraVACModelParallelStrategy
@@ -138,3 +138,28 @@ def _unsharded(rank: int, world_size: int) -> None:
 def test_a_model_without_fully_shard_is_refused_before_a_step():
     with pytest.raises(RuntimeError, match="no module sharded with `fully_shard`"):
         run_distributed(_unsharded, timeout=120)
+
+
+def _bf16(rank: int, world_size: int, method: str | None) -> dict[str, Any]:
+    pl.seed_everything(0)
+    strategy = stock_strategy(world_size) if method is None else _strategy(method)
+    steps = EveryStep()
+    trainer = pl.Trainer(
+        strategy=strategy, max_steps=3, callbacks=[steps], precision="bf16-true", **sharded_kwargs(world_size)
+    )
+    trainer.fit(ShardedMLP(), sharded_loader())
+    return {"steps": steps.steps, "sent": getattr(strategy, "bytes_sent", None)}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bf16_parameters_and_gradients_train_coded_alike_on_both_ranks_near_stock():
+    stock = run_distributed(_bf16, timeout=240, method=None)
+    coded = run_distributed(_bf16, timeout=240, method="int8")
+    assert coded[0]["sent"] > 0
+    for a, b in zip(coded[0]["steps"], coded[1]["steps"], strict=True):
+        for name, p in a.items():
+            assert p.dtype == torch.bfloat16 and torch.equal(b[name], p), name
+    flat = [torch.cat([p.float().flatten() for p in run["steps"][i].values()]) for run, i in
+            ((stock[0], 0), (stock[0], -1), (coded[0], -1))]  # fmt: skip
+    assert (flat[2] - flat[1]).norm() < 0.2 * (flat[1] - flat[0]).norm()
