@@ -1,8 +1,12 @@
-"""GraVACModelParallelStrategy as a Lightning strategy: checkpoints resumed bit for bit, clipping, validation, errors.
+"""GraVACModelParallelStrategy as a Lightning strategy: checkpoints resumed bit for bit, clipping, validation, bf16,
+errors, a rank that dies or stalls.
 
 Each test runs 2 CPU ranks (gloo) through Lightning's Trainer.
 """
 
+import os
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +167,41 @@ def test_bf16_parameters_and_gradients_train_coded_alike_on_both_ranks_near_stoc
     flat = [torch.cat([p.float().flatten() for p in run["steps"][i].values()]) for run, i in
             ((stock[0], 0), (stock[0], -1), (coded[0], -1))]  # fmt: skip
     assert (flat[2] - flat[1]).norm() < 0.2 * (flat[1] - flat[0]).norm()
+
+
+class Faulty(ShardedMLP):
+    """Rank 1 exits, or stalls past the test's bound, after its forward at step 3: in the middle of a sharded step."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.fault = fault
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == 3 and self.global_rank == 1:
+            if self.fault == "stall":
+                time.sleep(80)
+            os._exit(0)
+        return loss
+
+
+def _survivor(rank: int, world_size: int, fault: str) -> dict[str, Any]:
+    pl.seed_everything(0)
+    strategy = _strategy(timeout=timedelta(seconds=10))
+    trainer = pl.Trainer(strategy=strategy, max_steps=20, **sharded_kwargs(world_size))
+    start = time.perf_counter()
+    try:
+        trainer.fit(Faulty(fault), sharded_loader(SAMPLES * 8))
+    except Exception as error:
+        return {"raised": type(error).__name__, "seconds": time.perf_counter() - start}
+    return {"raised": None, "seconds": time.perf_counter() - start}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", ["exit", "stall"])
+def test_when_a_rank_dies_or_stalls_mid_step_the_other_raises_within_the_timeout(fault):
+    survivor, faulty = run_distributed(_survivor, allow_missing=True, timeout=150, fault=fault)
+    assert faulty is None, "the faulty rank should not have finished"
+    assert survivor["raised"] is not None, f"rank 0 finished although rank 1 {fault}ed"
+    assert survivor["seconds"] < 70, survivor  # the process group's 10 s, not the stalled rank's 80 s
