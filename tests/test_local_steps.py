@@ -640,13 +640,13 @@ def _topk_default_on_a_scripted_link(rank: int, world_size: int) -> dict[str, An
 
 
 @pytest.mark.distributed
-def test_the_topk_default_switches_to_rounds_in_4_bit_codes_and_what_topk_owed_lands():
+def test_the_topk_default_switches_to_rounds_in_4_bit_block_codes_and_what_topk_owed_lands():
     ranks = run_distributed(_topk_default_on_a_scripted_link, timeout=300)
     for key in ("method", "outer", "every", "start"):
         assert ranks[0][key] == ranks[1][key], key  # every rank decides alike
     r0 = ranks[0]
-    # Mostly an embedding table under SGD: Top-K every step, then rounds whose change is sent in QSGD's codes.
-    assert (r0["method"], r0["outer"]) == ("topk", "qsgd")
+    # Mostly an embedding table under SGD: Top-K every step, then rounds whose change is sent in 4-bit block codes.
+    assert (r0["method"], r0["outer"]) == ("topk", "int4")
     # 1 Mbit/s, 10 ms of computation, Top-K at cf 20 at most: after the first step, rounds of 16 from step 1.
     assert (r0["every"], r0["start"]) == (16, 1)
     for rank in ranks:
