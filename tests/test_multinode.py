@@ -20,27 +20,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.distributed
-def test_two_nodes_under_torchrun_train_alike_and_report_the_metrics(tmp_path):
+def two_nodes(script: list[str], where: Path, timeout: float) -> None:
+    """Run ``script`` (an example and its arguments) under torchrun as 2 nodes of 1 process each, in ``where``.
+
+    Raises:
+        AssertionError: with the end of each node's output, if a node failed.
+    """
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES} | {"OMP_NUM_THREADS": "1"}
 
     def launch(node: int) -> subprocess.Popen:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
         torchrun += ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        script = [str(ROOT / "examples" / "multinode.py"), "--nodes", "2", "--devices", "1", "--steps", "6"]
-        cmd = [*torchrun, *script, "--out", str(tmp_path)]
-        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = [*torchrun, *script]
+        return subprocess.Popen(cmd, env=env, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     nodes = [launch(0), launch(1)]
     outputs = []
     try:
         for node in nodes:
-            outputs.append(node.communicate(timeout=180)[0])
+            outputs.append(node.communicate(timeout=timeout)[0])
     finally:
         for node in nodes:
             node.kill()
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+
+
+@pytest.mark.distributed
+def test_two_nodes_under_torchrun_train_alike_and_report_the_metrics(tmp_path):
+    script = [str(ROOT / "examples" / "multinode.py"), "--nodes", "2", "--devices", "1", "--steps", "6"]
+    two_nodes([*script, "--out", str(tmp_path)], tmp_path, timeout=180)
     first, second = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert (first["node"], second["node"]) == (0, 1) and first["world_size"] == second["world_size"] == 2
     for name, w in first["weights"].items():
