@@ -6,6 +6,7 @@ Each test runs 2 CPU ranks (gloo) through Lightning's Trainer.
 
 import os
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -205,3 +206,21 @@ def test_when_a_rank_dies_or_stalls_mid_step_the_other_raises_within_the_timeout
     assert faulty is None, "the faulty rank should not have finished"
     assert survivor["raised"] is not None, f"rank 0 finished although rank 1 {fault}ed"
     assert survivor["seconds"] < 70, survivor  # the process group's 10 s, not the stalled rank's 80 s
+
+
+def _auto_sizes(rank: int, world_size: int) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = GraVACModelParallelStrategy("int8")  # ModelParallelStrategy's "auto": 1 data-parallel rank here
+        pl.Trainer(strategy=strategy, max_steps=1, **sharded_kwargs(world_size)).fit(ShardedMLP(), sharded_loader())
+    return [str(w.message) for w in caught if "data-parallel rank" in str(w.message)]
+
+
+@pytest.mark.distributed
+def test_one_data_parallel_rank_of_several_is_said():
+    said, _ = run_distributed(_auto_sizes, timeout=120)
+    assert said == [
+        "GraVACModelParallelStrategy: 1 data-parallel rank of 2, so `fully_shard` on `device_mesh['data_parallel']` "
+        "shards nothing and no gradient is sent; pass `data_parallel_size=2, tensor_parallel_size=1` to shard over "
+        "every process."
+    ]

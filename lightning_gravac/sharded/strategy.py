@@ -122,9 +122,16 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        data, tensor = self.device_mesh["data_parallel"].size(), self.device_mesh["tensor_parallel"].size()
+        if data == 1 < self.world_size:
+            # ModelParallelStrategy's "auto" on one machine: every process in the tensor-parallel dimension.
+            rank_zero_warn(
+                f"GraVACModelParallelStrategy: 1 data-parallel rank of {self.world_size}, so `fully_shard` on "
+                "`device_mesh['data_parallel']` shards nothing and no gradient is sent; pass "
+                f"`data_parallel_size={self.world_size}, tensor_parallel_size=1` to shard over every process."
+            )
         if self.replica_groups == 1:
             return
-        data, tensor = self.device_mesh["data_parallel"].size(), self.device_mesh["tensor_parallel"].size()
         if data % self.replica_groups:
             raise ValueError(
                 f"GraVACModelParallelStrategy: `replica_groups` must divide the {data} data-parallel ranks, got "
