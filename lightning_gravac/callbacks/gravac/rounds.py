@@ -13,9 +13,10 @@ least a tenth of the every-step choice's step (:data:`~.cost.MIN_SAVING`) and th
 computation the first round's inner steps measure. The bounds, ``H <= 16`` and at least 7 rounds in the budget, are
 where averaging unbiased 4-bit changes kept dense's held-out metric at a 120-step budget (``H <= 16`` found on an SGD-
 momentum tabular classifier and checked on an SGD-momentum MLP with a cosine schedule; rounds of 16, 7.5 to the budget,
-kept it on all five SGD tasks of the matrix in two runs; fewer rounds are not measured: BENCHMARKS.md). Only where
-nothing of the optimizer lives in the hook and the optimizer does not scale each coordinate (SGD): Adam-like inner steps
-lost 2% of dense's held-out loss at ``H = 8``."""
+kept it on all five SGD tasks of the matrix in two runs; fewer rounds are not measured), and held at 1,000 steps
+(rounds of 16 on the mean of three seeds on three tasks; longer rounds measured on one seed only: BENCHMARKS.md).
+Only where nothing of the optimizer lives in the hook and the optimizer does not scale each coordinate (SGD):
+Adam-like inner steps lost 2% of dense's held-out loss at ``H = 8``."""
 
 import statistics
 from collections.abc import Callable
