@@ -447,7 +447,10 @@ def test_the_link_and_the_budget_change_the_choice_as_the_rule_says():
     assert choose_length(0.010, 0.015, 0.0054, 56) == 8, "the budget holds 7 rounds of 8"
     assert choose_length(0.010, 0.015, 0.0054, 55) == 4, "the budget holds 7 rounds of 4, not of 8"
     assert choose_length(0.010, 0.015, 0.0054, 27) is None, "not 7 rounds of even 4 steps"
-    assert choose_length(0.010, 0.015, 0.0300, 1000) == 16, "no round fits: the longest allowed"
+    assert choose_length(0.010, 0.015, 0.0300, 1000) == 32, "the shortest round within a tenth of a step"
+    assert choose_length(0.010, 0.015, 0.0300, 223) == 16, "the budget holds 7 rounds of 16, not of 32"
+    assert choose_length(0.010, 0.015, 0.1000, 1000) == 64, "no round fits: the longest allowed"
+    assert choose_length(0.010, 0.015, 0.1000, 447) == 32, "the budget holds 7 rounds of 32, not of 64"
     # Chosen again after the first round: the rounds left and the one done make 7.
     assert fitting_length(0.010, 0.0054, 48, done=1) == 8 and fitting_length(0.010, 0.0054, 47, done=1) == 4
     assert fitting_length(0.001, 0.0054, 96, done=1) == 16, "a tenth of 1 ms: no round fits, the longest allowed"

@@ -10,13 +10,12 @@ Local steps are chosen, after the fit's first step or at a window's end, when th
 least a tenth of the every-step choice's step (:data:`~.cost.MIN_SAVING`) and the run's budget holds enough rounds.
 ``H`` is the shortest round whose communication adds at most a tenth of a step's computation a step
 (:data:`WITHIN_LIMIT`: the run then computes 90% of its time), else the longest allowed; chosen again, once, from the
-computation the first round's inner steps measure. The bounds, ``H <= 16`` and at least 7 rounds in the budget, are
-where averaging unbiased 4-bit changes kept dense's held-out metric at a 120-step budget (``H <= 16`` found on an SGD-
-momentum tabular classifier and checked on an SGD-momentum MLP with a cosine schedule; rounds of 16, 7.5 to the budget,
-kept it on all five SGD tasks of the matrix in two runs; fewer rounds are not measured), and held at 1,000 steps
-(rounds of 16 on the mean of three seeds on three tasks; longer rounds measured on one seed only: BENCHMARKS.md).
-Only where nothing of the optimizer lives in the hook and the optimizer does not scale each coordinate (SGD):
-Adam-like inner steps lost 2% of dense's held-out loss at ``H = 8``."""
+computation the first round's inner steps measure. The bounds are ``H <= 64`` and at least 7 rounds in the budget, so
+``H <= 16`` up to a 223-step budget. Rounds of up to 16 kept dense's held-out metric at a 120-step budget on all five
+SGD tasks of the matrix (fewer rounds are not measured); rounds of 16, 32 and 64 kept it at 1,000 steps on the mean of
+three seeds on three tasks, where rounds of 16 at 100 Mbit/s cost up to twice their steps' computation
+(BENCHMARKS.md). Only where nothing of the optimizer lives in the hook and the optimizer does not scale each
+coordinate (SGD): Adam-like inner steps lost 2% of dense's held-out loss at ``H = 8``."""
 
 import statistics
 from collections.abc import Callable
@@ -32,8 +31,9 @@ from lightning_gravac.callbacks.gravac.ladder import Budget
 from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.state import CompressionState
 
-#: Round lengths the default picks from, shortest first.
-LENGTHS = (4, 8, 16)
+#: Round lengths the default picks from, shortest first (32 and 64 only where the budget holds 7 of them: 224 and
+#: 448 steps).
+LENGTHS = (4, 8, 16, 32, 64)
 #: The fewest rounds the budget must hold at the round length picked.
 MIN_ROUNDS = 7
 #: The share of a step's computation a round's communication may add a step.
