@@ -225,10 +225,11 @@ def split_like(flat: Tensor, like: list[Tensor] | list[nn.Parameter]) -> list[Te
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, ``None`` where the C library has none (macOS, musl)."""
+    """glibc's ``malloc_trim``, ``None`` where the C library has none (macOS, musl) or cannot be opened by name
+    (Windows, where ``CDLL(None)`` is refused)."""
     try:
         return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except OSError:
+    except (OSError, TypeError):
         return None
 
 
