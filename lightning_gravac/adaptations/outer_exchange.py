@@ -188,8 +188,8 @@ class OuterExchange:
         return all(not g.get("weight_decay") for g in groups if any(q is p for q in g["params"]))
 
     def _land(self, averaging: "_Averaging") -> list[Tensor]:
-        """Wait for ``averaging`` and decode the ranks' mean change, one tensor a parameter (into the change's own
-        tensor where nothing else holds it)."""
+        """Wait for ``averaging`` and decode the ranks' mean change, one tensor a parameter (a whole change averaged
+        in its own tensor; a compressed one decoded into a tensor of its own)."""
         if averaging.handle is not None:
             averaging.handle.wait()
             averaging.handle = None  # the collective's own buffers go before the mean is written
