@@ -15,7 +15,8 @@ zero on every rank. A table under weight decay, which moves every row, goes whol
 
 A round also ends at the last step of the budget (``max_steps``), at the last batch of a training epoch and when the
 fit ends, so that the model a checkpoint or a validation at those points sees is the ranks' common one; with error
-feedback the fit's last round is sent whole (its change and the residual), so nothing is left unsent. A
+feedback the fit's last round goes with the residual in 8-bit block codes, what they leave (1/254 of a block's
+largest entry at most) dropped, a quarter of the bytes of sending them whole. A
 non-finite inner step is skipped on the rank that saw it (its parameters and optimizer state stay as they were;
 no other rank saw its gradient).
 
@@ -282,22 +283,25 @@ class OuterUpdate(Adaptation):
         last = self.budget > 0 and self.steps >= self.budget
         epoch_ends = self.epoch_ends()
         if self.since >= self.config.every or last or epoch_ends:
-            self.end_round(whole=last and self.error_feedback, drain=last or epoch_ends)
+            self.end_round(final=last, drain=last or epoch_ends)
 
     def finish(self) -> None:
-        """The fit ends: a round begun, or one in flight, is closed; sent whole where error feedback holds a residual
+        """The fit ends: a round begun, or one in flight, is closed; with the residual where error feedback holds one
         (an unbiased code leaves nothing owed)."""
         if self.config is not None and (self.since > 0 or self.exchange.in_flight):
-            self.end_round(whole=self.error_feedback, drain=True)
+            self.end_round(final=True, drain=True)
 
-    def end_round(self, whole: bool = False, drain: bool = False, synchronous: bool = False) -> None:
+    def end_round(
+        self, whole: bool = False, drain: bool = False, synchronous: bool = False, final: bool = False
+    ) -> None:
         """End a round; every rank calls it (collectives). Each rank's change over the round is compressed and
         averaged, the outer step taken, and the next round starts from it; with ``overlap``, the change is sent while
         the next round computes and applied at its end, each rank then rebased on the outer step. ``whole``: the
-        change and the residual sent uncompressed; ``drain`` (or ``whole``): nothing left in flight, every rank on the
-        common parameters; ``synchronous``: a step of the hold after a round undone, averaged as it is."""
+        change and the residual sent uncompressed; ``drain`` (or ``whole``, ``final``): nothing left in flight, every
+        rank on the common parameters; ``synchronous``: a step of the hold after a round undone, averaged as it is;
+        ``final``: the fit's last round, error feedback's residual sent with it (:meth:`OuterExchange.send`)."""
         assert self.config is not None
-        overlap = self.config.overlap and not (whole or drain)
+        overlap = self.config.overlap and not (whole or drain or final)
         with torch.no_grad():
             loss = self.guard.close(1 if synchronous else self.since, synchronous)
             applied = self._outer_step(self.exchange.take()) if self.exchange.in_flight else True
@@ -316,7 +320,7 @@ class OuterUpdate(Adaptation):
                     if overlap:
                         self._rebase(names, delta)
                     del delta  # the exchange holds it, and lets it go once sent where nothing else needs it
-                    self.exchange.send(names, whole, self.rounds)
+                    self.exchange.send(names, whole, self.rounds, final=final)
                 if not overlap:
                     if self._outer_step(self.exchange.take(), plain=synchronous):
                         self.began.clear()

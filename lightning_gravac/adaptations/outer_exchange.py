@@ -2,7 +2,9 @@
 for a biased method, compressed and averaged over the ranks, and the mean decoded back, one tensor a parameter.
 
 A whole change (``cf`` 1, a method that sends its input as it is, or a round sent whole) is all-reduced in place; a
-compressed one is all-gathered as each rank's payload and the mean decoded into a tensor of its own: once packed, the
+compressed one is all-gathered as each rank's payload and the mean decoded into a tensor of its own. With error
+feedback the fit's last round goes with its residual in 8-bit block codes (:data:`FINAL_METHOD`), what they leave
+(at most half a level, 1/254 of each block's largest entry) dropped: a quarter of its bytes sent whole. Once packed, the
 change (where no residual holds it) and its codes are let go, so that neither sits beside the collective's buffers nor
 the mean, and the heap's freed pages go back to the system before the mean is allocated. An embedding table
 whose rows a round left unchanged on every rank is sent by the rows some rank changed (which rows: one small MAX
@@ -21,10 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gravac.compressors.base import Compressor, Payload
+from lightning_gravac.compressors.base import Compressor, Payload, get_compressor
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.staged import Staged
 from lightning_gravac.tables import ByRows, RowTables, row_mask, set_rows
+
+#: The code of the fit's last round under error feedback, and its factor: 8-bit blocks from fp32.
+FINAL_METHOD, FINAL_CF = "int8", 4.0
 
 
 class OuterExchange:
@@ -82,11 +87,13 @@ class OuterExchange:
         self._formed = delta
         return delta
 
-    def send(self, names: list[str], whole: bool, step: int) -> None:
+    def send(self, names: list[str], whole: bool, step: int, final: bool = False) -> None:
         """Start averaging the change of ``names`` :meth:`change` formed (error-fed first for a biased method, the new
         residuals kept): an all-reduce of the whole change, or an all-gather of the compressed one, its draws seeded
-        by ``step`` (the rounds ended). ``whole``: sent uncompressed, the residual with it. A compressed change no
-        residual holds is let go once packed: the collective's buffers and the mean's tensor never sit beside it."""
+        by ``step`` (the rounds ended). ``whole``: sent uncompressed, the residual with it. ``final``: the fit's last
+        round, which under error feedback goes with the residual in :data:`FINAL_METHOD`, nothing kept owed. A
+        compressed change no residual holds is let go once packed: the collective's buffers and the mean's tensor
+        never sit beside it."""
         assert self.compressor is not None and self._formed is not None
         delta, self._formed = self._formed, None
         like = [self._params[n] for n in names]
@@ -105,14 +112,16 @@ class OuterExchange:
             handle = dist.all_reduce(delta, async_op=True) if world > 1 else None
             self._in_flight.append(_Averaging(names, like, world, handle, delta))
             return
-        self.sent_cf = self.cf
+        owed = self.error_feedback and not final  # the last round's code leaves nothing owed: its error is dropped
+        code, cf = (self._final_code(), FINAL_CF) if final and self.error_feedback else (self.compressor, self.cf)
+        self.sent_cf = cf
         rows = self._changed_rows(names, parts, world)
         selected = torch.cat(rows.select(parts)) if rows.chosen else delta
-        payload = self.compressor.compress(selected, self.cf, key="outer", step=step)
+        payload = code.compress(selected, cf, key="outer", step=step)
         layout = Layout.of([payload])
         packed = layout.pack([payload])
-        if self.error_feedback:  # the change becomes its residual in place (all of it in the rows no rank changed)
-            self.compressor.residual_(selected, payload)
+        if owed:  # the change becomes its residual in place (all of it in the rows no rank changed)
+            code.residual_(selected, payload)
             if rows.chosen:
                 rows.place(selected, parts)
             for n, rest in zip(names, parts, strict=True):
@@ -120,14 +129,19 @@ class OuterExchange:
         # Packed, the codes go, and the change where no residual holds it: reading every rank's back needs the
         # payload's layout alone, and the mean gets a tensor of its own once the collective's buffers are gone.
         payload = payload.with_wire([w.new_empty(0) for w in payload.wire])
-        kept = delta if self.error_feedback else None
+        kept = delta if owed else None
         del delta, parts, selected
         gathered = torch.empty(world * layout.nbytes, dtype=torch.uint8, device=packed.device)
         self._record(layout.nbytes, gathered=True)
         handle = dist.all_gather_single(gathered, packed, async_op=True) if world > 1 else None
         if handle is None:
             gathered.copy_(packed)
-        self._in_flight.append(_Averaging(names, like, world, handle, kept, gathered, layout, payload, rows))
+        self._in_flight.append(_Averaging(names, like, world, handle, kept, gathered, layout, payload, rows, code))
+
+    def _final_code(self) -> Compressor:
+        """The last round's code: the method itself where it is :data:`FINAL_METHOD`, else a new one (stateless)."""
+        assert self.compressor is not None
+        return self.compressor if self.compressor.name == FINAL_METHOD else get_compressor(FINAL_METHOD)
 
     def take(self) -> dict[str, Tensor]:
         """The ranks' mean changes of what :meth:`send` sent since the last take (waited for), or those a checkpoint
@@ -197,7 +211,7 @@ class OuterExchange:
         if averaging.payload is None:
             assert averaging.buffer is not None
             return split_like(averaging.buffer.div_(world), like)
-        assert self.compressor is not None and averaging.layout is not None and averaging.gathered is not None
+        assert averaging.code is not None and averaging.layout is not None and averaging.gathered is not None
         assert averaging.rows is not None
         _, (stacked,) = averaging.layout.unpack(
             averaging.gathered.view(world, averaging.layout.nbytes), [averaging.payload]
@@ -206,7 +220,7 @@ class OuterExchange:
         if first.device.type == "cpu":
             _trim_heap()
         mean = torch.empty(rows.numel(like), dtype=first.dtype, device=first.device)
-        self.compressor.decode_(mean, stacked, 1.0 / world)
+        averaging.code.decode_(mean, stacked, 1.0 / world)
         if not rows.chosen:
             return split_like(mean, like)
         out = torch.zeros(sum(p.numel() for p in like), dtype=first.dtype, device=first.device)  # zero in the rows
@@ -250,7 +264,7 @@ def _unrecorded(nbytes: int, gathered: bool) -> None:
 class _Averaging:
     """One flat tensor's averaging in flight: its names and shapes, the collective's handle, the change summed in
     place when sent whole (compressed, the residual's tensor where error feedback holds one) and, compressed, the
-    gathered payloads and the layout to read them by."""
+    gathered payloads, the layout to read them by and the code that wrote them."""
 
     names: list[str]
     like: list[nn.Parameter]
@@ -261,3 +275,4 @@ class _Averaging:
     layout: Layout | None = None
     payload: Payload | None = None
     rows: ByRows | None = None
+    code: Compressor | None = None

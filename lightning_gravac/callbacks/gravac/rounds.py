@@ -57,8 +57,8 @@ def choose_length(compute: float, every_step: float, round_s: float, steps_left:
     Args:
         compute: a step's seconds without communication (the slowest rank's).
         every_step: the every-step choice's predicted seconds a step.
-        round_s: a round's communication (:func:`round_seconds`); the fit's last round, sent whole with what error
-            feedback still owes, is counted as one too (a single round's difference over the run).
+        round_s: a round's communication (:func:`round_seconds`); the fit's last round, sent in 8-bit block codes
+            with what error feedback still owes, is counted as one too (a single round's difference over the run).
         steps_left: the steps left in the budget.
     """
     length = fitting_length(compute, round_s, steps_left)
