@@ -117,11 +117,16 @@ class OuterExchange:
         self.sent_cf = cf
         rows = self._changed_rows(names, parts, world)
         selected = torch.cat(rows.select(parts)) if rows.chosen else delta
-        payload = code.compress(selected, cf, key="outer", step=step)
+        # Error-fed, the change becomes its residual in place (all of it in the rows no rank changed): in the encode's
+        # own pass where the code can (the block codes), else decoded and subtracted.
+        payload = code.compress_residual_(selected, cf, key="outer", step=step) if owed else None
+        if payload is None:
+            payload = code.compress(selected, cf, key="outer", step=step)
+            if owed:
+                code.residual_(selected, payload)
         layout = Layout.of([payload])
         packed = layout.pack([payload])
-        if owed:  # the change becomes its residual in place (all of it in the rows no rank changed)
-            code.residual_(selected, payload)
+        if owed:
             if rows.chosen:
                 rows.place(selected, parts)
             for n, rest in zip(names, parts, strict=True):
