@@ -14,9 +14,18 @@ held-out loss relative to stock's, seed by seed and their mean, and the bytes th
 parameters' all-gather not counted). With ``--replica-groups R`` ours shard within R groups of ranks and average
 between them in the method's code (stock shards over every rank); the table adds the bytes sent between groups.
 
+``no communication`` (not in the default ``--methods``; add it with ``--links``) is the time a sharded run is judged
+against: each rank trains its own unsharded copy of the same model (a one-device Trainer, no process group) on the
+same per-rank batch, the windows the sharded rank reads, for the same steps, with nothing sent, the ranks running
+side by side as the sharded ones do. Its time is the limit because FSDP2's ranks each run the whole model's forward
+and backward on their own batch: sharding adds the communication and the (un)sharding work, not compute. (Only the
+optimizer's step is smaller sharded, a rank stepping its shard; for AdamW on this model a small part of a step.) Its
+held-out loss is said but not judged: a rank alone trains on a 1/world of the data, so it is no fidelity row.
+
 Without ``--links`` nothing is shaped and the wall time is not a measurement (the machine may be busy): fidelity only.
 With ``--links`` the script re-executes itself as root in a private network namespace whose loopback ``tc`` shapes,
-as ``benchmarks/bandwidth.py`` does, and every method runs on each link: the table adds its seconds for the steps.
+as ``benchmarks/bandwidth.py`` does, and every method runs on each link: the table adds its seconds for the steps,
+and each method's time over stock's and over the limit's (``no communication``'s, when it runs).
 
 Writes ``sharded.json`` and ``sharded.md`` under ``--out`` and prints the table.
 """
@@ -34,14 +43,17 @@ import torch
 from bandwidth import _shape, prepare_namespace, run_in_namespace  # the bandwidth benchmark's token-bucket shaping
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_gravac import GraVACModelParallelStrategy
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.zoo.gpt import ByteGPT, Windows, read_bytes
 
 _INSIDE = "GRAVAC_SHARDED_NETNS"
-METHODS = ("stock", "none", "int8", "int4", "int8-w8", "int4-w8")
+ALONE = "no communication"
+METHODS = ("stock", "none", "int8", "int4", "int8-w8", "int4-w8", ALONE)
+#: What a launcher sets: a rank alone drops it, so that its Trainer starts no process group.
+LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 CONTEXT = 64
 
 
@@ -72,16 +84,28 @@ def _train(
     cut = int(text.numel() * 0.9)
     train = Windows(text[:cut], CONTEXT, steps * 16 * world_size, seed=1 + seed)
     held = Windows(text[cut:], CONTEXT, 512, seed=0)
-    model = ShardedGPT(width=width, layers=4, heads=4, context=CONTEXT, lr=1e-3)
-    sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
-    code, _, weights = method.partition("-w")  # "int8-w8": int8 gradients, parameters gathered in int8
-    ours = {"all_gather_code": f"int{weights}" if weights else None, "replica_groups": replica_groups}
-    strategy = ModelParallelStrategy(**sizes) if code == "stock" else GraVACModelParallelStrategy(code, **sizes, **ours)
+    strategy: ModelParallelStrategy | str = "auto"
+    if method == ALONE:
+        # This rank's unsharded copy (the sharded runs' initialization) on one device, no process group, reading the
+        # windows the sharded rank reads (the distributed sampler's, unshuffled).
+        for name in LAUNCHER:
+            os.environ.pop(name, None)
+        model: ByteGPT = ByteGPT(width=width, layers=4, heads=4, context=CONTEXT, lr=1e-3)
+        data: Dataset = Subset(train, range(rank, len(train), world_size))
+    else:
+        model, data = ShardedGPT(width=width, layers=4, heads=4, context=CONTEXT, lr=1e-3), train
+        sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
+        code, _, weights = method.partition("-w")  # "int8-w8": int8 gradients, parameters gathered in int8
+        ours = {"all_gather_code": f"int{weights}" if weights else None, "replica_groups": replica_groups}
+        strategy = (
+            ModelParallelStrategy(**sizes) if code == "stock" else GraVACModelParallelStrategy(code, **sizes, **ours)
+        )
     quiet = {f"enable_{part}": False for part in ("checkpointing", "progress_bar", "model_summary")}
-    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+    devices = 1 if method == ALONE else world_size
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          num_sanity_val_steps=0, limit_val_batches=0, **quiet)  # fmt: skip
     start = time.perf_counter()
-    trainer.fit(model, DataLoader(train, 16, shuffle=False))
+    trainer.fit(model, DataLoader(data, 16, shuffle=False))
     seconds = time.perf_counter() - start
     trainer.limit_val_batches = 1.0
     (metrics,) = trainer.validate(model, DataLoader(held, 64), verbose=False)
@@ -102,23 +126,37 @@ def _table(rows: list[dict[str, Any]], link: str | None) -> list[str]:
     stock = {r["seed"]: r["held_out"] for r in rows if r["method"] == "stock"}
     seeds = sorted(stock)
     groups = any(r.get("bytes_between_groups") for r in rows)
+    seconds = {m: statistics.mean(r["seconds"] for r in rows if r["method"] == m) for m in ("stock", ALONE)
+               if any(r["method"] == m for r in rows)}  # fmt: skip
     head = "| method | held-out loss, mean | x stock's, by seed | mean | bytes a rank sent |"
-    head += " between groups |" * groups + " seconds |" * bool(link)
+    head += " between groups |" * groups
+    if link:
+        head += " seconds | x stock's time |" + " x the limit's |" * (ALONE in seconds)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = {r["seed"]: r for r in rows if r["method"] == method}
-        gaps = [mine[s]["held_out"] / stock[s] - 1 for s in seeds if s in mine]
-        by_seed = ", ".join(f"{g:+.2%}" for g in gaps)
         mean_loss = statistics.mean(r["held_out"] for r in mine.values())
-        sent = [r["bytes_sent"] for r in mine.values() if r["bytes_sent"] is not None]
-        sent_text = f"{statistics.mean(sent) / 1e6:.1f} MB" if sent else ""
-        line = f"| {method} | {mean_loss:.4f} | {by_seed} | {statistics.mean(gaps):+.2%} | {sent_text} |"
+        if method == ALONE:  # each rank on its share of the data alone: a time limit, not a fidelity row
+            line = f"| {method} | {mean_loss:.4f} | not judged | not judged | 0 |"
+        else:
+            gaps = [mine[s]["held_out"] / stock[s] - 1 for s in seeds if s in mine]
+            by_seed = ", ".join(f"{g:+.2%}" for g in gaps)
+            sent = [r["bytes_sent"] for r in mine.values() if r["bytes_sent"] is not None]
+            sent_text = f"{statistics.mean(sent) / 1e6:.1f} MB" if sent else ""
+            line = f"| {method} | {mean_loss:.4f} | {by_seed} | {statistics.mean(gaps):+.2%} | {sent_text} |"
         if groups:
             between = [r["bytes_between_groups"] for r in mine.values() if r["bytes_between_groups"] is not None]
             line += f" {statistics.mean(between) / 1e6:.1f} MB |" if between else " |"
         if link:
-            line += f" {statistics.mean(r['seconds'] for r in mine.values()):.1f} |"
+            mean_seconds = statistics.mean(r["seconds"] for r in mine.values())
+            line += f" {mean_seconds:.1f} | {mean_seconds / seconds['stock']:.2f}x |"
+            if ALONE in seconds:
+                line += f" {mean_seconds / seconds[ALONE]:.2f}x |"
         lines.append(line)
+    if ALONE in seconds:
+        lines.append(
+            f"\n{ALONE}: each rank alone on its share of the data, nothing sent: the time limit, its loss not judged."
+        )
     return lines
 
 
