@@ -12,7 +12,7 @@ from lightning_gravac.launch import run_distributed
 
 
 def _lengths_by_budget(rank: int, world_size: int, budgets: tuple[int, ...]) -> dict[int, dict[str, Any]]:
-    from test_local_steps import SlowBeforeTheSwitch, _fit
+    from local_steps_runs import SlowBeforeTheSwitch, _fit
 
     from lightning_gravac.strategies import default_controller
 

@@ -36,7 +36,7 @@ def _non_finite(value: Any, path: str = "") -> list[str]:
 
 
 def _undone_and_saved(rank: int, world_size: int, ckpt_dir: str) -> dict[str, int]:
-    from test_local_steps import StepData
+    from local_steps_runs import StepData
 
     pl.seed_everything(0)
     strategy = GraVACStrategy(local_steps=LocalSteps(every=4, cooldown=3))
@@ -98,7 +98,7 @@ def test_the_fit_start_line_says_what_local_steps_send(caplog, rounds, said):
 
 
 def _logged(rank: int, world_size: int, rounds: LocalSteps, log_dir: str, accordion: bool) -> dict[str, Any]:
-    from test_local_steps import StepData
+    from local_steps_runs import StepData
 
     pl.seed_everything(0)
     strategy, summary = GraVACStrategy(local_steps=rounds), RunSummary(plot=False)

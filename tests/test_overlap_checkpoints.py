@@ -16,7 +16,7 @@ from models import loader, trainer_kwargs
 
 
 def _with_and_without_checkpoints(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
-    from test_local_steps import StepData, Trace
+    from local_steps_runs import StepData, Trace
 
     def fit(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> list[torch.Tensor]:
         trace = Trace()
