@@ -2,6 +2,7 @@
 
     python benchmarks/matrix.py [--tasks bag mlp cnn lstm diamonds] [--links unlimited 1gbit 100mbit] [--rows ...]
                                 [--scale 0.25] [--steps 300] [--cap 240] [--repeats 1] [--out benchmarks/results]
+    python benchmarks/matrix.py --steps 120 1000 --seed 0 1 2 ...   # both budgets, three paired seeds, one command
     python benchmarks/matrix.py --report benchmarks/results/matrix.json --out DIR   # a saved run's tables again
 
 Needs root (a private network namespace whose loopback ``tc`` shapes, as ``benchmarks/bandwidth.py`` does; every
@@ -90,7 +91,7 @@ from bandwidth import (  # (the same token-bucket shaping as the bandwidth bench
     prepare_namespace,
     run_in_namespace,
 )
-from matrix_report import report, step_profile
+from matrix_report import paired_seeds, report, step_profile
 from matrix_rows import LINK_DEPENDENT, ONCE, ORDER, ROWS, make_row
 from matrix_tasks import (
     ADAMW_LR,
@@ -293,6 +294,18 @@ def _block(task: str, rows: list[str], args: argparse.Namespace, say: Callable[[
 
 
 def _inside(args: argparse.Namespace) -> None:
+    """Every budget of ``--steps`` and seed of ``--seed``: one matrix each, under ``--out`` itself where there is one,
+    else under ``--out/steps-N-seed-S``."""
+    combos = [(steps, seed) for steps in args.steps for seed in args.seed]
+    results = {}
+    for steps, seed in combos:
+        out = args.out if len(combos) == 1 else str(Path(args.out) / f"steps-{steps}-seed-{seed}")
+        results[steps, seed] = _matrix(argparse.Namespace(**{**vars(args), "steps": steps, "seed": seed, "out": out}))
+    if len(combos) > 1:
+        (Path(args.out) / "seeds.md").write_text(paired_seeds(results))
+
+
+def _matrix(args: argparse.Namespace) -> dict[str, Any]:
     out = prepare_namespace(args.out)
     results: dict[str, Any] = {"args": vars(args), "parameters": {}, "repeats": [{} for _ in range(args.repeats)]}
     started = time.perf_counter()
@@ -309,6 +322,7 @@ def _inside(args: argparse.Namespace) -> None:
             (out / "matrix.json").write_text(json.dumps(results))
     results["seconds"] = time.perf_counter() - started
     report(results, out)
+    return results
 
 
 def main() -> None:
@@ -327,7 +341,9 @@ def main() -> None:
         "--sgd-lr", type=float, default=None, help="with --optimizer users: the SGD tasks' peak learning rate"
     )
     parser.add_argument("--scale", type=float, default=0.25, help="parameters a task, in units of 10M")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--steps", type=int, nargs="+", default=[300], help="the budgets: each runs the whole matrix (e.g. 120 1000)"
+    )
     parser.add_argument("--timing-steps", type=int, default=10)
     parser.add_argument(
         "--evals", type=int, default=10, help="held-out evaluations along each run (time left out of the run's clock)"
@@ -338,8 +354,10 @@ def main() -> None:
         "--repeats", type=int, default=1, help="times each task is run (tables: medians, paired regrets' range)"
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="the seed of the models' initialisation, dropout and shuffling"
-    )
+        "--seed", type=int, nargs="+", default=[0],
+        help="the seeds of the models' initialisation, dropout and shuffling: each runs the whole matrix, every row "
+        "of a seed from that seed (paired)",
+    )  # fmt: skip
     parser.add_argument(
         "--report", metavar="JSON", help="write the tables and the heatmap again from a saved run's matrix.json"
     )

@@ -348,3 +348,36 @@ def report(results: dict[str, Any], out: Path) -> None:
     (out / "matrix.json").write_text(json.dumps(results))
     heatmap(cells, args.tasks, args.links, args.rows, out / "matrix.png")
     print(f"\nWrote {out / 'matrix.md'}, {out / 'matrix.json'}, {out / 'matrix.png'}")
+
+
+def paired_seeds(results: dict[tuple[int, int], dict[str, Any]]) -> str:
+    """Each budget's rows against dense DDP from the same seed: the held-out loss over dense's, seed by seed, and their
+    mean, which judges fidelity where dense itself moves between seeds (the first repeat, the unlimited link)."""
+    lines = ["Held-out loss over dense DDP's from the same seed (paired), the unlimited link; accuracy in points.\n"]
+    for steps in sorted({s for s, _ in results}):
+        seeds = sorted(seed for s, seed in results if s == steps)
+        first = results[steps, seeds[0]]["repeats"][0]
+        lines += [f"\n### {steps} steps, seeds {', '.join(map(str, seeds))}\n",
+                  "| task | row | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |", "| --- | --- |"
+                  + " ---: |" * (len(seeds) + 1)]  # fmt: skip
+        for task, block in first.items():
+            for row in [*block["full"], *block["adaptive"].get("unlimited", {})]:
+                if row == "dense DDP":
+                    continue
+                cells, deltas = [], []
+                for seed in seeds:
+                    got = results[steps, seed]["repeats"][0][task]
+                    run = got["full"].get(row) or got["adaptive"].get("unlimited", {}).get(row)
+                    dense = got["full"]["dense DDP"]["held_out"]
+                    if not run or not run["held_out"] or not dense:
+                        cells.append("missed")
+                        continue
+                    delta = run["held_out"]["loss"] / dense["loss"] - 1
+                    deltas.append(delta)
+                    points = ""
+                    if "accuracy" in dense:
+                        points = f", {100 * (run['held_out']['accuracy'] - dense['accuracy']):+.1f} pt"
+                    cells.append(f"{100 * delta:+.2f}%{points}")
+                mean = f"{100 * sum(deltas) / len(deltas):+.2f}%" if len(deltas) == len(seeds) else "-"
+                lines.append(f"| {task} | {row} | " + " | ".join(cells) + f" | {mean} |")
+    return "\n".join(lines) + "\n"
