@@ -64,7 +64,8 @@ class _Instantiator:
             return class_type(*args, **kwargs)
         except Exception as error:
             if self.refused is None and class_type.__module__.partition(".")[0] == __package__:
-                self.refused = RefusedArgument(f"{class_type.__name__}: {error}")
+                said = str(error).removeprefix(f"{class_type.__name__}: ")  # a message that names its class already
+                self.refused = RefusedArgument(f"{class_type.__name__}: {said}")
             raise
 
 
