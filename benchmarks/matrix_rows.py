@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hoo
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gravac import Accordion, GraVAC, GraVACStrategy, LocalSteps, Static
-from lightning_gravac.compressors import DGC, BlockCode, get_compressor
+from lightning_gravac.compressors import DGC, get_compressor
 
 FIXED = [
     "dense DDP",
@@ -95,8 +95,8 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         every = int(length) if row in LOCAL else 0
         outer_cf = 1.0 if code == "whole" else LocalSteps.cf
         rounds = LocalSteps(every=every, overlap=code == "overlap", cf=outer_cf) if every else None
-        if code == "int2":  # 2-bit block codes (3 levels), error-fed: not a registered method
-            return GraVACStrategy(Int2(), local_steps=LocalSteps(every=every, cf=Int2.fixed_cf)), []
+        if code == "int2":  # 2-bit block codes (3 levels), error-fed
+            return GraVACStrategy("int2", local_steps=LocalSteps(every=every, cf=16.0)), []
         if code.startswith(("int4", "int8")):  # the outer update in a block code, error-fed unless "no ef"
             return GraVACStrategy(code[:4], local_steps=rounds, error_feedback=not code.endswith("no ef")), []
         return GraVACStrategy(local_steps=rounds), []
@@ -111,15 +111,6 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         code = get_compressor(method, block_size=32) if " b32" in row else method
         return GraVACStrategy(code, error_feedback=feedback), [Static(cf=cf)]
     raise ValueError(row)
-
-
-class Int2(BlockCode):
-    """2-bit block codes: each entry the nearest of -m, 0 and m, ``m`` its block's largest magnitude (about 14x fewer
-    bytes than fp32 at 128-entry blocks), measured here as local steps' outer code."""
-
-    name = "int2"
-    bits = 2
-    fixed_cf = 16.0
 
 
 def ablation(row: str) -> tuple[Any, list[Callback]]:

@@ -1,5 +1,5 @@
-"""The block codes (``int8``, ``int4``): what their rounding must hold, without a process group (the hook's tests run
-them on two ranks, ``tests/test_hook.py``)."""
+"""The block codes (``int8``, ``int4``, ``int2``): what their rounding must hold, without a process group (the hook's
+tests run them on two ranks, ``tests/test_hook.py``)."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch
 from lightning_gravac.adaptations import ErrorFeedback
 from lightning_gravac.compressors import get_compressor
 
-CODES = {"int8": 127, "int4": 7}
+CODES = {"int8": 127, "int4": 7, "int2": 1}
 
 
 def _heavy(numel: int, seed: int) -> torch.Tensor:
@@ -41,10 +41,11 @@ def test_every_entry_is_its_nearest_level_within_half_a_step(name, block_size):
 @pytest.mark.parametrize("name", CODES)
 def test_ties_round_away_from_zero_and_the_largest_entry_is_the_top_level(name):
     s = CODES[name]
-    block = torch.tensor([1.0, 0.5 / s, -0.5 / s, 1.5 / s, -1.0, 0.0, -0.0, 0.25 / s])
+    tie_up = 1.5 / s if s > 1 else 0.0  # a tie between levels 1 and 2 (int2 has no level 2)
+    block = torch.tensor([1.0, 0.5 / s, -0.5 / s, tie_up, -1.0, 0.0, -0.0, 0.25 / s])
     decoded = get_compressor(name, block_size=8).decompress(get_compressor(name, block_size=8).compress(block, 4))
     step = torch.tensor(1.0) / s
-    expected = torch.tensor([s, 1, -1, 2, -s, 0, 0, 0]) * step
+    expected = torch.tensor([s, 1, -1, 2 if s > 1 else 0, -s, 0, 0, 0]) * step
     torch.testing.assert_close(decoded, expected, rtol=1e-6, atol=0)
 
 

@@ -125,7 +125,7 @@ def test_qsgd_kernel_on_threads_with_nan_and_inf_buckets_packs_the_eager_bits(bu
 
 
 @pytest.mark.parametrize("block_size", [96, 100, 200_000])  # whole groups of 8 codes, cut groups, fewer than threads
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 def test_block_code_kernel_packs_and_decodes_the_eager_bits(name, block_size, eager, threads):
     # Above the multi-thread threshold, with a block of zeros (scale 0: every code the zero level), a negative zero, a
     # block holding an inf and one holding a NaN (sent non-finite both ways), and ties at half a level.

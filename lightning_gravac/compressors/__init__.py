@@ -11,7 +11,7 @@ from lightning_gravac.compressors.base import (
     sparse_k,
     validate_cf,
 )
-from lightning_gravac.compressors.blockwise import BlockCode, Int4, Int8
+from lightning_gravac.compressors.blockwise import BlockCode, Int2, Int4, Int8
 from lightning_gravac.compressors.cast import BF16, FP16
 from lightning_gravac.compressors.dgc import DGC
 from lightning_gravac.compressors.efsignsgd import EFSignSGD
@@ -38,6 +38,7 @@ __all__ = [
     "BlockCode",
     "Compressor",
     "EFSignSGD",
+    "Int2",
     "Int4",
     "Int8",
     "MultiRound",

@@ -1,11 +1,12 @@
-"""Block-wise quantization to 8 or 4 bits: one scale a block, every entry rounded to its nearest level.
+"""Block-wise quantization to 8, 4 or 2 bits: one scale a block, every entry rounded to its nearest level.
 
 Each block of ``block_size`` entries is sent as its largest magnitude ``m`` (fp32) and, for every entry ``x``, the
 nearest of the ``2s + 1`` levels ``k m / s`` (``k`` in ``[-s, s]``; a tie rounds away from zero): ``s = 127`` in 8 bits
-(``int8``), ``s = 7`` in 4 bits (``int4``). An entry is off by at most half a level, ``m / (2s)``: deterministic,
-biased by that rounding, so error feedback is on by default and carries the whole rounding error into the next step.
-Every rank's payload is decoded to fp32 before any sum (codes are never summed). The largest systems send gradients
-this way (ZeRO++'s 4-bit reduce-scatter; 8-bit blocks of Adam's states in bitsandbytes).
+(``int8``), ``s = 7`` in 4 bits (``int4``), ``s = 1`` in 2 bits (``int2``: ``-m``, 0 or ``m``). An entry is off by at
+most half a level, ``m / (2s)``: deterministic, biased by that rounding, so error feedback is on by default and carries
+the whole rounding error into the next step. Every rank's payload is decoded to fp32 before any sum (codes are never
+summed). The largest systems send gradients this way (ZeRO++'s 4-bit reduce-scatter; 8-bit blocks of Adam's states in
+bitsandbytes).
 
 Why the largest magnitude and not a norm (QSGD's): with a norm, an entry's level is a fraction of a bucket's whole
 length and most round to zero; against the largest entry, the levels span the block's own range.
@@ -101,6 +102,17 @@ class Int4(BlockCode):
     name = "int4"
     bits = 4
     fixed_cf = 8.0
+
+
+@register_compressor
+class Int2(BlockCode):
+    """2-bit block codes (3 levels: ``-m``, 0, ``m``): about 14x fewer bytes than fp32 at 128-entry blocks, an entry
+    within half its block's largest magnitude. Coarse for a gradient every step; as local steps' outer code with error
+    feedback, what a round rounds away goes into the next round and the fit's last round is sent in ``int8``."""
+
+    name = "int2"
+    bits = 2
+    fixed_cf = 16.0
 
 
 def _block_peaks(flat: Tensor, size: int) -> Tensor:
