@@ -16,7 +16,7 @@ def _lengths_by_budget(rank: int, world_size: int, budgets: tuple[int, ...]) -> 
 
     from lightning_gravac.strategies import default_controller
 
-    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(1e6)
+    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(5e5)
     out = {}
     for budget in budgets:
         strategy = GraVACStrategy()

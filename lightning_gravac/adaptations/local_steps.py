@@ -55,7 +55,8 @@ class LocalSteps:
 
     Args:
         every: inner steps a round (``H``); the outer update follows each round.
-        cf: the compression factor of the outer update (8: QSGD's 4-bit codes from fp32; 1 sends it whole).
+        cf: the compression factor of the outer update (8: QSGD's 4-bit codes from fp32; 1 sends it whole). A block
+            code (``int8``, ``int4``, ``int2``) sends at the factor its width fixes, unless ``cf`` is 1.
         lr: the outer step's learning rate (1: the anchor moves by the averaged change).
         momentum: the outer step's momentum (0: none).
         nesterov: Nesterov's form of the outer momentum (DiLoCo's outer step: ``lr=0.7, momentum=0.9``).
@@ -147,7 +148,8 @@ class OuterUpdate(Adaptation):
                 "'qsgd' (the default), 'topk', 'randomk', 'signsgd', 'onebit', 'fp16' or 'none'."
             )
         self.config = config
-        self.exchange.configure(compressor, config.cf, error_feedback)
+        fixed = compressor.fixed_cf if compressor.near_exact and config.cf > 1 else None  # a block code's own factor
+        self.exchange.configure(compressor, fixed or config.cf, error_feedback)
         self.guard.configure(config.guard, config.cooldown)
 
     @property
