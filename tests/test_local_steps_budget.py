@@ -1,13 +1,14 @@
-"""The steps left in the run's budget when the default's first round of local steps ends, through Lightning's Trainer on
-two gloo ranks: counted from Lightning's global step, a round's end one step however much it sends, so a budget that
-holds the fewest rounds allowed at a length exactly is given that length."""
+"""The run's budget and the default's rounds of local steps, through Lightning's Trainer on two gloo ranks: the steps
+left when the first round ends, counted from Lightning's global step (a round's end one step however much it sends),
+so a budget that holds the fewest rounds allowed at a length exactly is given that length; and the rounds' code, 2-bit
+where the budget allows rounds of 32, 4-bit below."""
 
 from typing import Any
 
 import pytest
 
 from lightning_gravac import GraVAC, GraVACStrategy
-from lightning_gravac.callbacks.gravac.rounds import MIN_ROUNDS
+from lightning_gravac.callbacks.gravac.rounds import LONG_BUDGET, MIN_ROUNDS
 from lightning_gravac.launch import run_distributed
 
 
@@ -16,14 +17,15 @@ def _lengths_by_budget(rank: int, world_size: int, budgets: tuple[int, ...]) -> 
 
     from lightning_gravac.strategies import default_controller
 
-    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(5e5)
+    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(1e6)
     out = {}
     for budget in budgets:
         strategy = GraVACStrategy()
         _fit(strategy, budget)
         rounds = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC)).rounds
         out[budget] = {"every": rounds.every, "start": rounds.start, "rounds": strategy.outer.rounds,
-                       "step": strategy.compression_state.step}  # fmt: skip
+                       "step": strategy.compression_state.step, "code": strategy.outer.compressor.name,
+                       "cf": strategy.outer.cf, "sent": strategy.outer.sent_cf}  # fmt: skip
     return out
 
 
@@ -39,3 +41,14 @@ def test_the_first_rounds_end_counts_the_steps_left_as_lightning_does():
     assert (exact["every"], exact["start"], exact["rounds"]) == (longer, 1, MIN_ROUNDS)
     assert (short["every"], short["start"]) == (4, 1), "one step short of six more rounds of 8: the rounds stay at 4"
     assert (short["step"], exact["step"]) == (fits - 1, fits)  # the step count is the global step
+
+
+@pytest.mark.distributed
+def test_the_rounds_code_follows_the_budget():
+    # 224 steps (7 rounds of 32) and more: int2 at its factor, the fit's last round in int8; one step fewer: int4.
+    ranks = run_distributed(_lengths_by_budget, timeout=300, budgets=(LONG_BUDGET - 1, LONG_BUDGET))
+    assert ranks[0] == ranks[1]  # every rank decides alike
+    short, long = ranks[0][LONG_BUDGET - 1], ranks[0][LONG_BUDGET]
+    assert (short["code"], short["cf"], long["code"], long["cf"]) == ("int4", 8.0, "int2", 16.0)
+    assert short["sent"] == long["sent"] == 4.0, "the last round goes in int8"
+    assert short["every"] and long["every"], "both budgets take rounds"

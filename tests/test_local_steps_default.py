@@ -13,7 +13,6 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_gravac import GraVAC, GraVACStrategy
-from lightning_gravac.callbacks.gravac.rounds import OUTER_METHOD
 from lightning_gravac.launch import run_distributed
 
 from models import LinkOf, loader, trainer_kwargs
@@ -31,8 +30,8 @@ def _default_on_a_scripted_link(rank: int, world_size: int) -> dict[str, Any]:
     from lightning_gravac.strategies import default_controller
 
     out: dict[str, Any] = {}
-    runs = (("slow", LinkOf, 5e5, 200), ("short", LinkOf, 5e5, 20), ("fast", LinkOf, 1e10, 200),
-            ("warm-up", SlowFirstStep, 5e5, 80))  # fmt: skip
+    runs = (("slow", LinkOf, 1e6, 200), ("short", LinkOf, 1e6, 20), ("fast", LinkOf, 1e10, 200),
+            ("warm-up", SlowFirstStep, 1e6, 80))  # fmt: skip
     for name, link, bits_per_second, steps in runs:
         # The zero-argument default, its controller's link and step times scripted (`LinkOf`).
         default_controller._default_controller = lambda method, alone, k=link, b=bits_per_second: k(b)
@@ -55,7 +54,7 @@ def test_the_default_switches_to_local_steps_where_the_link_and_the_budget_say()
             assert r0[name][key] == r1[name][key], (name, key)  # every rank decides alike
         assert r0[name]["method"] == "qsgd"
     slow = r0["slow"]
-    # 0.5 Mbit/s, 10 ms of computation: rounds of 8 from step 1, once the first step bounds a step's computation.
+    # 1 Mbit/s, 10 ms of computation: rounds of 8 from step 1, once the first step bounds a step's computation.
     assert (slow["every"], slow["start"]) == (8, 1)
     assert slow["rounds"] >= 24
     for step in range(1 + 8, 200, 8):  # the ranks are one model after each round, and two within
@@ -99,7 +98,7 @@ class RunningMeans(pl.Callback):
 def _default_with_buffers(rank: int, world_size: int) -> dict[str, Any]:
     from lightning_gravac.strategies import default_controller
 
-    default_controller._default_controller = lambda method, alone: LinkOf(5e5)
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6)
     model, means = NormedStepData(), RunningMeans()
     strategy = GraVACStrategy()
     _fit(strategy, 64, model=model, callbacks=[means])
@@ -149,7 +148,7 @@ class Owed(pl.Callback):
 def _topk_default_on_a_scripted_link(rank: int, world_size: int) -> dict[str, Any]:
     from lightning_gravac.strategies import default_controller
 
-    default_controller._default_controller = lambda method, alone: LinkOf(5e5, cf_max=20)
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6, cf_max=20)
     strategy, owed = GraVACStrategy(), Owed(at=1)
     pl.seed_everything(0)  # the model's initial values: the same every run
     trace = _fit(strategy, 120, BagStepData(), callbacks=[owed])
@@ -162,14 +161,15 @@ def _topk_default_on_a_scripted_link(rank: int, world_size: int) -> dict[str, An
 
 
 @pytest.mark.distributed
-def test_the_topk_default_switches_to_rounds_in_the_outer_block_code_and_what_topk_owed_lands():
+def test_the_topk_default_switches_to_rounds_in_4_bit_block_codes_and_what_topk_owed_lands():
     ranks = run_distributed(_topk_default_on_a_scripted_link, timeout=300)
     for key in ("method", "outer", "every", "start"):
         assert ranks[0][key] == ranks[1][key], key  # every rank decides alike
     r0 = ranks[0]
-    # Mostly an embedding table under SGD: Top-K every step, then rounds whose change is sent in 2-bit block codes.
-    assert (r0["method"], r0["outer"]) == ("topk", OUTER_METHOD) == ("topk", "int2")
-    # 0.5 Mbit/s, 10 ms of computation, Top-K at cf 20 at most: after the first step, rounds of 16 from step 1.
+    # Mostly an embedding table under SGD: Top-K every step, then rounds whose change is sent in 4-bit block codes (a
+    # 120-step budget: rounds of 32 do not fit 7 times).
+    assert (r0["method"], r0["outer"]) == ("topk", "int4")
+    # 1 Mbit/s, 10 ms of computation, Top-K at cf 20 at most: after the first step, rounds of 16 from step 1.
     assert (r0["every"], r0["start"]) == (16, 1)
     for rank in ranks:
         assert rank["held"][1] > 0, "Top-K's error feedback held residuals before the switch"
@@ -185,7 +185,7 @@ def test_the_topk_default_switches_to_rounds_in_the_outer_block_code_and_what_to
 def _default_measuring_its_first_round(rank: int, world_size: int) -> dict[str, Any]:
     from lightning_gravac.strategies import default_controller
 
-    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(5e5)
+    default_controller._default_controller = lambda method, alone: SlowBeforeTheSwitch(1e6)
     strategy = GraVACStrategy()
     trace = _fit(strategy, 60)
     controller = next(c for c in strategy.lightning_module.trainer.callbacks if isinstance(c, GraVAC))
@@ -229,10 +229,10 @@ def _whole_and_resumed(ckpt_dir: str, make: Callable[[], pl.LightningModule], at
 
 
 def _resumed_on(rank: int, world_size: int, ckpt_dir: str, link: type[LinkOf], at: int) -> dict[str, Any]:
-    """:func:`_whole_and_resumed` of the default on the scripted 0.5 Mbit/s ``link``, checkpointed after step ``at``."""
+    """:func:`_whole_and_resumed` of the default on the scripted 1 Mbit/s ``link``, checkpointed after step ``at``."""
     from lightning_gravac.strategies import default_controller
 
-    default_controller._default_controller = lambda method, alone: link(5e5)
+    default_controller._default_controller = lambda method, alone: link(1e6)
     return _whole_and_resumed(ckpt_dir, StepData, at=at)
 
 
@@ -259,7 +259,7 @@ def test_a_run_resumed_after_its_first_step_switches_where_the_uninterrupted_run
 def _topk_default_with_momentum(rank: int, world_size: int) -> dict[str, Any]:
     from lightning_gravac.strategies import default_controller
 
-    default_controller._default_controller = lambda method, alone: LinkOf(5e5, cf_max=20)
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6, cf_max=20)
     strategy = GraVACStrategy()
     pl.seed_everything(0)
     _fit(strategy, 40, BagStepData(momentum=0.9))
@@ -280,7 +280,7 @@ def _default_resumed(rank: int, world_size: int, ckpt_dir: str, bag: bool) -> di
     from lightning_gravac.strategies import default_controller
 
     # The bag: Top-K's factor held to 20 at most, so that sending every step costs more than rounds on this link.
-    default_controller._default_controller = lambda method, alone: LinkOf(5e5, **({"cf_max": 20} if bag else {}))
+    default_controller._default_controller = lambda method, alone: LinkOf(1e6, **({"cf_max": 20} if bag else {}))
     return _whole_and_resumed(ckpt_dir, BagStepData if bag else StepData, at=30)
 
 

@@ -21,7 +21,7 @@ from lightning_gravac.callbacks.gravac.ladder import DEFAULT_CF_MAX, DEFAULT_CF_
 from lightning_gravac.callbacks.gravac.link_timer import LinkTimer, link_said
 from lightning_gravac.callbacks.gravac.prediction import Decision, kept, masking_weight, progress_per_second, say_choice
 from lightning_gravac.callbacks.gravac.probes import Probes
-from lightning_gravac.callbacks.gravac.rounds import OUTER_CF, Rounds
+from lightning_gravac.callbacks.gravac.rounds import Rounds
 from lightning_gravac.callbacks.gravac.search import SEARCH_DEFAULTS, SEARCHES, Search
 from lightning_gravac.callbacks.gravac.window import Interval, Reduce, Window
 from lightning_gravac.compressors.base import Compressor, validate_cf
@@ -287,7 +287,7 @@ class GraVAC(Controller):
     def measure_round(self, trainer: "pl.Trainer", method: Compressor) -> float:
         """The seconds a round of local steps takes beyond its bytes, ``method`` its outer code, the same on every rank
         (:meth:`LinkTimer.round`). A subclass may return a model (tests)."""
-        return self._link_timer(trainer).round(method, OUTER_CF)
+        return self._link_timer(trainer).round(method, self.rounds.cf)
 
     def _link_timer(self, trainer: "pl.Trainer") -> LinkTimer:
         """The fit's timer of the compression group, its slowest-rank values reduced as every decision input is."""

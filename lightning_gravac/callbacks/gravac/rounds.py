@@ -1,12 +1,14 @@
 """The default's choice between sending every step and local steps: rounds of ``H`` inner steps with nothing sent,
-then the parameter change averaged in 2-bit block codes with error feedback (``int2``: each entry ``-m``, 0 or ``m``
-of its block's largest; ``lightning_gravac.adaptations.local_steps``), whichever method the default sends every step
-(QSGD, or Top-K on a model that is mostly embedding tables; what Top-K still owed at the switch goes into the first
-local step). What a round rounds away is carried into the next, and the fit's last round goes with it in ``int8``.
-QSGD's 4 bits are unbiased but noisier than the change itself (a relative error of 1.25 on a Gaussian vector): on a
-regression with SGD momentum they kept the rounds at 2.3x the loss of the same rounds sent whole, ``int4`` at 1.1x and
-``int2`` at 0.55x; at 1,000 steps ``int2``'s rounds kept dense's held-out metric on the mean of three seeds as
-``int4``'s did, in half their bytes (BENCHMARKS.md).
+then the parameter change averaged in block codes with error feedback (``lightning_gravac.adaptations.local_steps``):
+2-bit (``int2``: each entry ``-m``, 0 or ``m`` of its block's largest) where the budget allows rounds of 32 (at least
+224 steps), 4-bit (``int4``) below, whichever method the default sends every step (QSGD, or Top-K on a model that is
+mostly embedding tables; what Top-K still owed at the switch goes into the first local step). What a round rounds away
+is carried into the next, and the fit's last round goes with it in ``int8``. QSGD's 4 bits are unbiased but noisier
+than the change itself (a relative error of 1.25 on a Gaussian vector): on a regression with SGD momentum they kept the
+rounds at 2.3x the loss of the same rounds sent whole, ``int4`` at 1.1x and ``int2`` at 0.55x. Over three seeds at
+1,000 steps ``int2``'s rounds kept dense's held-out metric as ``int4``'s did, in half their bytes; at 120 steps
+``int2`` missed the mlp by 1.06% on a seed where ``int4`` kept it (-0.11%): with a handful of rounds what a coarse code
+rounds away is not averaged out (BENCHMARKS.md).
 
 Local steps are chosen, after the fit's first step or at a window's end, when the cost model predicts that they save at
 least a tenth of the every-step choice's step (:data:`~.cost.MIN_SAVING`) and the run's budget holds enough rounds.
@@ -40,8 +42,18 @@ LENGTHS = (4, 8, 16, 32, 64)
 MIN_ROUNDS = 7
 #: The share of a step's computation a round's communication may add a step.
 WITHIN_LIMIT = 0.1
-#: The outer update's method and factor: 2-bit block codes from fp32, with error feedback.
+#: The outer update's code and factor where the budget allows rounds of 32 (:data:`LONG_BUDGET`): 2-bit block codes
+#: from fp32, with error feedback.
 OUTER_METHOD, OUTER_CF = "int2", 16.0
+#: The outer update's code and factor on a shorter budget: 4-bit block codes.
+SHORT_METHOD, SHORT_CF = "int4", 8.0
+#: The fewest steps a budget takes for the rounds' 2-bit code: 7 rounds of 32.
+LONG_BUDGET = MIN_ROUNDS * LENGTHS[3]
+
+
+def outer_code(budget_steps: float) -> tuple[str, float]:
+    """The rounds' code and factor for a fit of ``budget_steps`` steps (:data:`LONG_BUDGET`)."""
+    return (OUTER_METHOD, OUTER_CF) if budget_steps >= LONG_BUDGET else (SHORT_METHOD, SHORT_CF)
 
 
 def round_seconds(link: Link, cost: CostModel, work: float, cf: float = OUTER_CF) -> float:
@@ -109,17 +121,23 @@ class Rounds(Checkpointed):
     measured: bool = field(default=False, metadata=checkpointed(added=True))
     work_seconds: float = field(default=0.0, metadata=checkpointed(added=True))
     inner: list[float] = field(default_factory=list, metadata=checkpointed(added=True))  # this rank's
+    code: str = field(default=SHORT_METHOD, metadata=checkpointed(added=True))  # the outer code, by the budget
     why: str = ""  # the prediction that chose them, said once
     _method: Compressor | None = field(default=None, repr=False)  # the outer code where it is not the every-step one
     time_work: Callable[[Compressor], float] | None = field(default=None, repr=False)
 
+    @property
+    def cf(self) -> float:
+        """The outer code's factor."""
+        return OUTER_CF if self.code == OUTER_METHOD else SHORT_CF
+
     def method(self, state: CompressionState) -> Compressor:
-        """The outer update's code: the every-step method where it is :data:`OUTER_METHOD`, else one of its own for
-        this rank."""
-        if state.compressor.name == OUTER_METHOD:
+        """The outer update's code (:attr:`code`): the every-step method where it is that code, else one of its own
+        for this rank."""
+        if state.compressor.name == self.code:
             return state.compressor
-        if self._method is None:
-            self._method = get_compressor(OUTER_METHOD)
+        if self._method is None or self._method.name != self.code:
+            self._method = get_compressor(self.code)
             rank = dist.get_rank(state.process_group) if dist.is_initialized() else 0
             self._method.setup(state.world_size, rank)
         return self._method
@@ -127,7 +145,7 @@ class Rounds(Checkpointed):
     def round_seconds(self, link: Link, cost: CostModel) -> float:
         """A round's communication (:func:`round_seconds`), its own work as timed at fit start, or where that did not
         run (a checkpoint of a version that did not time it), the every-step method's compression."""
-        return round_seconds(link, cost, self.work_seconds or cost.compress_cost)
+        return round_seconds(link, cost, self.work_seconds or cost.compress_cost, self.cf)
 
     def consider(self, cost: CostModel, link: Link | None, every_step_cf: float, rungs: tuple[float, ...],
                  steps_done: int, budget: float) -> int | None:  # fmt: skip
@@ -157,6 +175,7 @@ class Rounds(Checkpointed):
         if not self.allowed or self.every or state is None:
             return
         steps, budget_steps = state.step, budget.steps
+        self.code = outer_code(budget_steps)[0]
         if self.time_work is not None and self.could_pay(cost, link, every_step_cf, rungs, steps, budget_steps):
             self.work_seconds = self.time_work(self.method(state))
             self.time_work = None
@@ -176,7 +195,7 @@ class Rounds(Checkpointed):
         if not allowed:
             return False
         every_step = cost.seconds(link, every_step_cf, cost.dense_bytes, rungs)
-        return saves_enough(link.other_seconds + round_seconds(link, cost, 0.0) / allowed[-1], every_step)
+        return saves_enough(link.other_seconds + round_seconds(link, cost, 0.0, self.cf) / allowed[-1], every_step)
 
     def first_round(self, seconds: float, first: bool, ended: bool, cost: CostModel, steps_left: float,
                     reduce: Callable[[float], float]) -> int | None:  # fmt: skip
@@ -224,13 +243,13 @@ class Rounds(Checkpointed):
         """Local steps from :attr:`start` on, rounds of :attr:`every`, said on rank 0 (``fresh``: from the next step,
         the round starting from the parameters as they are; else resumed, the round's state restored by the
         strategy)."""
-        config, outer = LocalSteps(every=self.every, cf=OUTER_CF), state.carry.get(OuterUpdate)
+        config, outer = LocalSteps(every=self.every, cf=self.cf), state.carry.get(OuterUpdate)
         method = self.method(state)
         if fresh:
             outer.start(config, method, method.error_feedback_default, state.step)
             rank_zero_info(
                 f"GraVAC: local steps from step {state.step}: rounds of {self.every} steps, each round's parameter "
-                f"change averaged in 2-bit block codes with error feedback ({self.why})."
+                f"change averaged in {method.name} block codes with error feedback ({self.why})."
             )
         else:
             outer.configure(config, method, method.error_feedback_default)
