@@ -1,6 +1,7 @@
 """The fit's last round of local steps under error feedback: its change and the residual in 8-bit block codes, nothing
 kept owed after it; an unbiased outer code's last round goes in its own code."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -75,3 +76,31 @@ def test_a_round_sent_whole_stays_whole_at_the_end():
     assert change and exchange.sent_cf == 1.0 and not exchange.residual.kept
     for n in params:
         torch.testing.assert_close(mean[n], 1.0 + owed[n], rtol=0, atol=1e-6)
+
+
+def _ended_at_an_epoch(rank: int, world_size: int) -> dict[str, object]:
+    import pytorch_lightning as pl
+
+    from lightning_gravac import GraVACStrategy, LocalSteps
+    from lightning_gravac.zoo import TeacherRegression
+
+    from models import loader, trainer_kwargs
+
+    pl.seed_everything(0)
+    strategy = GraVACStrategy("int4", local_steps=LocalSteps(every=4))
+    # No max_steps: the fit ends with its epoch, whose last batch closes a round (32 batches a rank, 8 rounds).
+    trainer = pl.Trainer(strategy=strategy, max_epochs=1, **trainer_kwargs(world_size))
+    trainer.fit(TeacherRegression(width=64), loader())
+    exchange = strategy.outer.exchange
+    return {"owed": len(exchange.residual.kept), "sent_cf": exchange.sent_cf, "rounds": strategy.outer.rounds,
+            "params": [p.detach().clone() for p in strategy.lightning_module.parameters()]}  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_a_fit_that_ends_with_its_epoch_sends_what_error_feedback_still_owes():
+    from lightning_gravac.launch import run_distributed
+
+    r0, r1 = run_distributed(_ended_at_an_epoch, timeout=300)
+    assert r0["owed"] == r1["owed"] == 0, "the residual went with a last round at the fit's end"
+    assert r0["sent_cf"] == FINAL_CF and r0["rounds"] == r1["rounds"] == 9  # 8 rounds of the epoch, then the residual
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"], strict=True))

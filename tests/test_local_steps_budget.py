@@ -45,10 +45,12 @@ def test_the_first_rounds_end_counts_the_steps_left_as_lightning_does():
 
 @pytest.mark.distributed
 def test_the_rounds_code_follows_the_budget():
-    # 224 steps (7 rounds of 32) and more: int2 at its factor, the fit's last round in int8; one step fewer: int4.
-    ranks = run_distributed(_lengths_by_budget, timeout=300, budgets=(LONG_BUDGET - 1, LONG_BUDGET))
+    # 224 steps (7 rounds of 32) and more left at the switch (after step 1): int2 at its factor, the fit's last round
+    # in int8; one step fewer: int4.
+    ranks = run_distributed(_lengths_by_budget, timeout=300, budgets=(LONG_BUDGET, LONG_BUDGET + 1))
     assert ranks[0] == ranks[1]  # every rank decides alike
-    short, long = ranks[0][LONG_BUDGET - 1], ranks[0][LONG_BUDGET]
+    short, long = ranks[0][LONG_BUDGET], ranks[0][LONG_BUDGET + 1]
+    assert short["start"] == long["start"] == 1
     assert (short["code"], short["cf"], long["code"], long["cf"]) == ("int4", 8.0, "int2", 16.0)
     assert short["sent"] == long["sent"] == 4.0, "the last round goes in int8"
     assert short["every"] and long["every"], "both budgets take rounds"

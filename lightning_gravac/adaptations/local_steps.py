@@ -288,9 +288,11 @@ class OuterUpdate(Adaptation):
             self.end_round(final=last, drain=last or epoch_ends)
 
     def finish(self) -> None:
-        """The fit ends: a round begun, or one in flight, is closed; with the residual where error feedback holds one
-        (an unbiased code leaves nothing owed)."""
-        if self.config is not None and (self.since > 0 or self.exchange.in_flight):
+        """The fit ends: a round begun, one in flight, or a residual error feedback still holds (a fit that ended at an
+        epoch's end, its last round closed there) is closed, the residual sent with it (an unbiased code leaves nothing
+        owed). Every rank holds a residual alike: each compressed round leaves one on every rank."""
+        owed = self.error_feedback and bool(self.exchange.residual.kept)
+        if self.config is not None and (self.since > 0 or self.exchange.in_flight or owed):
             self.end_round(final=True, drain=True)
 
     def end_round(

@@ -214,7 +214,7 @@ class GraVAC(Controller):
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.hold.fit(bool(trainer.gradient_clip_val), self.state.compressor)
+        self.hold.fit(bool(trainer.gradient_clip_val), self.state.compressor, float(trainer.estimated_stepping_batches))
         super().on_fit_start(trainer, pl_module)
         self.clock.step = -1  # a fit's first batch starts a step, whatever step a fit before ended at
         self._timer, self.rounds.time_work = None, None

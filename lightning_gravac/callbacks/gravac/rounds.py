@@ -51,9 +51,9 @@ SHORT_METHOD, SHORT_CF = "int4", 8.0
 LONG_BUDGET = MIN_ROUNDS * LENGTHS[3]
 
 
-def outer_code(budget_steps: float) -> tuple[str, float]:
-    """The rounds' code and factor for a fit of ``budget_steps`` steps (:data:`LONG_BUDGET`)."""
-    return (OUTER_METHOD, OUTER_CF) if budget_steps >= LONG_BUDGET else (SHORT_METHOD, SHORT_CF)
+def outer_code(steps_left: float) -> tuple[str, float]:
+    """The rounds' code and factor where ``steps_left`` steps of the budget are left (:data:`LONG_BUDGET`)."""
+    return (OUTER_METHOD, OUTER_CF) if steps_left >= LONG_BUDGET else (SHORT_METHOD, SHORT_CF)
 
 
 def round_seconds(link: Link, cost: CostModel, work: float, cf: float = OUTER_CF) -> float:
@@ -175,7 +175,7 @@ class Rounds(Checkpointed):
         if not self.allowed or self.every or state is None:
             return
         steps, budget_steps = state.step, budget.steps
-        self.code = outer_code(budget_steps)[0]
+        self.code = outer_code(budget_steps - steps)[0]  # by the steps left: the rounds this switch can run
         if self.time_work is not None and self.could_pay(cost, link, every_step_cf, rungs, steps, budget_steps):
             self.work_seconds = self.time_work(self.method(state))
             self.time_work = None
