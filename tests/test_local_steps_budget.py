@@ -54,3 +54,15 @@ def test_the_rounds_code_follows_the_budget():
     assert (short["code"], short["cf"], long["code"], long["cf"]) == ("int4", 8.0, "int2", 16.0)
     assert short["sent"] == long["sent"] == 4.0, "the last round goes in int8"
     assert short["every"] and long["every"], "both budgets take rounds"
+
+
+def test_the_rounds_code_is_checkpointed_and_an_older_checkpoint_resumes_in_int4():
+    from lightning_gravac.callbacks.gravac.rounds import Rounds
+
+    saved = Rounds(every=32, start=1, code="int2").state_dict()
+    restored = Rounds()
+    restored.load_state_dict(saved)
+    assert (restored.code, restored.cf) == ("int2", 16.0)
+    older = {k: v for k, v in saved.items() if k != "code"}  # a checkpoint of the version before the code was kept
+    restored.load_state_dict(older)
+    assert (restored.code, restored.cf, restored.every) == ("int4", 8.0, 32)
