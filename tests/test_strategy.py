@@ -149,7 +149,8 @@ def test_methods_refuse_the_options_they_are_not_defined_with():
     # Error feedback by default: on for biased methods, off for unbiased ones and for signSGD (defined without it).
     defaults = {name: GraVACStrategy(name).compression_state.error_feedback for name in list_compressors()}
     assert [name for name, on in defaults.items() if on] == [
-        "adaq", "efsignsgd", "int4", "int8", "onebit", "powersgd", "randomk", "redsync", "sidco", "threshold", "topk",
+        "adaq", "efsignsgd", "int2", "int4", "int8", "onebit", "powersgd", "randomk", "redsync", "sidco", "threshold",
+        "topk",
     ]  # fmt: skip
 
 
