@@ -95,9 +95,8 @@ def make_row(row: str, momentum: float, adaptive_optimizer: bool = False) -> tup
         every = int(length) if row in LOCAL else 0
         outer_cf = 1.0 if code == "whole" else LocalSteps.cf
         rounds = LocalSteps(every=every, overlap=code == "overlap", cf=outer_cf) if every else None
-        if code == "int2":  # 2-bit block codes (3 levels), error-fed
-            return GraVACStrategy("int2", local_steps=LocalSteps(every=every, cf=16.0)), []
-        if code.startswith(("int4", "int8")):  # the outer update in a block code, error-fed unless "no ef"
+        if code.startswith(("int2", "int4", "int8")):  # the outer update in a block code (at its own factor),
+            # error-fed unless "no ef"
             return GraVACStrategy(code[:4], local_steps=rounds, error_feedback=not code.endswith("no ef")), []
         return GraVACStrategy(local_steps=rounds), []
     if row in ABLATIONS:

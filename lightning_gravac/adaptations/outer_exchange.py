@@ -24,12 +24,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gravac.compressors.base import Compressor, Payload, get_compressor
+from lightning_gravac.compressors.blockwise import Int8
 from lightning_gravac.compressors.packing import Layout
 from lightning_gravac.staged import Staged
 from lightning_gravac.tables import ByRows, RowTables, row_mask, set_rows
 
 #: The code of the fit's last round under error feedback, and its factor: 8-bit blocks from fp32.
-FINAL_METHOD, FINAL_CF = "int8", 4.0
+FINAL_METHOD, FINAL_CF = Int8.name, Int8.fixed_cf
 
 
 class OuterExchange:

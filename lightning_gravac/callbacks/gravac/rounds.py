@@ -33,6 +33,7 @@ from lightning_gravac.callbacks.gravac.checkpoint import Checkpointed, checkpoin
 from lightning_gravac.callbacks.gravac.cost import CostModel, Link, moved_bytes, saves_enough
 from lightning_gravac.callbacks.gravac.ladder import Budget
 from lightning_gravac.compressors.base import Compressor, get_compressor
+from lightning_gravac.compressors.blockwise import Int2, Int4
 from lightning_gravac.state import CompressionState
 
 #: Round lengths the default picks from, shortest first (32 and 64 only where the budget holds 7 of them: 224 and
@@ -44,9 +45,11 @@ MIN_ROUNDS = 7
 WITHIN_LIMIT = 0.1
 #: The outer update's code and factor where the budget allows rounds of 32 (:data:`LONG_BUDGET`): 2-bit block codes
 #: from fp32, with error feedback.
-OUTER_METHOD, OUTER_CF = "int2", 16.0
+OUTER_METHOD, OUTER_CF = Int2.name, Int2.fixed_cf
 #: The outer update's code and factor on a shorter budget: 4-bit block codes.
-SHORT_METHOD, SHORT_CF = "int4", 8.0
+SHORT_METHOD, SHORT_CF = Int4.name, Int4.fixed_cf
+#: Each outer code's factor, by name.
+CODE_CF = {OUTER_METHOD: OUTER_CF, SHORT_METHOD: SHORT_CF}
 #: The fewest steps a budget takes for the rounds' 2-bit code: 7 rounds of 32.
 LONG_BUDGET = MIN_ROUNDS * LENGTHS[3]
 
@@ -129,7 +132,7 @@ class Rounds(Checkpointed):
     @property
     def cf(self) -> float:
         """The outer code's factor."""
-        return OUTER_CF if self.code == OUTER_METHOD else SHORT_CF
+        return CODE_CF[self.code]
 
     def method(self, state: CompressionState) -> Compressor:
         """The outer update's code (:attr:`code`): the every-step method where it is that code, else one of its own
