@@ -51,7 +51,9 @@ seconds (a row stopped before its target or its last step *misses*, and the tabl
 the run for the MLP and the CNN (momentum correction in the hook for the Top-K rows; DGC applies the momentum itself),
 AdamW for the embedding bag and the LSTM. ``--optimizer adamw`` trains every task with AdamW, and
 ``--rows`` also takes more compressor families (QSGD 4-bit, PowerSGD, Random-K, EF-signSGD) at fixed settings: with
-``--links unlimited`` that measures what each family does to AdamW's training, link aside.
+``--links unlimited`` that measures what each family does to AdamW's training, link aside. ``--schedule cosine``
+decays AdamW's learning rate to 0 over the budget, as a run of a fixed length is trained: at a constant 1e-2 over
+1,000 steps the bag's dense run itself climbs back to 5x its lowest held-out loss, an end no code can be judged by.
 
 ``--repeats R`` runs each task R times back to back (the paper's GraVAC row, slow and not what the bar judges, in
 the first repeat only). A single run cannot check a 10% or 30% bar: on this machine one cell's time moves by more than
@@ -204,6 +206,7 @@ def _train(
     sgd_lr: float | None = None,
     evals: int = 0,
     seed: int = 0,
+    schedule: str = "constant",
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     pl.seed_everything(seed)
@@ -212,7 +215,7 @@ def _train(
     momentum = spec["momentum"] if optimizer == "task" else 0.0  # the task's SGD momentum, which DGC applies itself
     adamw = optimizer == "adamw" or (optimizer == "users" and task not in USERS_SGD_LR)
     if adamw:
-        use_adamw(spec["model"], ADAMW_LR[task])
+        use_adamw(spec["model"], ADAMW_LR[task], steps if schedule == "cosine" else None)
     elif optimizer == "users":
         momentum = 0.9
         use_sgd_cosine(spec["model"], sgd_lr or USERS_SGD_LR[task], 0.0 if dgc else momentum, steps)
@@ -250,8 +253,8 @@ def _train(
 def _run(task: str, row: str, args: argparse.Namespace, steps: int, cap: float) -> dict[str, Any]:
     return run_distributed(
         _train, world_size=2, timeout=cap * 2 + 600, task=task, row=row, scale=args.scale, steps=steps, cap=cap,
-        optimizer=args.optimizer, sgd_lr=args.sgd_lr, evals=args.evals if steps == args.steps else 0,
-        seed=args.seed,
+        optimizer=args.optimizer, sgd_lr=args.sgd_lr, schedule=args.schedule,
+        evals=args.evals if steps == args.steps else 0, seed=args.seed,
     )[0]  # fmt: skip
 
 
@@ -336,6 +339,12 @@ def main() -> None:
         choices=["task", "users", "adamw", "sgd"],
         help="each task's own (SGD), each task's users' (SGD momentum + cosine, or AdamW), AdamW for all, or plain "
         "SGD for all (the momentum tasks at lr / (1 - momentum), the same step size)",
+    )
+    parser.add_argument(
+        "--schedule",
+        default="constant",
+        choices=["constant", "cosine"],
+        help="AdamW's learning rate: constant, or decayed to 0 over the budget (cosine), as a fixed budget is trained",
     )
     parser.add_argument(
         "--sgd-lr", type=float, default=None, help="with --optimizer users: the SGD tasks' peak learning rate"

@@ -138,12 +138,17 @@ def _diamonds() -> tuple[Tensor, Tensor]:
     return features, labels
 
 
-def use_adamw(model: pl.LightningModule, lr: float) -> None:
+def use_adamw(model: pl.LightningModule, lr: float, cosine_steps: int | None = None) -> None:
     """Train ``model`` with AdamW (weight decay 0.01) instead of its own optimizer (what LSTM and embedding users
-    run)."""
+    run); with ``cosine_steps``, its learning rate decays from ``lr`` to 0 over that many steps (what a user training
+    for a fixed budget runs)."""
 
-    def configure_optimizers() -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    def configure_optimizers() -> Any:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        if cosine_steps is None:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cosine_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
 
