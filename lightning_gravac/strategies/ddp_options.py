@@ -1,7 +1,9 @@
 """The DDP options GraVACStrategy sets, keeps off or refuses: post-local SGD's, the keyword arguments its DDP model is
 built with and the buffer sync that local steps do without."""
 
+import difflib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -31,6 +33,36 @@ def refuse_own_hook(kwargs: dict[str, Any]) -> None:
         raise ValueError(
             f"GraVACStrategy registers its own DDP comm hook; remove {', '.join(clashing)} "
             "or use DDPStrategy for a hook of your own."
+        )
+
+
+def refuse_arguments(kwargs: dict[str, Any], *takers: Callable[..., Any]) -> None:
+    """Refuse, among ``kwargs``, a comm hook of the user's own (:func:`refuse_own_hook`) and a keyword argument that
+    neither ``takers`` (the strategy's and DDPStrategy's ``__init__``) nor ``DistributedDataParallel`` take: at
+    construction, not when the DDP model is built at fit start, on every rank, with a traceback through Lightning.
+
+    Raises:
+        ValueError: naming the argument, with the closest name where one is near, else where a factor is set.
+    """
+    refuse_own_hook(kwargs)
+    known = {
+        name
+        for taker in (*takers, DistributedDataParallel.__init__)
+        for name, parameter in inspect.signature(taker).parameters.items()
+        if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL) and name not in ("self", "module")
+    }
+    for name in kwargs:
+        if name in known:
+            continue
+        near = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = (
+            f"did you mean `{near[0]}`?"
+            if near
+            else "a factor is set by a controller callback, e.g. "
+            "`Trainer(strategy=GraVACStrategy('topk'), callbacks=[Static(cf=10)])` or `callbacks=[GraVAC(cf_max=100)]`."
+        )
+        raise ValueError(
+            f"GraVACStrategy takes no argument `{name}` (nor do DDPStrategy and DistributedDataParallel): {hint}"
         )
 
 

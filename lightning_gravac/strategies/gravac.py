@@ -18,7 +18,7 @@ from lightning_gravac.callbacks.controller import largest_trainable
 from lightning_gravac.compressors.base import Compressor
 from lightning_gravac.state import GATHER, REDUCE, BucketRecord, CompressionState, Granularity
 from lightning_gravac.strategies.checkpoint import CHECKPOINT_KEY, restore_compression, saved_compression
-from lightning_gravac.strategies.ddp_options import built_with, post_local_sgd, refuse_own_hook, stop_buffer_sync
+from lightning_gravac.strategies.ddp_options import built_with, post_local_sgd, refuse_arguments, stop_buffer_sync
 from lightning_gravac.strategies.default_controller import allow_rounds, attach_controller, hold_exact
 from lightning_gravac.strategies.default_method import choose_method, method_of
 from lightning_gravac.strategies.hook import gravac_hook
@@ -72,7 +72,8 @@ class GraVACStrategy(DDPStrategy):
             ``gradient_as_bucket_view`` defaults to ``True`` here (applied where the DDP model is built).
 
     Raises:
-        ValueError: for an unknown compressor or granularity, a ``ddp_comm_hook`` argument, or an ``error_feedback``
+        ValueError: for an unknown compressor or granularity, an argument neither this class, ``DDPStrategy`` nor
+            ``DistributedDataParallel`` takes, a ``ddp_comm_hook`` argument, or an ``error_feedback``
             or ``granularity`` the method does not allow.
 
     Example::
@@ -95,7 +96,7 @@ class GraVACStrategy(DDPStrategy):
         embedding_rows: bool = True,
         **kwargs: Any,
     ) -> None:
-        refuse_own_hook(kwargs)
+        refuse_arguments(kwargs, GraVACStrategy.__init__, DDPStrategy.__init__)
         # A user of the other Lightning package who passes this class to its Trainer gets mixed_up's line.
         visible_to_the_other_trainer(type(self), pl.__name__)
         if local_steps is not None and model_averaging_period is not None:
