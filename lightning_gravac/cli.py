@@ -2,13 +2,14 @@
 
 import logging
 import os
+import re
 import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 from omegaconf import OmegaConf
@@ -74,14 +75,18 @@ def _no_advertisement(record: logging.LogRecord) -> bool:
     return "try installing [litlogger]" not in record.getMessage()
 
 
-def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningCLI":
+def cli_main(args: Sequence[str] | None = None, run: bool = True, recipe: str | None = None) -> "LightningCLI":
     """``python -m lightning_gravac fit --config recipe.yaml``: the LightningCLI, models and data by class path.
+
+    With ``recipe`` (its name), a configuration the parser rejects (a key Lightning's ``fit`` does not take, a value of
+    the wrong type) ends the run with the parser's message, not the usage of LightningCLI's flags, which a recipe's
+    ``dotted.key=value`` overrides never wrote.
 
     Raises:
         RefusedArgument: when a class of this package refuses an argument of the configuration.
     """
     # Imported here, not at the top: `--help` and `recipes` answer without torch and Lightning (seconds of CPU).
-    from pytorch_lightning.cli import LightningCLI  # noqa: PLC0415
+    from pytorch_lightning.cli import LightningArgumentParser, LightningCLI  # noqa: PLC0415
 
     from lightning_gravac import register_strategies  # noqa: PLC0415
 
@@ -91,6 +96,14 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningC
         def before_instantiate_classes(self) -> None:
             # After Lightning's own instantiators (models and data modules), which stay first for their classes.
             self.parser.add_instantiator(instantiator, object)
+
+    class RecipeParser(LightningArgumentParser):
+        def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+            # Where the parser would exit (not in the inner parsers it tries a union's types with), a SystemExit as
+            # its own: nothing between here and the command catches it.
+            if not self.exit_on_error:
+                super().error(message, ex)
+            raise SystemExit(_unparsed(recipe or "", message))
 
     register_strategies()  # the "gravac" names, for a recipe that asks for the strategy by name
     logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_no_advertisement)
@@ -108,6 +121,7 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningC
                 subclass_mode_model=True,
                 subclass_mode_data=True,
                 save_config_kwargs={"overwrite": True},
+                parser_class=RecipeParser if recipe is not None else LightningArgumentParser,
                 args=list(args) if args is not None else None,
                 run=run,
             )
@@ -120,6 +134,22 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> "LightningC
             if refused is None or str(refused).partition(": ")[2] not in str(error):
                 raise
             raise refused from None
+
+
+def _unparsed(recipe: str, message: str) -> str:
+    """The parser's ``message`` on a recipe, as this tool says it: the key the user wrote, not LightningCLI's option."""
+    unknown = re.fullmatch(r"Subcommand '\w+' does not accept option '(.+)'", message.strip())
+    # A class's argument that its signature lacks: jsonargparse says it inside each type of the key's union.
+    pattern = r"Parser key \"(.+?)\":.*class_path '([\w.]+)':\s+Option '(\w+)' is not accepted"
+    refused = re.search(pattern, message, re.S)
+    if unknown:
+        said = f"no key {unknown[1]!r} (check its spelling)"
+    elif refused:
+        key, path, option = refused.groups()
+        said = f"{path.rpartition('.')[2]} takes no argument {option!r} (under {key!r}; check its spelling)"
+    else:
+        said = message.strip()
+    return f"lightning_gravac: {recipe}: {said}\nThe keys and their types: python -m lightning_gravac fit --help"
 
 
 def _finish_wandb() -> None:
@@ -162,7 +192,11 @@ def _override(override: str) -> tuple[str, Any]:
     key, sep, value = override.partition("=")
     if not sep or not key:
         raise ValueError(f"An override is `dotted.key=value`, got {override!r}.")
-    return key, yaml.safe_load(value)
+    try:
+        return key, yaml.safe_load(value)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or "not yaml"
+        raise ValueError(f"The value of {override!r} is read as yaml, and it is not: {problem}.") from None
 
 
 def quick_variant(recipe: str | Path) -> list[tuple[str, Any]]:
@@ -217,9 +251,15 @@ def run_recipe(argv: Sequence[str]) -> None:
     name; the quickstart when none is given), then fit it with the CLI."""
     paths = [a for a in argv if "=" not in a]
     if len(paths) > 1:
-        raise SystemExit(f"usage: run [recipe] [dotted.key=value ...]; got several recipes: {paths}")
+        raise SystemExit(
+            f"lightning_gravac: {paths[1]!r} has no `=value`: after the recipe ({paths[0]!r}) each argument is an "
+            "override, dotted.key=value (e.g. trainer.max_steps=5)"
+        )
     recipe = paths[0] if paths else QUICKSTART
-    config = resolve_recipe(recipe, [a for a in argv if "=" in a])
+    try:
+        config = resolve_recipe(recipe, [a for a in argv if "=" in a])
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"lightning_gravac: {error}".rstrip(".")) from None
     fit_to_machine(config)
     # LightningCLI reads files; the resolved recipe goes to one the other ranks can read too (Lightning
     # re-executes this command line for them, which resolves the same file again).
@@ -227,7 +267,7 @@ def run_recipe(argv: Sequence[str]) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix=f"{stem}-", delete=False) as f:
         f.write(OmegaConf.to_yaml(config))
     try:
-        cli_main(["fit", "--config", f.name])
+        cli_main(["fit", "--config", f.name], recipe=stem)
     finally:
         Path(f.name).unlink(missing_ok=True)
 
@@ -272,7 +312,8 @@ def _dispatch(argv: Sequence[str]) -> None:
         run_recipe([QUICKSTART, *rest])
     elif command == "run":
         if not rest or "=" in rest[0]:
-            raise SystemExit(USAGE)
+            names = ", ".join(list_recipes())
+            raise SystemExit(f"run takes a recipe first: a packaged one ({names}) or a yaml's path.\n\n{USAGE}")
         try:
             find_recipe(rest[0])
         except FileNotFoundError as error:
