@@ -1,8 +1,10 @@
-"""A newcomer's mistakes are said in a line or two, naming what was wrong and what to write instead."""
+"""A newcomer's mistakes are said in a line or two, naming what was wrong and what to write instead: a strategy argument
+no class takes, a recipe override the parser rejects or that is not ``key=value``, ``run`` without a recipe, and a
+summary whose metric was never measured because no validation ran."""
 
 import pytest
 
-from lightning_gravac import GraVACStrategy
+from lightning_gravac import GraVACStrategy, RunSummary
 from lightning_gravac.cli import _dispatch, run_recipe
 
 
@@ -54,3 +56,16 @@ def test_run_without_a_recipe_says_it_takes_one_first():
             _dispatch(argv)
         first = str(exited.value.code).splitlines()[0]
         assert first.startswith("run takes a recipe first: a packaged one (lstm_ptb, quickstart"), first
+
+
+def test_the_summary_says_no_validation_ran_where_the_module_validates_and_none_did():
+    summary = RunSummary(monitor="val_acc")
+    summary.history = [{"step": 1.0 + i, "gravac/cf": 10.0, "gravac/bytes_sent": 10.0, "gravac/bytes_dense": 100.0}
+                       for i in range(3)]  # fmt: skip
+    summary.logged, summary.validates_every = ["train_loss"], 781.0
+    table = summary.table(1.0)
+    assert "No metric named 'val_acc' was logged (logged: train_loss), and no validation ran in these 3 steps" in table
+    assert "every 781 training batches" in table and "trainer.val_check_interval" in table
+    assert "give RunSummary(monitor=...)" not in table
+    summary.validates_every = None  # validation ran, or the module has none: the name is the question
+    assert "give RunSummary(monitor=...) the name the module logs" in summary.table(1.0)

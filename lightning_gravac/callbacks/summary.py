@@ -8,6 +8,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning import Callback
 from pytorch_lightning.utilities import rank_zero_only
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_gravac.adaptations import OuterUpdate
@@ -18,11 +19,11 @@ class RunSummary(Callback):
     """Collects the controller's ``gravac/*`` metrics of every step and prints a table when training ends (rank 0).
 
     The table: steps, last value of ``monitor`` ("not measured" when the module never logged it, with the names it
-    did log), bytes sent against dense DDP's, the harmonic mean of the compression factors asked for (what they would
-    have saved; under local steps, the codes the rounds' changes went in, and a line says how many steps sent nothing)
-    and the training time, from the first step to the end of training. :attr:`history` keeps
-    one row a step for plots and tests. Its place among the callbacks does not
-    matter: a step is collected once the controller has seen it.
+    did log, or that no validation ran where the module validates), bytes sent against dense DDP's, the harmonic mean
+    of the compression factors asked for (what they would have saved; under local steps, the codes the rounds' changes
+    went in, and a line says how many steps sent nothing) and the training time, from the first step to the end of
+    training. :attr:`history` keeps one row a step for plots and tests. Its place among the callbacks does not matter:
+    a step is collected once the controller has seen it.
 
     With ``plot`` it also saves ``gravac.png`` in the trainer's log directory: the factor, the gain, the compression
     throughput (when the controller reports one: GraVAC) and the monitored metric over steps, each where it was
@@ -48,6 +49,11 @@ class RunSummary(Callback):
         self.plotted: list[str] = []
         #: Whether the fit ran local steps (by its end): the table says what their factors count.
         self.local_steps = False
+        #: Whether a validation ran during the fit (not the sanity check), and, for a module that validates when none
+        #: did, the training batches between validations (``None`` where none or not said): what the table says when
+        #: ``monitor`` was never logged.
+        self.validated = False
+        self.validates_every: float | None = None
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -112,15 +118,30 @@ class RunSummary(Callback):
             )
         if last is None:
             logged = ", ".join(self.logged) or "none"
-            table.append(
-                f"No metric named {self.monitor!r} was logged (logged: {logged}): give RunSummary(monitor=...) the "
-                "name the module logs, or log it."
-            )
+            table.append(f"No metric named {self.monitor!r} was logged (logged: {logged})" + self._why_unlogged())
         return "\n".join(table)
+
+    def _why_unlogged(self) -> str:
+        """The end of the line saying ``monitor`` was never logged: no validation ran, or the name is not logged."""
+        if self.validates_every is None:
+            return ": give RunSummary(monitor=...) the name the module logs, or log it."
+        every = self.validates_every
+        where = f"every {every:g} training batches here" if math.isfinite(every) else "at each epoch's end"
+        return (
+            f", and no validation ran in these {len(self.history)} steps (Lightning validates {where}): set "
+            "trainer.val_check_interval to fewer steps than the run's, or train longer."
+        )
+
+    @override
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.validated = self.validated or not trainer.sanity_checking
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._collect(trainer)
+        validates = is_overridden("validation_step", pl_module) and bool(trainer.limit_val_batches)
+        every = trainer.val_check_batch
+        self.validates_every = float(every or math.inf) if validates and not self.validated else None
         metrics = trainer.callback_metrics
         self.logged = sorted(name for name in metrics if not name.startswith("gravac/"))
         self.final = float(metrics[self.monitor]) if self.monitor in metrics else None
