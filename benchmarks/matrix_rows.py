@@ -31,7 +31,8 @@ FAMILY_SETTINGS = {"qsgd 4-bit": ("qsgd", 8.0), "powersgd cf=100": ("powersgd", 
                    "randomk cf=100": ("randomk", 100.0), "efsignsgd": ("efsignsgd", 32.0),
                    "qsgd 2-bit": ("qsgd", 15.5), "qsgd 3-bit": ("qsgd", 10.0),
                    "qsgd 2-bit ef": ("qsgd", 15.5), "qsgd 3-bit ef": ("qsgd", 10.0),
-                   "qsgd 4-bit ef": ("qsgd", 8.0), "int8": ("int8", 4.0), "int4": ("int4", 8.0),
+                   "qsgd 4-bit ef": ("qsgd", 8.0), "qsgd 8-bit": ("qsgd", 4.0), "int8": ("int8", 4.0),
+                   "int4": ("int4", 8.0),
                    "int8 no ef": ("int8", 4.0), "int4 no ef": ("int4", 8.0), "int8 b32": ("int8", 4.0),
                    "int8 b32 no ef": ("int8", 4.0), "int4 b32": ("int4", 8.0)}  # fmt: skip
 FAMILIES = [row for row in FAMILY_SETTINGS if row not in FIXED]
