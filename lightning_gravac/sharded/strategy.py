@@ -1,5 +1,6 @@
 """GraVACModelParallelStrategy: fully sharded training (FSDP2) whose gradient reduce-scatter sends block codes."""
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -19,6 +20,7 @@ from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.compressors.none import NoCompression
 from lightning_gravac.sharded.all_gather import CodedAllGather
+from lightning_gravac.sharded.local_steps import LocalSteps
 from lightning_gravac.sharded.reduce_scatter import CodedReduceScatter
 from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
 from lightning_gravac.strategies.checkpoint import gather_rows
@@ -52,6 +54,14 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             groups holding replicas; each rank's reduced shard is averaged with its replicas' in ``compressor``'s
             code, with error feedback (:class:`~lightning_gravac.sharded.replicas.CodedReplicaAllReduce`). 1: plain
             sharding over every data-parallel rank.
+        replica_every: local steps between replica groups (``replica_groups > 1``): no average between groups in
+            each step; each group trains on its own (its own reduce-scatter, optimizer steps and states), and after
+            every ``replica_every``-th optimizer step each rank averages the change of its parameter shards since
+            the last average with its replicas', in ``compressor``'s code with error feedback, one collective a
+            round (:class:`~lightning_gravac.sharded.local_steps.LocalSteps`; DiLoCo's structure, the outer step a
+            plain average). A round left partial is averaged at the fit's end (the strategy's ``on_train_end``,
+            after the callbacks'): every replica ends with the same parameters. ``None``: the gradients averaged
+            between groups every step.
         data_parallel_size: the ranks that shard the model (``ModelParallelStrategy``'s; ``"auto"`` is the number of
             nodes, so on one machine pass the number of devices).
         tensor_parallel_size: ``ModelParallelStrategy``'s.
@@ -59,8 +69,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
 
     Raises:
         ValueError: for a ``compressor`` other than the block codes and ``"none"``, an ``all_gather_code`` other
-            than a block code, or ``replica_groups`` not a whole number >= 1 (at setup: not dividing the
-            data-parallel ranks).
+            than a block code, ``replica_groups`` not a whole number >= 1 (at setup: not dividing the data-parallel
+            ranks), or ``replica_every`` not a whole number >= 1 or without ``replica_groups > 1``.
 
     Example::
 
@@ -75,6 +85,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         error_feedback: bool = True,
         all_gather_code: str | BlockCode | None = None,
         replica_groups: int = 1,
+        replica_every: int | None = None,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
         **kwargs: Any,
@@ -97,11 +108,27 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             raise ValueError(
                 f"GraVACModelParallelStrategy: `replica_groups` must be a whole number >= 1, got {replica_groups!r}."
             )
+        if replica_every is not None and (
+            isinstance(replica_every, bool) or not isinstance(replica_every, int) or replica_every < 1
+        ):
+            raise ValueError(
+                "GraVACModelParallelStrategy: `replica_every` must be a whole number >= 1 or None, got "
+                f"{replica_every!r}."
+            )
+        if replica_every is not None and replica_groups == 1:
+            raise ValueError(
+                f"GraVACModelParallelStrategy: `replica_every={replica_every}` averages between replica groups, so it "
+                "needs `replica_groups` > 1, got 1."
+            )
         super().__init__(data_parallel_size, tensor_parallel_size, **kwargs)
         self.compressor: Compressor = method
         self.error_feedback = error_feedback
         self.all_gather_code = gather
         self.replica_groups = replica_groups
+        self.replica_every = replica_every
+        #: The parameter average between replica groups every ``replica_every`` steps (made at fit setup).
+        self.local_steps: LocalSteps | None = None
+        self._restored_local: tuple[dict[str, torch.Tensor], int] | None = None  # this rank's, from a checkpoint
         #: Each sharded module's reduce-scatter, by the module's name ("" for the root).
         self.reduce_scatters: dict[str, CodedReduceScatter] = {}
         #: Each sharded module's all-reduce between replica groups, by the module's name (none without groups).
@@ -117,7 +144,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
     @property
     def bytes_between_groups(self) -> int:
         """The bytes this rank has sent to its replicas in the other groups so far (0 without replica groups)."""
-        return sum(hook.bytes_sent for hook in self.replica_all_reduces.values())
+        outer = self.local_steps.average_changes.bytes_sent if self.local_steps is not None else 0
+        return outer + sum(hook.bytes_sent for hook in self.replica_all_reduces.values())
 
     @override
     def setup_environment(self) -> None:
@@ -160,6 +188,15 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         gather = self.all_gather_code
         params = f"parameters gathered in {gather.name} block codes" if gather else "parameters gathered as they are"
         groups = f"; {self.replica_groups} replica groups, averaged in the same code" if self.replica_groups > 1 else ""
+        if self.replica_every is not None:
+            how = "exactly"
+            if isinstance(method, BlockCode):
+                how = f"in {method.name} block codes {'with' if self.error_feedback else 'without'} error feedback"
+            every = f"every {self.replica_every} steps" if self.replica_every > 1 else "every step"
+            groups = (
+                f"; {self.replica_groups} replica groups, each training on its own, their parameter changes averaged "
+                f"{every} {how}"
+            )
         return f"GraVACModelParallelStrategy: {grads}; {params}{groups}."
 
     @override
@@ -195,7 +232,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             module.set_custom_reduce_scatter(comm)
             if self.all_gather_code is not None:
                 module.set_custom_all_gather(CodedAllGather(self.all_gather_code))
-            if self._replicas is not None:
+            if self._replicas is not None and self.replica_every is None:
                 pieces = [(REPLICAS + name, per_chunk) for name, _, per_chunk in layout]
                 hook = CodedReplicaAllReduce(code, self._replicas, self.error_feedback, pieces)
                 module.set_all_reduce_hook(hook)
@@ -210,6 +247,29 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             )
         if self._restored is not None:
             self._load_residuals(self._restored)
+        if self._replicas is not None and self.replica_every is not None:
+            self.local_steps = LocalSteps(self.replica_every, code, self._replicas, self.error_feedback, model)
+            if self._restored_local is not None:
+                self.local_steps.load_state_dict(*self._restored_local, self.optimizers, self.root_device)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.local_steps is not None:
+            self.local_steps.start()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.local_steps is not None:
+            self.local_steps.stepped()
+        return out
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.local_steps is not None:
+            self.local_steps.finish()
 
     def _residuals(self) -> dict[str, torch.Tensor]:
         comms = [comm.state_dict() for comm in self.reduce_scatters.values()]
@@ -230,6 +290,12 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         # Every rank's residuals, stacked by rank on the one that writes (a collective: every rank is here).
         rows, _ = gather_rows(self._residuals(), self.world_size, device=self.root_device)
         checkpoint[CHECKPOINT_KEY] = {"residuals": rows, "world_size": self.world_size}
+        if self.local_steps is not None:
+            # Every rank's anchor, outer residual, shards and optimizer state: the replicas differ within a round.
+            local, _ = gather_rows(
+                self.local_steps.state_dict(self.optimizers), self.world_size, device=self.root_device
+            )
+            checkpoint[CHECKPOINT_KEY]["local_steps"] = {"rows": local, "since": self.local_steps.since}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -251,7 +317,23 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                 self._restored = {name: stacked[self.global_rank] for name, stacked in rows.items()}
             if self.reduce_scatters:
                 self._load_residuals(self._restored)
+            self._load_local_steps(saved)
         return checkpoint
+
+    def _load_local_steps(self, saved: dict[str, Any]) -> None:
+        local = saved.get("local_steps")
+        if local is None or self.replica_every is None:
+            return
+        if saved["world_size"] != self.world_size:
+            rank_zero_warn(
+                f"GraVACModelParallelStrategy: resuming local steps on {self.world_size} ranks from a checkpoint of "
+                f"{saved['world_size']}; the anchors restart from the restored parameters, the outer residual from "
+                "zero, and a new round starts."
+            )
+            return
+        self._restored_local = ({n: rows[self.global_rank] for n, rows in local["rows"].items()}, local["since"])
+        if self.local_steps is not None:
+            self.local_steps.load_state_dict(*self._restored_local, self.optimizers, self.root_device)
 
     @classmethod
     @override

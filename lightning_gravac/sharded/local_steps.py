@@ -1,0 +1,149 @@
+"""Local steps between replica groups: each group trains on its own, and every few optimizer steps each rank averages
+the change of its parameter shards with its replicas' (DiLoCo's structure, the outer step a plain average).
+
+Each rank keeps an anchor, one fp32 copy of its local shards, taken at fit start and after each average. At the end
+of a round the change since the anchor, all this rank's shards as one flat vector, is averaged with the replicas' in
+the strategy's block code with error feedback (:class:`~lightning_gravac.sharded.replicas.CodedReplicaAllReduce`: one
+collective a round; exact for ``"none"``), and each shard becomes anchor + averaged change: every replica of a shard
+ends the round with the same bits. The optimizers and their states stay each group's own.
+"""
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_gravac.compressors.blockwise import BlockCode
+from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
+
+#: Prefixes of this rank's state in a checkpoint, by parameter name.
+ANCHOR, OUTER, LOCAL = "anchor.", "outer.", "local."
+
+
+def _local(p: Tensor) -> Tensor:
+    """The tensor this rank holds of ``p`` (a DTensor's local shard), itself: writing to it writes the parameter."""
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def _padded(p: Tensor) -> int:
+    """The entries of ``p``'s largest local shard (FSDP2's ``Shard(0)``: rows in chunks of the rounded-up share):
+    every rank's tensor of ``p`` saved at this length has one shape, as a checkpoint's rows must."""
+    if not isinstance(p, DTensor) or p.dim() == 0 or p.shape[0] == 0:
+        return _local(p).numel()
+    return -(-p.shape[0] // p.device_mesh.size()) * (p.numel() // p.shape[0])
+
+
+def _pad(t: Tensor, entries: int) -> Tensor:
+    flat = t.detach().reshape(-1)
+    return torch.cat([flat, flat.new_zeros(entries - flat.numel())])
+
+
+class LocalSteps:
+    """The parameter average between replica groups every ``every`` optimizer steps, on ``model``'s local shards.
+
+    Args:
+        every: optimizer steps a round.
+        code: the block code; ``None`` averages exactly.
+        group: the ranks that hold this rank's shards, one in each replica group.
+        error_feedback: keep what coding dropped and add it to the next round's change.
+        model: the sharded module (its parameters' local shards are averaged in place).
+    """
+
+    def __init__(
+        self, every: int, code: BlockCode | None, group: dist.ProcessGroup, error_feedback: bool, model: nn.Module
+    ) -> None:
+        self.every, self.model = every, model
+        layout = [(OUTER + name, t.numel()) for name, t in self._locals()]
+        #: The all-reduce of the change between replicas (its residual is the outer step's error feedback).
+        self.average_changes = CodedReplicaAllReduce(code, group, error_feedback, layout)
+        #: This rank's shards at the last average (or fit start), flat, fp32; ``None`` before fit start.
+        self.anchor: Tensor | None = None
+        #: Optimizer steps since the last average.
+        self.since = 0
+
+    def _locals(self) -> list[tuple[str, Tensor]]:
+        return [(name, _local(p)) for name, p in self.model.named_parameters()]
+
+    def _flat(self) -> Tensor:
+        return torch.cat([t.detach().reshape(-1).float() for _, t in self._locals()])
+
+    def start(self) -> None:
+        """Take the anchor unless a checkpoint restored one."""
+        if self.anchor is None:
+            self.anchor = self._flat()
+
+    def stepped(self) -> None:
+        """Count an optimizer step; at the round's end, average."""
+        self.since += 1
+        if self.since >= self.every:
+            self.average()
+
+    def finish(self) -> None:
+        """Average a round left partial, so every replica ends with the same parameters."""
+        if self.since > 0:
+            self.average()
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Each local shard becomes anchor + the change since the anchor averaged over the replicas; a new anchor."""
+        assert self.anchor is not None, "LocalSteps.start() takes the anchor at fit start"
+        change = self._flat().sub_(self.anchor)
+        if change.numel():
+            self.average_changes(change)
+        averaged = self.anchor.add_(change)
+        locals_ = self._locals()
+        pieces = torch.split(averaged, [t.numel() for _, t in locals_])
+        for (_, t), piece in zip(locals_, pieces, strict=True):
+            t.copy_(piece.view(t.shape))
+        self.anchor = self._flat()  # as the parameters hold it (rounded, for parameters below fp32)
+        self.since = 0
+
+    def state_dict(self, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, Tensor]:
+        """This rank's anchor, outer residual, local shards and optimizers' state, by parameter name, each flat and
+        zero-padded to the largest rank's shard (:func:`_padded`).
+
+        The shards and optimizer states differ between replica groups in a round (and the states always), where a
+        Lightning checkpoint keeps one replica's: a run resumed from these is the uninterrupted run.
+        """
+        locals_ = self._locals()
+        entries = {name: _padded(p) for name, p in self.model.named_parameters()}
+        out = {name: _pad(t, entries[name[len(OUTER) :]]) for name, t in self.average_changes.state_dict().items()}
+        if self.anchor is not None:
+            pieces = torch.split(self.anchor, [t.numel() for _, t in locals_])
+            for (name, _), piece in zip(locals_, pieces, strict=True):
+                out[ANCHOR + name] = _pad(piece, entries[name])
+        out.update({LOCAL + name: _pad(t, entries[name]) for name, t in locals_})
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        for i, optimizer in enumerate(optimizers):
+            for p, state in optimizer.state.items():
+                for key, value in state.items():
+                    if isinstance(value, Tensor) and id(p) in names:
+                        name = names[id(p)]
+                        slot = _pad(_local(value), entries[name]) if isinstance(value, DTensor) else value.clone()
+                        out[f"optimizer{i}.{name}.{key}"] = slot
+        return out
+
+    def load_state_dict(
+        self, state: dict[str, Tensor], since: int, optimizers: Sequence[torch.optim.Optimizer], device: torch.device
+    ) -> None:
+        """Restore :meth:`state_dict` (saved on this rank, the same world size) and the steps since the average."""
+        locals_ = self._locals()
+        with torch.no_grad():
+            for name, t in locals_:
+                if LOCAL + name in state:
+                    t.copy_(state[LOCAL + name][: t.numel()].view(t.shape))
+            names = {id(p): name for name, p in self.model.named_parameters()}
+            for i, optimizer in enumerate(optimizers):
+                for p, slots in optimizer.state.items():
+                    for key, value in slots.items():
+                        saved = state.get(f"optimizer{i}.{names.get(id(p))}.{key}")
+                        if isinstance(value, Tensor) and saved is not None:
+                            mine = _local(value)
+                            mine.copy_(saved.reshape(-1)[: mine.numel()].view(mine.shape))
+        if all(ANCHOR + name in state for name, _ in locals_):
+            self.anchor = torch.cat([state[ANCHOR + name][: t.numel()].to(device) for name, t in locals_])
+        outer = {OUTER + name: state[OUTER + name][: t.numel()] for name, t in locals_ if OUTER + name in state}
+        self.average_changes.load_state_dict(outer, device)
+        self.since = since

@@ -1,0 +1,167 @@
+"""Local steps between replica groups (``replica_every``): 2 groups of 2 ranks each training on its own, their
+parameter changes averaged every few steps, on 4 CPU ranks (gloo) through Lightning's Trainer."""
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning import Callback
+from sharded_models import EveryStep, ShardedMLP, full_parameters, sharded_kwargs, sharded_loader
+
+from lightning_gravac import GraVACModelParallelStrategy
+from lightning_gravac.launch import run_distributed
+
+WORLD = 4
+#: Samples a rank reads an epoch: 4 batches of 16.
+SAMPLES = 64
+
+
+def _strategy(method: str, every: int | None, world_size: int, **kwargs: Any) -> GraVACModelParallelStrategy:
+    return GraVACModelParallelStrategy(
+        method, replica_groups=2, replica_every=every, data_parallel_size=world_size, tensor_parallel_size=1, **kwargs
+    )
+
+
+def _flat(parameters: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.flatten() for p in parameters.values()])
+
+
+class PlainSGD(ShardedMLP):
+    """SGD without momentum: one step's change is the learning rate times the gradient."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _fit(rank: int, world_size: int, method: str, model: type[ShardedMLP], steps: int, every: list[int | None]):
+    """``steps`` steps for each of ``every``: the whole parameters after each step and at the fit's end."""
+    out = []
+    for each in every:
+        pl.seed_everything(0)
+        strategy = _strategy(method, each, world_size)
+        after = EveryStep()
+        trainer = pl.Trainer(strategy=strategy, max_steps=steps, callbacks=[after], **sharded_kwargs(world_size))
+        module = model()
+        trainer.fit(module, sharded_loader(SAMPLES * world_size))
+        end = _flat(full_parameters(module))
+        sent = strategy.bytes_between_groups
+        out.append({"steps": [_flat(s) for s in after.steps], "end": end, "said": strategy.said(), "sent": sent})
+    return out
+
+
+@pytest.mark.distributed
+def test_groups_train_on_their_own_and_end_each_round_with_the_same_parameters():
+    ranks = run_distributed(_fit, WORLD, timeout=300, method="int8", model=ShardedMLP, steps=7, every=[3, None])
+    local = [rank[0] for rank in ranks]
+    assert "each training on its own, their parameter changes averaged every 3 steps in int8" in local[0]["said"]
+    for step in (2, 5):  # after steps 3 and 6, and at the end (step 7 a round left partial): all 4 ranks alike
+        assert all(torch.equal(r["steps"][step], local[0]["steps"][step]) for r in local[1:]), step
+    assert all(torch.equal(r["end"], local[0]["end"]) for r in local[1:])
+    for step in (0, 1, 3, 4, 6):  # within a round: the same within a group (ranks 0, 1 and 2, 3), not between
+        assert torch.equal(local[1]["steps"][step], local[0]["steps"][step])
+        assert torch.equal(local[3]["steps"][step], local[2]["steps"][step])
+        assert not torch.equal(local[2]["steps"][step], local[0]["steps"][step]), step
+    assert not torch.equal(local[0]["end"], local[0]["steps"][-1])  # the partial round was averaged at the end
+    assert not torch.equal(local[0]["end"], ranks[0][1]["end"])  # the every-step average ends elsewhere
+    assert 0 < local[0]["sent"] < 0.5 * ranks[0][1]["sent"]  # 3 averages of parameters against 7 of gradients
+
+
+@pytest.mark.distributed
+def test_averaging_changes_after_every_sgd_step_is_averaging_gradients():
+    ranks = run_distributed(_fit, WORLD, timeout=300, method="none", model=PlainSGD, steps=5, every=[1, None])
+    for rank in ranks:
+        local, every_step = rank
+        assert "averaged every step exactly" in local["said"]
+        for a, b in zip(local["steps"], every_step["steps"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(every_step["steps"][-1], every_step["steps"][0])
+
+
+class SaveAtStep4(Callback):
+    """A checkpoint after step 4 (the first epoch's last): mid-round for 3 steps a round."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 4:
+            assert trainer.strategy.local_steps.since == 1  # type: ignore[attr-defined]
+            trainer.save_checkpoint(self.path)
+
+
+def _resumed(
+    rank: int, world_size: int, where: str, distributed: bool, runs: tuple[str, ...] = ("whole", "resumed")
+) -> dict[str, Any]:
+    """7 steps (averages after 3, 6 and at the end) saved after step 4, and steps 5 to 7 resumed from that."""
+    path = str(Path(where, "step4.ckpt"))
+    out = {}
+    for run in runs:
+        pl.seed_everything(0)
+        strategy = _strategy("int8", 3, world_size, save_distributed_checkpoint=distributed)
+        after = EveryStep()
+        callbacks: list[Callback] = [after, SaveAtStep4(path)] if run == "whole" else [after]
+        trainer = pl.Trainer(strategy=strategy, max_steps=7, callbacks=callbacks, **sharded_kwargs(world_size))
+        module = ShardedMLP()
+        trainer.fit(module, sharded_loader(SAMPLES * world_size), ckpt_path=path if run == "resumed" else None)
+        assert strategy.local_steps is not None
+        out[run] = {
+            "steps": [_flat(s) for s in after.steps[-3:]],
+            "end": _flat(full_parameters(module)),
+            "outer": strategy.local_steps.average_changes.residual,
+            "since": strategy.local_steps.since,
+        }
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("distributed", [True, False], ids=["sharded-checkpoint", "full-checkpoint"])
+def test_a_run_resumed_mid_round_is_the_uninterrupted_run_bit_for_bit(tmp_path, distributed):
+    ranks = run_distributed(_resumed, WORLD, timeout=300, where=str(tmp_path), distributed=distributed)
+    for rank in ranks:
+        whole, again = rank["whole"], rank["resumed"]
+        assert len(again["steps"]) == 3
+        for a, b in zip(whole["steps"], again["steps"], strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(whole["end"], again["end"])
+        assert whole["outer"].abs().sum() > 0 and torch.equal(whole["outer"], again["outer"])
+    assert not torch.equal(ranks[0]["whole"]["steps"][0], ranks[2]["whole"]["steps"][0])  # step 5: mid-round
+
+
+def _on_two_ranks(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """Steps 5 and 6 on 2 ranks (2 groups of 1) from the 4 ranks' checkpoint of step 4."""
+    pl.seed_everything(0)
+    strategy = _strategy("int8", 3, world_size, save_distributed_checkpoint=False)
+    trainer = pl.Trainer(strategy=strategy, max_steps=6, **sharded_kwargs(world_size))
+    module = ShardedMLP()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.fit(module, sharded_loader(SAMPLES * world_size), ckpt_path=path)
+    assert strategy.local_steps is not None
+    return {"said": [str(w.message) for w in said], "end": _flat(full_parameters(module))}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_local_steps_resumed_on_another_world_size_restart_the_round_and_say_so(tmp_path):
+    run_distributed(_resumed, WORLD, timeout=300, where=str(tmp_path), distributed=False, runs=("whole",))
+    ranks = run_distributed(_on_two_ranks, 2, timeout=300, path=str(Path(tmp_path, "step4.ckpt")))
+    said = " ".join(ranks[0]["said"])
+    assert "the anchors restart from the restored parameters, the outer residual from zero" in said
+    assert torch.equal(ranks[0]["end"], ranks[1]["end"])  # the replicas (one rank each) end alike
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"replica_groups": 2, "replica_every": 0}, r"`replica_every` must be a whole number >= 1 or None, got 0\."),
+        ({"replica_groups": 2, "replica_every": 2.5}, r"`replica_every` must be a whole number >= 1 or None, got 2\.5"),
+        ({"replica_every": 4}, r"`replica_every=4` averages between replica groups, so it needs `replica_groups` > 1"),
+    ],
+)
+def test_replica_every_is_refused_in_one_line(options, said):
+    with pytest.raises(ValueError, match=said) as refused:
+        GraVACModelParallelStrategy("int8", **options)
+    assert "\n" not in str(refused.value)
