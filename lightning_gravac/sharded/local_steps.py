@@ -40,7 +40,7 @@ def _pad(t: Tensor, entries: int) -> Tensor:
     return torch.cat([flat, flat.new_zeros(entries - flat.numel())])
 
 
-class LocalSteps:
+class ReplicaRounds:
     """The parameter average between replica groups every ``every`` optimizer steps, on ``model``'s local shards.
 
     Args:
@@ -88,7 +88,7 @@ class LocalSteps:
     @torch.no_grad()
     def average(self) -> None:
         """Each local shard becomes anchor + the change since the anchor averaged over the replicas; a new anchor."""
-        assert self.anchor is not None, "LocalSteps.start() takes the anchor at fit start"
+        assert self.anchor is not None, "ReplicaRounds.start() takes the anchor at fit start"
         change = self._flat().sub_(self.anchor)
         if change.numel():
             self.average_changes(change)

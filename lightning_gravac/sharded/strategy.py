@@ -20,7 +20,7 @@ from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.compressors.none import NoCompression
 from lightning_gravac.sharded.all_gather import CodedAllGather
-from lightning_gravac.sharded.local_steps import LocalSteps
+from lightning_gravac.sharded.local_steps import ReplicaRounds
 from lightning_gravac.sharded.reduce_scatter import CodedReduceScatter
 from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
 from lightning_gravac.strategies.checkpoint import gather_rows
@@ -58,7 +58,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             each step; each group trains on its own (its own reduce-scatter, optimizer steps and states), and after
             every ``replica_every``-th optimizer step each rank averages the change of its parameter shards since
             the last average with its replicas', in ``compressor``'s code with error feedback, one collective a
-            round (:class:`~lightning_gravac.sharded.local_steps.LocalSteps`; DiLoCo's structure, the outer step a
+            round (:class:`~lightning_gravac.sharded.local_steps.ReplicaRounds`; DiLoCo's structure, the outer step a
             plain average). A round left partial is averaged at the fit's end (the strategy's ``on_train_end``,
             after the callbacks'): every replica ends with the same parameters. ``None``: the gradients averaged
             between groups every step.
@@ -127,7 +127,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         self.replica_groups = replica_groups
         self.replica_every = replica_every
         #: The parameter average between replica groups every ``replica_every`` steps (made at fit setup).
-        self.local_steps: LocalSteps | None = None
+        self.local_steps: ReplicaRounds | None = None
         self._restored_local: tuple[dict[str, torch.Tensor], int] | None = None  # this rank's, from a checkpoint
         #: Each sharded module's reduce-scatter, by the module's name ("" for the root).
         self.reduce_scatters: dict[str, CodedReduceScatter] = {}
@@ -176,8 +176,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
     def said(self) -> str:
         """The one line the strategy says at fit start: what each collective sends."""
         method = self.compressor
+        feedback = "with" if self.error_feedback else "without"
         if isinstance(method, BlockCode):
-            feedback = "with" if self.error_feedback else "without"
             grads = (
                 f"gradients reduce-scattered in {method.name} block codes of {method.block_size} entries "
                 f"(about {4 * 8 / (method.bits + 32 / method.block_size):.1f}x fewer bytes than fp32), "
@@ -191,7 +191,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         if self.replica_every is not None:
             how = "exactly"
             if isinstance(method, BlockCode):
-                how = f"in {method.name} block codes {'with' if self.error_feedback else 'without'} error feedback"
+                how = f"in {method.name} block codes {feedback} error feedback"
             every = f"every {self.replica_every} steps" if self.replica_every > 1 else "every step"
             groups = (
                 f"; {self.replica_groups} replica groups, each training on its own, their parameter changes averaged "
@@ -248,7 +248,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         if self._restored is not None:
             self._load_residuals(self._restored)
         if self._replicas is not None and self.replica_every is not None:
-            self.local_steps = LocalSteps(self.replica_every, code, self._replicas, self.error_feedback, model)
+            self.local_steps = ReplicaRounds(self.replica_every, code, self._replicas, self.error_feedback, model)
             if self._restored_local is not None:
                 self.local_steps.load_state_dict(*self._restored_local, self.optimizers, self.root_device)
 
