@@ -1,8 +1,8 @@
 """Fully sharded training (FSDP2) with block-coded gradients against stock ``ModelParallelStrategy``: held-out loss.
 
     python benchmarks/sharded.py [--methods stock int8 int4] [--seeds 0 1 2] [--steps 150] [--width 128]
-                                 [--world-size 2] [--replica-groups 1] [--links unlimited 1gbit 100mbit]
-                                 [--out benchmarks/results]
+                                 [--task gpt] [--world-size 2] [--replica-groups 1]
+                                 [--links unlimited 1gbit 100mbit] [--out benchmarks/results]
 
 Each method trains the matrix's gpt task (``ByteGPT``, AdamW at lr 1e-3, 64-byte windows of the text Lightning ships
 with itself, the last tenth held out) with every transformer block and the whole model sharded by ``fully_shard``,
@@ -13,6 +13,18 @@ each seed's methods start from one initialization and read one order of windows;
 held-out loss relative to stock's, seed by seed and their mean, and the bytes the gradient reduce-scatters sent (the
 parameters' all-gather not counted). With ``--replica-groups R`` ours shard within R groups of ranks and average
 between them in the method's code (stock shards over every rank); the table adds the bytes sent between groups.
+``int8-every4`` (``int8-every16``) has each group train on its own and average the groups' parameter changes every 4
+(16) optimizer steps in int8 with error feedback (``replica_every``; only with ``--replica-groups`` above 1).
+
+``--task diamonds`` trains the matrix's diamonds classifier instead (``TabularClassifier``: 3 hidden ReLU layers of
+1100, 2.45M parameters, AdamW at lr 1e-3 and weight decay 0.01 as the matrix's ``--optimizer adamw``; ggplot2's
+diamonds table, the cut's class from the other columns, the matrix's 4096 rows held out), each linear layer and the
+whole model sharded by ``fully_shard``, 32 rows a rank a step, each seed reading its own order of the rows.
+
+The held-out loss is measured after the fit by ``Trainer.validate`` through the same sharded modules: with ``-w8``
+its forward computes with the parameters gathered in codes, as training's did (the bytes those gathers sent in the
+validation are recorded). Those rows also give the held-out loss with the exact parameters (FSDP2's own all-gather
+put back for a second validation) in a column of their own.
 
 ``no communication`` (not in the default ``--methods``; add it with ``--links``) is the time a sharded run is judged
 against: each rank trains its own unsharded copy of the same model (a one-device Trainer, no process group) on the
@@ -41,20 +53,28 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from bandwidth import _shape, prepare_namespace, run_in_namespace  # the bandwidth benchmark's token-bucket shaping
+from matrix_tasks import ADAMW_LR, _diamonds, use_adamw  # the matrix's diamonds table and its AdamW
 from pytorch_lightning.strategies import ModelParallelStrategy
+from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_gravac import GraVACModelParallelStrategy
 from lightning_gravac.launch import run_distributed
+from lightning_gravac.sharded.all_gather import CodedAllGather
+from lightning_gravac.zoo import TabularClassifier
 from lightning_gravac.zoo.gpt import ByteGPT, Windows, read_bytes
 
 _INSIDE = "GRAVAC_SHARDED_NETNS"
 ALONE = "no communication"
-METHODS = ("stock", "none", "int8", "int4", "int8-w8", "int4-w8", ALONE)
+METHODS = ("stock", "none", "int8", "int4", "int8-w8", "int4-w8", "int8-every4", "int8-every16", ALONE)
+TASKS = ("gpt", "diamonds")
 #: What a launcher sets: a rank alone drops it, so that its Trainer starts no process group.
 LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 CONTEXT = 64
+#: The diamonds classifier's hidden width (the matrix's at its default scale) and rows a rank a step.
+DIAMONDS_WIDTH, DIAMONDS_BATCH = 1100, 32
 
 
 class ShardedGPT(ByteGPT):
@@ -69,6 +89,32 @@ class ShardedGPT(ByteGPT):
         fully_shard(self, mesh=mesh)
 
 
+class Diamonds(TabularClassifier):
+    """The matrix's diamonds classifier under its AdamW, with a held-out loss (and accuracy) in ``validate``."""
+
+    def __init__(self, n_in: int, classes: int) -> None:
+        super().__init__(n_in, classes, width=DIAMONDS_WIDTH, depth=3)
+        use_adamw(self, ADAMW_LR["diamonds"])
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        logits = self(batch[0])
+        self.log("val_loss", nn.functional.cross_entropy(logits, batch[1]), sync_dist=True)
+        self.log("val_accuracy", (logits.argmax(1) == batch[1]).float().mean(), sync_dist=True)
+
+
+class ShardedDiamonds(Diamonds):
+    """Diamonds whose ``configure_model`` shards each linear layer and then the whole model (FSDP2)."""
+
+    def configure_model(self) -> None:
+        if isinstance(self, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
 def _text() -> torch.Tensor:
     path = Path(pl.__file__).parent / "CHANGELOG.md"
     if not path.is_file():
@@ -76,27 +122,71 @@ def _text() -> torch.Tensor:
     return read_bytes(path)
 
 
+def _data(task: str, steps: int, world_size: int, seed: int) -> tuple[Dataset, Dataset, int, int]:
+    """The task's training data (each seed's order), held-out data, and the batch sizes of each."""
+    if task == "gpt":
+        text = _text()
+        cut = int(text.numel() * 0.9)
+        train = Windows(text[:cut], CONTEXT, steps * 16 * world_size, seed=1 + seed)
+        return train, Windows(text[cut:], CONTEXT, 512, seed=0), 16, 64
+    features, labels = _diamonds()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))  # the matrix's split
+    rows, held = order[:-4096], order[-4096:]
+    rows = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(1 + seed))]  # this seed's order
+    rows = rows[: steps * DIAMONDS_BATCH * world_size]
+    return TensorDataset(features[rows], labels[rows]), TensorDataset(features[held], labels[held]), DIAMONDS_BATCH, 256
+
+
+def _model(task: str, width: int, sharded: bool, data: Dataset) -> pl.LightningModule:
+    if task == "gpt":
+        return (ShardedGPT if sharded else ByteGPT)(width=width, layers=4, heads=4, context=CONTEXT, lr=1e-3)
+    assert isinstance(data, TensorDataset)
+    return (ShardedDiamonds if sharded else Diamonds)(data.tensors[0].shape[1], 5)
+
+
+def _ours(method: str) -> tuple[str, dict[str, Any]]:
+    """A method's code and the strategy's options: ``int8-w8`` gathers the parameters in int8, ``int8-every4``
+    averages between replica groups every 4 steps."""
+    code, *options = method.split("-")
+    ours: dict[str, Any] = {"all_gather_code": None, "replica_every": None}
+    for option in options:
+        if option.startswith("every"):
+            ours["replica_every"] = int(option.removeprefix("every"))
+        else:
+            ours["all_gather_code"] = f"int{option.removeprefix('w')}"
+    return code, ours
+
+
+def _coded_gathers(model: nn.Module) -> list[CodedAllGather]:
+    groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+    return [g._all_gather_comm for g in groups if isinstance(g._all_gather_comm, CodedAllGather)]
+
+
 def _train(
-    rank: int, world_size: int, method: str, seed: int, steps: int, width: int, replica_groups: int = 1
+    rank: int,
+    world_size: int,
+    method: str,
+    seed: int,
+    steps: int,
+    width: int,
+    replica_groups: int = 1,
+    task: str = "gpt",
 ) -> dict[str, Any]:
     pl.seed_everything(seed)
-    text = _text()
-    cut = int(text.numel() * 0.9)
-    train = Windows(text[:cut], CONTEXT, steps * 16 * world_size, seed=1 + seed)
-    held = Windows(text[cut:], CONTEXT, 512, seed=0)
+    train, held, batch, held_batch = _data(task, steps, world_size, seed)
     strategy: ModelParallelStrategy | str = "auto"
     if method == ALONE:
         # This rank's unsharded copy (the sharded runs' initialization) on one device, no process group, reading the
         # windows the sharded rank reads (the distributed sampler's, unshuffled).
         for name in LAUNCHER:
             os.environ.pop(name, None)
-        model: ByteGPT = ByteGPT(width=width, layers=4, heads=4, context=CONTEXT, lr=1e-3)
+        model = _model(task, width, False, held)
         data: Dataset = Subset(train, range(rank, len(train), world_size))
     else:
-        model, data = ShardedGPT(width=width, layers=4, heads=4, context=CONTEXT, lr=1e-3), train
+        model, data = _model(task, width, True, held), train
         sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
-        code, _, weights = method.partition("-w")  # "int8-w8": int8 gradients, parameters gathered in int8
-        ours = {"all_gather_code": f"int{weights}" if weights else None, "replica_groups": replica_groups}
+        code, ours = _ours(method)
+        ours["replica_groups"] = replica_groups
         strategy = (
             ModelParallelStrategy(**sizes) if code == "stock" else GraVACModelParallelStrategy(code, **sizes, **ours)
         )
@@ -105,13 +195,22 @@ def _train(
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          num_sanity_val_steps=0, limit_val_batches=0, **quiet)  # fmt: skip
     start = time.perf_counter()
-    trainer.fit(model, DataLoader(data, 16, shuffle=False))
+    trainer.fit(model, DataLoader(data, batch, shuffle=False))
     seconds = time.perf_counter() - start
     trainer.limit_val_batches = 1.0
-    (metrics,) = trainer.validate(model, DataLoader(held, 64), verbose=False)
+    gathers = _coded_gathers(model)
+    before = sum(g.bytes_sent for g in gathers)
+    (metrics,) = trainer.validate(model, DataLoader(held, held_batch), verbose=False)
+    exact = None
+    if gathers:  # the validation gathered the parameters in codes: again with FSDP2's own all-gather
+        coded_in_validation = sum(g.bytes_sent for g in gathers) - before
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_all_gather(DefaultAllGather())
+        (exact,) = trainer.validate(model, DataLoader(held, held_batch), verbose=False)
     mine = isinstance(strategy, GraVACModelParallelStrategy)
     sent, between = (strategy.bytes_sent, strategy.bytes_between_groups) if mine else (None, None)
-    return {
+    row = {
         "method": method,
         "seed": seed,
         "held_out": float(metrics["val_loss"]),
@@ -120,16 +219,25 @@ def _train(
         "bytes_between_groups": between,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+    if "val_accuracy" in metrics:
+        row["held_out_accuracy"] = float(metrics["val_accuracy"])
+    if exact is not None:
+        row["held_out_exact"] = float(exact["val_loss"])
+        row["coded_gather_bytes_in_validation"] = coded_in_validation
+    return row
 
 
 def _table(rows: list[dict[str, Any]], link: str | None) -> list[str]:
     stock = {r["seed"]: r["held_out"] for r in rows if r["method"] == "stock"}
     seeds = sorted(stock)
     groups = any(r.get("bytes_between_groups") for r in rows)
+    exact = any("held_out_exact" in r for r in rows)  # coded all-gathers: the exact parameters' loss as well
+    accuracy = any("held_out_accuracy" in r for r in rows)
     seconds = {m: statistics.mean(r["seconds"] for r in rows if r["method"] == m) for m in ("stock", ALONE)
                if any(r["method"] == m for r in rows)}  # fmt: skip
     head = "| method | held-out loss, mean | x stock's, by seed | mean | bytes a rank sent |"
     head += " between groups |" * groups
+    head += " exact parameters: x stock's, by seed | mean |" * exact + " accuracy, mean |" * accuracy
     if link:
         head += " seconds | x stock's time |" + " x the limit's |" * (ALONE in seconds)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -147,6 +255,13 @@ def _table(rows: list[dict[str, Any]], link: str | None) -> list[str]:
         if groups:
             between = [r["bytes_between_groups"] for r in mine.values() if r["bytes_between_groups"] is not None]
             line += f" {statistics.mean(between) / 1e6:.1f} MB |" if between else " |"
+        if exact and method != ALONE:
+            gaps = [mine[s].get("held_out_exact", mine[s]["held_out"]) / stock[s] - 1 for s in seeds if s in mine]
+            line += f" {', '.join(f'{g:+.2%}' for g in gaps)} | {statistics.mean(gaps):+.2%} |"
+        elif exact:
+            line += " | |"
+        if accuracy:
+            line += f" {statistics.mean(r.get('held_out_accuracy', float('nan')) for r in mine.values()):.2%} |"
         if link:
             mean_seconds = statistics.mean(r["seconds"] for r in mine.values())
             line += f" {mean_seconds:.1f} | {mean_seconds / seconds['stock']:.2f}x |"
@@ -169,12 +284,14 @@ def _run(args: argparse.Namespace, out: Path, links: list[str | None]) -> None:
         rows = []
         for seed in args.seeds:
             for method in args.methods:
-                run = {"method": method, "seed": seed, "steps": args.steps, "width": args.width}
+                run = {"method": method, "seed": seed, "steps": args.steps, "width": args.width, "task": args.task}
                 row = run_distributed(_train, args.world_size, 7200, replica_groups=args.replica_groups, **run)[0]
                 rows.append(row)
                 print(f"[{link or 'unshaped'}] seed {seed} {method}: held-out {row['held_out']:.4f}", flush=True)
         results[link or "unshaped"] = rows
-        lines += [f"\n{link or 'unshaped'}, {args.steps} steps, {rows[0]['parameters'] / 1e6:.2f}M parameters:\n"]
+        task = "" if args.task == "gpt" else f"{args.task}, "
+        size = f"{rows[0]['parameters'] / 1e6:.2f}M parameters"
+        lines += [f"\n{link or 'unshaped'}, {task}{args.steps} steps, {size}:\n"]
         lines += _table(rows, link)
     if any(links):
         _shape("unlimited")
@@ -190,6 +307,7 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--width", type=int, default=128, help="the transformer's width (256: ByteGPT's 3.3M)")
+    parser.add_argument("--task", default="gpt", choices=TASKS, help="the model and data (diamonds: an MLP)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--replica-groups", type=int, default=1, help="ours: shard within groups, average between")
     parser.add_argument("--links", nargs="+", default=None, help="shaped links, e.g. unlimited 1gbit 100mbit (root)")
@@ -197,6 +315,8 @@ def main() -> None:
     args = parser.parse_args()
     if "stock" not in args.methods:
         parser.error("--methods must include stock, which the others are measured against")
+    if args.replica_groups == 1 and any("-every" in m for m in args.methods):
+        parser.error("the -every methods average between replica groups: give --replica-groups 2 (or more)")
     if args.links is None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
