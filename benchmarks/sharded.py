@@ -14,7 +14,8 @@ held-out loss relative to stock's, seed by seed and their mean, and the bytes th
 parameters' all-gather not counted). With ``--replica-groups R`` ours shard within R groups of ranks and average
 between them in the method's code (stock shards over every rank); the table adds the bytes sent between groups.
 ``int8-every4`` (``int8-every16``) has each group train on its own and average the groups' parameter changes every 4
-(16) optimizer steps in int8 with error feedback (``replica_every``; only with ``--replica-groups`` above 1).
+(16) optimizer steps in int8 with error feedback (``replica_every``; only with ``--replica-groups`` above 1);
+``none-every4`` (``none-every16``) averages them exactly (fp32), each group's own reduce-scatter FSDP2's.
 
 ``--task diamonds`` trains the matrix's diamonds classifier instead (``TabularClassifier``: 3 hidden ReLU layers of
 1100, 2.45M parameters, AdamW at lr 1e-3 and weight decay 0.01 as the matrix's ``--optimizer adamw``; ggplot2's
@@ -68,7 +69,9 @@ from lightning_gravac.zoo.gpt import ByteGPT, Windows, read_bytes
 
 _INSIDE = "GRAVAC_SHARDED_NETNS"
 ALONE = "no communication"
-METHODS = ("stock", "none", "int8", "int4", "int8-w8", "int4-w8", "int8-every4", "int8-every16", ALONE)
+#: Local steps between replica groups: every 4 or 16 optimizer steps, the average in int8 or exact.
+LOCAL_STEPS = tuple(f"{code}-every{h}" for code in ("int8", "none") for h in (4, 16))
+METHODS = ("stock", "none", "int8", "int4", "int8-w8", "int4-w8", *LOCAL_STEPS, ALONE)
 TASKS = ("gpt", "diamonds")
 #: What a launcher sets: a rank alone drops it, so that its Trainer starts no process group.
 LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
