@@ -84,7 +84,7 @@ def test_registered_under_its_name():
 
 @pytest.mark.parametrize("method", ["topk", "powersgd", "qsgd"])
 def test_a_method_that_needs_a_whole_gradient_is_refused(method):
-    with pytest.raises(ValueError, match=rf"`compressor` must be 'int8', 'int4'.*got '{method}'"):
+    with pytest.raises(ValueError, match=rf"`compressor` must be 'int8', 'int4', 'int2'.*got '{method}'"):
         GraVACModelParallelStrategy(method)
 
 
@@ -100,7 +100,7 @@ def test_the_lightning_flavour_has_its_own_registered():
 
 
 def test_an_all_gather_code_that_is_not_a_block_code_is_refused():
-    with pytest.raises(ValueError, match=r"`all_gather_code` must be 'int8', 'int4'.*got 'topk'"):
+    with pytest.raises(ValueError, match=r"`all_gather_code` must be 'int8', 'int4', 'int2'.*got 'topk'"):
         GraVACModelParallelStrategy("int8", all_gather_code="topk")
 
 

@@ -85,5 +85,5 @@ def test_a_compressor_the_strategy_refuses_is_said_in_one_line_naming_the_strate
     with pytest.raises(RefusedArgument) as refused:
         cli_main([*args, "--trainer.strategy.compressor", "topk"], run=False)
     assert str(refused.value).startswith(
-        "GraVACModelParallelStrategy: `compressor` must be 'int8', 'int4', a BlockCode"
+        "GraVACModelParallelStrategy: `compressor` must be 'int8', 'int4', 'int2', a BlockCode"
     )

@@ -7,6 +7,8 @@ import torch.distributed as dist
 from lightning_gravac.compressors import get_compressor
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.sharded import CodedReduceScatter
+from lightning_gravac.sharded.control import ShardedCompressionState
+from lightning_gravac.state import Factors
 
 #: Entries in each rank's chunk: not a whole number of blocks, so the last block is short.
 CHUNK = 1000
@@ -107,3 +109,44 @@ def _dense(rank: int, world: int) -> bool:
 @pytest.mark.distributed
 def test_without_a_code_it_is_the_exact_reduce_scatter():
     assert run_distributed(_dense, 2, timeout=120) == [True, True]
+
+
+def _split(rank: int, world: int) -> dict:
+    """One error-fed int8 step with the parameter "b" (the last 400 entries of each chunk) at factor 1, then one step
+    with every parameter at factor 1."""
+    dist.init_process_group("gloo")
+    state = ShardedCompressionState(get_compressor("int8", block_size=BLOCK), True, lambda: None)
+    state.measures = True
+    state.decide(Factors(cf=4.0, param_cf={"b": 1.0}))
+    comm = CodedReduceScatter(state.compressor, True, [("w", world * 600, 600), ("b", world * 400, 400)], state)
+    out, reference = torch.empty(CHUNK), torch.empty(CHUNK)
+    mine = _inputs(world, 0)[rank]
+    comm(out, mine.clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+    dist.reduce_scatter_single(reference, mine.clone(), op=dist.ReduceOp.SUM)
+    assert comm.residual is not None
+    residual = comm.residual.clone()
+    state.decide(Factors(cf=1.0))
+    flushed, second = torch.empty(CHUNK), _inputs(world, 1)[rank]
+    comm(flushed, second.clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+    owed_total = torch.empty(CHUNK)
+    dist.reduce_scatter_single(owed_total, (second + residual.view(-1)).clone(), op=dist.ReduceOp.SUM)
+    return {"out": out, "reference": reference, "residual": residual, "flushed": flushed, "owed": owed_total,
+            "after": comm.residual, "stats": state.pop_stats()}  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_a_parameter_at_factor_1_goes_exact_beside_the_codes_and_a_step_all_at_1_pays_what_was_owed():
+    for rank, result in enumerate(run_distributed(_split, 2, timeout=120)):
+        out, reference = result["out"], result["reference"]
+        assert torch.equal(out[600:], reference[600:])  # "b": exact, the sum of two fp32s in either order
+        error = (out[:600] - reference[:600]).abs()
+        assert 0 < error.max() < 1e-2 * reference[:600].abs().max()
+        residual = result["residual"]
+        assert residual[:, 600:].abs().max() == 0 and residual[rank].abs().max() == 0
+        assert residual[1 - rank, :600].abs().max() > 0
+        # A step at factor 1 sends its gradient and what coding still owed, exact: FSDP's own collective.
+        assert torch.equal(result["flushed"], result["owed"])
+        assert result["after"] is None
+        stats = result["stats"]
+        assert stats.bytes_dense == 2 * CHUNK * 4 and 0 < stats.bytes_sent - CHUNK * 4 < CHUNK * 4
+        assert 0.99 < stats.gain < 1.01

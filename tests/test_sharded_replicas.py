@@ -8,22 +8,25 @@ import torch
 from sharded_models import EveryStep, ShardedMLP, sharded_kwargs, sharded_loader, stock_strategy
 from test_sharded_trainer import assert_resumed_bit_for_bit, resumed
 
-from lightning_gravac import GraVACModelParallelStrategy
+from lightning_gravac import Accordion, GraVACModelParallelStrategy, Static
 from lightning_gravac.launch import run_distributed
 
 STEPS = 4
 WORLD = 4
 
 
-def _fit(rank: int, world_size: int, method: str | None) -> dict[str, Any]:
-    """``STEPS`` steps sharded over all 4 ranks (``None``: stock) or in 2 groups of 2 under ``method``."""
+def _fit(rank: int, world_size: int, method: str | None, controller: str | None = None) -> dict[str, Any]:
+    """``STEPS`` steps sharded over all 4 ranks (``None``: stock) or in 2 groups of 2 under ``method``, with a
+    ``controller`` ("exact": ``Static(cf=1)``; "accordion": every layer but the critical ones and the biases coded)."""
     pl.seed_everything(0)
     sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
     hybrid = {"replica_groups": 2, **sizes}
     strategy = stock_strategy(world_size) if method is None else GraVACModelParallelStrategy(method, **hybrid)
     steps = EveryStep()
     model = ShardedMLP()
-    trainer = pl.Trainer(strategy=strategy, max_steps=STEPS, callbacks=[steps], **sharded_kwargs(world_size))
+    controllers = {"exact": [Static(cf=1)], "accordion": [Accordion(1, 4, 1.0, 1, "step")], None: []}[controller]
+    callbacks = [*controllers, steps]
+    trainer = pl.Trainer(strategy=strategy, max_steps=STEPS, callbacks=callbacks, **sharded_kwargs(world_size))
     trainer.fit(model, sharded_loader())
     ours = isinstance(strategy, GraVACModelParallelStrategy)
     return {
@@ -31,6 +34,10 @@ def _fit(rank: int, world_size: int, method: str | None) -> dict[str, Any]:
         "group": model.device_mesh["data_parallel"].size(),
         "between": strategy.bytes_between_groups if ours else None,
         "within": strategy.bytes_sent if ours else None,
+        # Every decision input, not this rank's own timings.
+        "metrics": {
+            k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gravac/") and "_ms" not in k
+        },
     }
 
 
@@ -56,6 +63,25 @@ def test_two_groups_of_two_train_as_four_ranks_do_and_send_codes_between_groups(
     # Between groups: a shard's codes to one replica, against a ring all-reduce's fp32 share.
     assert 0 < coded[0]["between"] < 0.3 * exact[0]["between"]
     assert 0 < coded[0]["within"] < 0.3 * exact[0]["within"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_controllers_decide_between_groups_too_the_same_on_every_rank():
+    exact = run_distributed(_fit, WORLD, timeout=400, method="none")
+    static = run_distributed(_fit, WORLD, timeout=400, method="int8", controller="exact")
+    for e, s in zip(exact, static, strict=True):  # factor 1: the exact average within and between groups
+        for before, after in zip(e["steps"], s["steps"], strict=True):
+            assert torch.equal(_flat(before), _flat(after))
+        assert e["between"] == s["between"]
+    accordion = run_distributed(_fit, WORLD, timeout=400, method="int8", controller="accordion")
+    for rank in range(1, WORLD):
+        assert accordion[rank]["metrics"] == accordion[0]["metrics"]
+        for step in range(STEPS):
+            assert torch.equal(_flat(accordion[rank]["steps"][step]), _flat(accordion[0]["steps"][step]))
+    # Weights coded, biases exact, within and between groups: fewer bytes than exact, more than all coded (0.3x).
+    assert 0.3 * exact[0]["between"] < accordion[0]["between"] < exact[0]["between"]
+    assert 1.0 < accordion[0]["metrics"]["gravac/achieved_cf"] < 3.9
 
 
 @pytest.mark.slow

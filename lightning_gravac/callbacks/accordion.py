@@ -7,6 +7,7 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -132,7 +133,7 @@ class Accordion(Controller):
     def _tick(self) -> None:
         self._progress += 1
         if self._progress >= self.window:
-            norms = {name: torch.linalg.vector_norm(s, dtype=torch.float64).item() for name, s in self._sums.items()}
+            norms = {name: _norm(s) for name, s in self._sums.items()}
             self.check(norms)
             self._sums.clear()
             self._progress = 0
@@ -196,3 +197,10 @@ class Accordion(Controller):
             f"Accordion(low_cf={self.low_cf:g}, high_cf={self.high_cf:g}, eta={self.eta}, window={self.window}, "
             f"interval={self.interval!r})"
         )
+
+
+def _norm(summed: Tensor) -> float:
+    """The L2 norm of a summed gradient, whole: of a sharded one (FSDP2's DTensor) over every rank's shard, so that
+    every rank decides from the same value (a collective, which every rank reaches in the same order)."""
+    norm = torch.linalg.vector_norm(summed, dtype=torch.float64)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)

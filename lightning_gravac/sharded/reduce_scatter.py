@@ -11,6 +11,7 @@ Only ``all_to_all_single`` is needed, which gloo and NCCL both have; with no met
 ``reduce_scatter_single``, so the run is stock FSDP2's bit for bit.
 """
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from lightning_gravac.compressors.base import Payload
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.sharded._rows import coded, read_row, row_layout, write_row
+from lightning_gravac.sharded.control import CODED, EXACT, ShardedCompressionState, Split, sq_norm
 
 
 class CodedReduceScatter(ReduceScatter):
@@ -31,14 +33,22 @@ class CodedReduceScatter(ReduceScatter):
         error_feedback: keep what coding dropped from each chunk sent and add it to the next step's.
         layout: the module's parameters in FSDP's order, each as its name, its entry count and its entries in one
             chunk (``padded first dimension / world`` rows): how the residual is named in a checkpoint.
+        state: the controllers' decision, read each call: a parameter at factor 1 goes exact, in fp32 beside the
+            codes; every one at factor 1 is FSDP's own collective on the error-fed chunks. ``None``: always coded.
     """
 
     def __init__(
-        self, code: BlockCode | None, error_feedback: bool = True, layout: Sequence[tuple[str, int, int]] = ()
+        self,
+        code: BlockCode | None,
+        error_feedback: bool = True,
+        layout: Sequence[tuple[str, int, int]] = (),
+        state: ShardedCompressionState | None = None,
     ) -> None:
         self.code = code
         self.error_feedback = error_feedback
         self.layout = tuple(layout)
+        self.state = state
+        self._widths = tuple((name, per_chunk) for name, _, per_chunk in self.layout)
         #: ``(world, chunk)`` fp32: what this rank still owes each destination (its own row stays zero).
         self.residual: Tensor | None = None
         #: Bytes this rank has sent to the other ranks since it was made.
@@ -56,11 +66,11 @@ class CodedReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         world, rank = group.size(), group.rank()
-        if self.code is None:
-            self.bytes_sent += input_tensor.numel() * input_tensor.element_size() * (world - 1) // world
-            return dist.reduce_scatter_single(
-                output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
-            )
+        began = time.perf_counter()
+        dense = input_tensor.numel() * input_tensor.element_size() * (world - 1) // world
+        how = CODED if self.state is None else self.state.split(self._widths, input_tensor.device)
+        if self.code is None or how == EXACT:
+            return self._exact(output_tensor, input_tensor, group, op, async_op, dense, began)
         if op == dist.ReduceOp.AVG:
             scale = 1.0 / world
         elif op == dist.ReduceOp.SUM:
@@ -70,7 +80,14 @@ class CodedReduceScatter(ReduceScatter):
         rows = input_tensor.view(world, -1)
         own = rows[rank].float()
         fed = self._error_fed(rows)
-        send, like = self._encode(fed, rank)
+        measures = self.state is not None and self.state.measures
+        sq = sq_norm(fed) if measures else None
+        if isinstance(how, Split):
+            send, like, exact = self._encode_split(fed, rank, how)
+        else:
+            send, like = self._encode(fed, rank)
+            exact = None
+        sent_sq = self._sent_sq(send, like, rank, own, how) if measures else None
         receive = torch.empty_like(send)
         dist.all_to_all_single(receive, send, group=group)
         self.bytes_sent += send[0].numel() * (world - 1)
@@ -78,10 +95,46 @@ class CodedReduceScatter(ReduceScatter):
         for source in range(world):  # rank order: every rank adds in one order
             if source == rank:
                 out.add_(own, alpha=scale)
+            elif isinstance(how, Split):
+                assert exact is not None
+                part = torch.zeros(how.coded.numel(), dtype=torch.float32, device=rows.device)
+                self._add_row(part, receive[source], like, scale)
+                out.index_add_(0, how.coded, part)
+                out.index_add_(0, how.exact, receive[source, exact:].view(torch.float32), alpha=scale)
             else:
-                received = read_row(receive[source], like)
-                self.code.aggregate_(out, received.with_wire([w.unsqueeze(0) for w in received.wire]), scale)
+                self._add_row(out, receive[source], like, scale)
         output_tensor.copy_(out)
+        if self.state is not None:
+            self.state.record_call(send[0].numel() * (world - 1), dense, sq, sent_sq, began)
+        return None
+
+    def _add_row(self, out: Tensor, row: Tensor, like: Payload, scale: float) -> None:
+        """Add ``scale`` times the payload another rank wrote as ``row`` (``like``'s layout), decoded, to ``out``."""
+        assert self.code is not None
+        received = read_row(row, like)
+        self.code.aggregate_(out, received.with_wire([w.unsqueeze(0) for w in received.wire]), scale)
+
+    def _exact(
+        self,
+        output: Tensor,
+        input_tensor: Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool,
+        dense: int,
+        began: float,
+    ) -> dist.Work | None:
+        """FSDP's own reduce-scatter; what error feedback still owed goes with it, exact, and is owed no more."""
+        self.bytes_sent += dense
+        if self.state is not None:
+            self.state.record_call(dense, dense, began=began)
+        if self.residual is None:
+            return dist.reduce_scatter_single(output=output, input=input_tensor, group=group, op=op, async_op=async_op)
+        fed = self.residual.add_(input_tensor.view(self.residual.shape))
+        self.residual = None
+        out = torch.empty(output.shape, dtype=torch.float32, device=output.device)
+        dist.reduce_scatter_single(output=out, input=fed.view(-1), group=group, op=op)
+        output.copy_(out)
         return None
 
     def _error_fed(self, rows: Tensor) -> Tensor:
@@ -110,6 +163,32 @@ class CodedReduceScatter(ReduceScatter):
             if payload is not None:
                 write_row(row, payload)
         return send, like
+
+    def _encode_split(self, fed: Tensor, rank: int, split: Split) -> tuple[Tensor, Payload, int]:
+        """:meth:`_encode` of ``split``'s coded columns, each row followed by its exact columns in fp32; the byte at
+        which those begin. With error feedback ``fed`` becomes the residual: the coded columns' rounding, zero for the
+        exact ones."""
+        coded_part = fed.index_select(1, split.coded)
+        codes, like = self._encode(coded_part, rank)
+        exact = codes.shape[1]  # a whole number of fp32s (`row_layout`)
+        send = torch.empty(fed.shape[0], exact + 4 * split.exact.numel(), dtype=torch.uint8, device=fed.device)
+        send[:, :exact].copy_(codes)
+        send[:, exact:].view(torch.float32).copy_(fed.index_select(1, split.exact))
+        if self.error_feedback:
+            fed.index_copy_(1, split.coded, coded_part).index_fill_(1, split.exact, 0.0)
+        return send, like, exact
+
+    def _sent_sq(self, send: Tensor, like: Payload, rank: int, own: Tensor, how: str | Split) -> Tensor:
+        """``||what this rank sent, decoded||^2``, its own chunk included (exact): a decode of each payload sent."""
+        assert self.code is not None
+        total = sq_norm(own)
+        for destination, row in enumerate(send):
+            if destination == rank:
+                continue
+            total += self.code.sent_sq_norm(read_row(row, like))
+            if isinstance(how, Split):
+                total += sq_norm(row[row_layout(like)[2] :].view(torch.float32))
+        return total
 
     def state_dict(self) -> dict[str, Tensor]:
         """Every parameter's residual by name, flat, in its own entries' order (its padding dropped): each rank's

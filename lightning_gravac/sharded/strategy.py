@@ -16,10 +16,13 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_gravac._flavours import mixed_up, visible_to_the_other_trainer
+from lightning_gravac.callbacks.controller import controllers_of
+from lightning_gravac.callbacks.gravac import GraVAC
 from lightning_gravac.compressors.base import Compressor, get_compressor
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.compressors.none import NoCompression
 from lightning_gravac.sharded.all_gather import CodedAllGather
+from lightning_gravac.sharded.control import ShardedCompressionState
 from lightning_gravac.sharded.local_steps import ReplicaRounds
 from lightning_gravac.sharded.reduce_scatter import CodedReduceScatter
 from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
@@ -38,12 +41,15 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
     Each rank codes the chunk of the gradients it sends to each other rank; every payload is decoded to fp32 before
     it is added (:class:`~lightning_gravac.sharded.reduce_scatter.CodedReduceScatter`). The parameters' all-gather is
     FSDP2's own unless ``all_gather_code`` names a block code. With ``"none"`` the run is stock
-    ``ModelParallelStrategy``'s bit for bit. Tested on CPU with gloo; CUDA is untested.
+    ``ModelParallelStrategy``'s bit for bit. A controller among the trainer's callbacks (``Static``, ``Accordion``)
+    decides by parameter and step: factor 1 exact, any other the code (:attr:`compression_state`); ``GraVAC`` is
+    refused. Tested on CPU with gloo; CUDA is untested.
 
     Args:
-        compressor: ``"int8"``, ``"int4"`` (or a :class:`~lightning_gravac.compressors.blockwise.BlockCode`, for
-            another block size) or ``"none"``. A method that needs each gradient whole (Top-K, PowerSGD, QSGD's norm)
-            cannot code the slices FSDP sends each rank and is refused.
+        compressor: ``"int8"``, ``"int4"``, ``"int2"`` (or a
+            :class:`~lightning_gravac.compressors.blockwise.BlockCode`, for another block size) or ``"none"``. A
+            method that needs each gradient whole (Top-K, PowerSGD, QSGD's norm) cannot code the slices FSDP sends
+            each rank and is refused.
         error_feedback: keep what coding dropped and add it to the next step's gradient (a buffer of the unsharded
             parameters' size on each rank, saved in checkpoints by parameter name).
         all_gather_code: ``"int8"`` (or ``"int4"``, a ``BlockCode``) gathers the parameters' shards before each
@@ -94,15 +100,15 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         method = get_compressor(compressor) if isinstance(compressor, str) else compressor
         if not isinstance(method, BlockCode | NoCompression):
             raise ValueError(
-                f"GraVACModelParallelStrategy: `compressor` must be 'int8', 'int4', a BlockCode or 'none', got "
+                f"GraVACModelParallelStrategy: `compressor` must be 'int8', 'int4', 'int2', a BlockCode or 'none', got "
                 f"{compressor!r}: FSDP sends each rank a slice of every gradient, which only a code of independent "
                 "blocks can code on its own (Top-K, PowerSGD and QSGD need each gradient whole)."
             )
         gather = get_compressor(all_gather_code) if isinstance(all_gather_code, str) else all_gather_code
         if gather is not None and not isinstance(gather, BlockCode):
             raise ValueError(
-                f"GraVACModelParallelStrategy: `all_gather_code` must be 'int8', 'int4', a BlockCode or None, got "
-                f"{all_gather_code!r}."
+                "GraVACModelParallelStrategy: `all_gather_code` must be 'int8', 'int4', 'int2', a BlockCode or None, "
+                f"got {all_gather_code!r}."
             )
         if isinstance(replica_groups, bool) or not isinstance(replica_groups, int) or replica_groups < 1:
             raise ValueError(
@@ -135,6 +141,9 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         self.replica_all_reduces: dict[str, CodedReplicaAllReduce] = {}
         self._replicas: torch.distributed.ProcessGroup | None = None  # this rank's shard's replicas
         self._restored: dict[str, torch.Tensor] | None = None  # this rank's residuals from a checkpoint
+        #: What a compression controller (``Static``, ``Accordion``) reads and decides: by parameter, each step's
+        #: gradients exact (factor 1) or in the code; the code without a controller.
+        self.compression_state = ShardedCompressionState(method, error_feedback, self._drop_residuals)
 
     @property
     def bytes_sent(self) -> int:
@@ -211,6 +220,16 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             assert self.model is not None
+            controllers = controllers_of(trainer)
+            if any(isinstance(c, GraVAC) for c in controllers):
+                raise ValueError(
+                    "GraVACModelParallelStrategy: the GraVAC controller times DDP's all-reduce and probes factors a "
+                    "block code does not have; use `Static(cf=1)` (exact), `Static(cf=4)` (the code) or "
+                    "`Accordion(low_cf=1, high_cf=4)` (critical layers exact), or no controller."
+                )
+            state = self.compression_state
+            state.device, state.measures = self.root_device, bool(controllers)
+            state.bind(self.model)
             self._install(self.model)
             rank_zero_info(self.said())
 
@@ -228,13 +247,16 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                     (names[id(p.sharded_param)], p.sharded_param.numel(), p.padded_sharded_param_size.numel())
                     for p in group.fsdp_params
                 ]
-            comm = CodedReduceScatter(code, self.error_feedback, layout)
+            comm = CodedReduceScatter(code, self.error_feedback, layout, self.compression_state)
             module.set_custom_reduce_scatter(comm)
             if self.all_gather_code is not None:
                 module.set_custom_all_gather(CodedAllGather(self.all_gather_code))
             if self._replicas is not None and self.replica_every is None:
                 pieces = [(REPLICAS + name, per_chunk) for name, _, per_chunk in layout]
-                hook = CodedReplicaAllReduce(code, self._replicas, self.error_feedback, pieces)
+                decided_by = [(name, per_chunk) for name, _, per_chunk in layout]
+                hook = CodedReplicaAllReduce(
+                    code, self._replicas, self.error_feedback, pieces, self.compression_state, decided_by
+                )
                 module.set_all_reduce_hook(hook)
                 self.replica_all_reduces[prefix] = hook
             # Every parameter in every reduce-scatter (zeros where a step used none): the chunks' layout is fixed.
@@ -271,6 +293,13 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         if self.local_steps is not None:
             self.local_steps.finish()
 
+    def _drop_residuals(self) -> None:
+        """Drop what coding still owes (the divergence guard's remedy, through the compression state's ``reset``)."""
+        for comm in self.reduce_scatters.values():
+            comm.residual = None
+        for hook in self.replica_all_reduces.values():
+            hook.residual = None
+
     def _residuals(self) -> dict[str, torch.Tensor]:
         comms = [comm.state_dict() for comm in self.reduce_scatters.values()]
         hooks = [hook.state_dict() for hook in self.replica_all_reduces.values()]
@@ -289,7 +318,11 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # Every rank's residuals, stacked by rank on the one that writes (a collective: every rank is here).
         rows, _ = gather_rows(self._residuals(), self.world_size, device=self.root_device)
-        checkpoint[CHECKPOINT_KEY] = {"residuals": rows, "world_size": self.world_size}
+        checkpoint[CHECKPOINT_KEY] = {
+            "residuals": rows,
+            "world_size": self.world_size,
+            "carried": self.compression_state.carried.saved(),
+        }
         if self.local_steps is not None:
             # Every rank's anchor, outer residual, shards and optimizer state: the replicas differ within a round.
             local, _ = gather_rows(
@@ -304,6 +337,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is not None:
             rows: dict[str, torch.Tensor] = saved["residuals"]
+            self.compression_state.carried.restore(saved.get("carried", {}))
             if saved["world_size"] != self.world_size and rows:
                 # Each rank starts from the mean of the saved residuals: what the ranks owed, in sum, is kept.
                 # A residual between replica groups is of one rank's shard, which another world cuts elsewhere.
