@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning import Callback
 from sharded_models import EveryStep, ShardedMLP, full_parameters, sharded_kwargs, sharded_loader, stock_strategy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_gravac import GraVACModelParallelStrategy
@@ -168,6 +169,45 @@ def test_bf16_parameters_and_gradients_train_coded_alike_on_both_ranks_near_stoc
     flat = [torch.cat([p.float().flatten() for p in run["steps"][i].values()]) for run, i in
             ((stock[0], 0), (stock[0], -1), (coded[0], -1))]  # fmt: skip
     assert (flat[2] - flat[1]).norm() < 0.2 * (flat[1] - flat[0]).norm()
+
+
+class Policy(ShardedMLP):
+    """Sharded with FSDP2's ``MixedPrecisionPolicy``: bf16 parameters in the forward and backward, gradients reduced
+    in ``reduce``."""
+
+    def __init__(self, reduce: torch.dtype | None) -> None:
+        super().__init__()
+        self.policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=self.policy)
+        fully_shard(self, mesh=mesh, mp_policy=self.policy)
+
+
+def _policy(rank: int, world_size: int, method: str | None, reduce: torch.dtype | None) -> dict[str, Any]:
+    pl.seed_everything(0)
+    strategy = stock_strategy(world_size) if method is None else _strategy(method, all_gather_code=method)
+    steps = EveryStep()
+    trainer = pl.Trainer(strategy=strategy, max_steps=3, callbacks=[steps], **sharded_kwargs(world_size))
+    trainer.fit(Policy(reduce), sharded_loader())
+    return {"steps": steps.steps, "sent": getattr(strategy, "bytes_sent", None)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("reduce", [torch.float32, None])
+def test_fsdp2s_mixed_precision_policy_trains_coded_alike_on_both_ranks_near_stock(reduce):
+    stock = run_distributed(_policy, timeout=240, method=None, reduce=reduce)
+    coded = run_distributed(_policy, timeout=240, method="int8", reduce=reduce)
+    assert coded[0]["sent"] > 0
+    for a, b in zip(coded[0]["steps"], coded[1]["steps"], strict=True):
+        for name, p in a.items():
+            assert p.dtype == torch.float32 and torch.equal(b[name], p), name  # the sharded parameters stay fp32
+    flat = [torch.cat([p.flatten() for p in run["steps"][i].values()]) for run, i in
+            ((stock[0], 0), (stock[0], -1), (coded[0], -1))]  # fmt: skip
+    assert 0 < (flat[2] - flat[1]).norm() < 0.2 * (flat[1] - flat[0]).norm()
 
 
 class Faulty(ShardedMLP):
