@@ -16,6 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.sharded._rows import all_gather_payload, read_row
+from lightning_gravac.sharded.control import EXACT, ShardedCompressionState
 
 
 class CodedAllGather(AllGather):
@@ -24,10 +25,19 @@ class CodedAllGather(AllGather):
     Args:
         code: the block code the shards travel in. Shards of another dtype than fp32 and bf16 (FSDP gathers mixed
             dtypes as bytes) go as they are.
+        state: the controllers' decision: a call whose every parameter (``decided_by``: their names and entries in
+            the shard) is at factor 1 gathers them exact, FSDP2's own collective. ``None``: always coded.
+        decided_by: see ``state``.
     """
 
-    def __init__(self, code: BlockCode) -> None:
+    def __init__(
+        self,
+        code: BlockCode,
+        state: ShardedCompressionState | None = None,
+        decided_by: Sequence[tuple[str, int]] = (),
+    ) -> None:
         self.code = code
+        self.state, self.decided_by = state, tuple(decided_by)
         #: Bytes this rank has sent to the other ranks since it was made.
         self.bytes_sent = 0
 
@@ -38,7 +48,8 @@ class CodedAllGather(AllGather):
         self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> dist.Work | None:
         world = group.size()
-        if input_tensor.dtype not in (torch.float32, torch.bfloat16):
+        exact = self.state is not None and self.state.split(self.decided_by, input_tensor.device) == EXACT
+        if exact or input_tensor.dtype not in (torch.float32, torch.bfloat16):
             self.bytes_sent += input_tensor.numel() * input_tensor.element_size() * (world - 1)
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         payload = self.code.compress(input_tensor, self.code.fixed_cf or 1.0)

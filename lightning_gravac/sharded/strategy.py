@@ -39,8 +39,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
     gradient reduce-scatter in 8- or 4-bit block codes, with error feedback on each rank.
 
     Each rank codes the chunk of the gradients it sends to each other rank; every payload is decoded to fp32 before
-    it is added (:class:`~lightning_gravac.sharded.reduce_scatter.CodedReduceScatter`). The parameters' all-gather is
-    FSDP2's own unless ``all_gather_code`` names a block code. With ``"none"`` the run is stock
+    it is added (:class:`~lightning_gravac.sharded.reduce_scatter.CodedReduceScatter`). The parameters' all-gather goes
+    in ``int8`` block codes too (ZeRO++'s scheme), the optimizer's shards exact. With ``"none"`` the run is stock
     ``ModelParallelStrategy``'s bit for bit. A controller among the trainer's callbacks (``Static``, ``Accordion``)
     decides by parameter and step: factor 1 exact, any other the code (:attr:`compression_state`); ``GraVAC`` is
     refused. Tested on CPU with gloo; CUDA is untested.
@@ -52,9 +52,11 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             each rank and is refused.
         error_feedback: keep what coding dropped and add it to the next step's gradient (a buffer of the unsharded
             parameters' size on each rank, saved in checkpoints by parameter name).
-        all_gather_code: ``"int8"`` (or ``"int4"``, a ``BlockCode``) gathers the parameters' shards before each
-            forward and backward in that code (:class:`~lightning_gravac.sharded.all_gather.CodedAllGather`): the
-            forward computes with rounded weights, the optimizer's shards stay exact. ``None``: FSDP2's own.
+        all_gather_code: the code the parameters' shards are gathered in before each forward and backward
+            (:class:`~lightning_gravac.sharded.all_gather.CodedAllGather`): the forward computes with rounded
+            weights, the optimizer's shards stay exact. ``"auto"``: ``"int8"`` when ``compressor`` is a block code,
+            FSDP2's own for ``"none"``; ``None``: FSDP2's own; ``"int8"``, ``"int4"``, ``"int2"`` or a ``BlockCode``.
+            A step whose every parameter a controller holds at factor 1 gathers them exact.
         replica_groups: hybrid sharding (HSDP): the data-parallel ranks split into this many groups, each sharding
             the model (``self.device_mesh["data_parallel"]`` in ``configure_model`` is then a group's ranks), the
             groups holding replicas; each rank's reduced shard is averaged with its replicas' in ``compressor``'s
@@ -89,7 +91,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         self,
         compressor: str | Compressor = "int8",
         error_feedback: bool = True,
-        all_gather_code: str | BlockCode | None = None,
+        all_gather_code: str | BlockCode | None = "auto",
         replica_groups: int = 1,
         replica_every: int | None = None,
         data_parallel_size: Literal["auto"] | int = "auto",
@@ -104,11 +106,13 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                 f"{compressor!r}: FSDP sends each rank a slice of every gradient, which only a code of independent "
                 "blocks can code on its own (Top-K, PowerSGD and QSGD need each gradient whole)."
             )
+        if all_gather_code == "auto":
+            all_gather_code = "int8" if isinstance(method, BlockCode) else None
         gather = get_compressor(all_gather_code) if isinstance(all_gather_code, str) else all_gather_code
         if gather is not None and not isinstance(gather, BlockCode):
             raise ValueError(
-                "GraVACModelParallelStrategy: `all_gather_code` must be 'int8', 'int4', 'int2', a BlockCode or None, "
-                f"got {all_gather_code!r}."
+                "GraVACModelParallelStrategy: `all_gather_code` must be 'auto', 'int8', 'int4', 'int2', a BlockCode or "
+                f"None, got {all_gather_code!r}."
             )
         if isinstance(replica_groups, bool) or not isinstance(replica_groups, int) or replica_groups < 1:
             raise ValueError(
@@ -250,7 +254,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             comm = CodedReduceScatter(code, self.error_feedback, layout, self.compression_state)
             module.set_custom_reduce_scatter(comm)
             if self.all_gather_code is not None:
-                module.set_custom_all_gather(CodedAllGather(self.all_gather_code))
+                decided_by = [(name, per_chunk) for name, _, per_chunk in layout]
+                module.set_custom_all_gather(CodedAllGather(self.all_gather_code, self.compression_state, decided_by))
             if self._replicas is not None and self.replica_every is None:
                 pieces = [(REPLICAS + name, per_chunk) for name, _, per_chunk in layout]
                 decided_by = [(name, per_chunk) for name, _, per_chunk in layout]
