@@ -1,0 +1,190 @@
+"""Hybrid sharding between two emulated machines joined by a slow link: each machine's ranks shard the model over
+its own fast loopback, and only the traffic between the machines crosses the shaped link.
+
+    sudo -E python benchmarks/hsdp_link.py [--methods stock none int8 int8-every4 int8-every16 "no communication"]
+                                           [--rate 100mbit] [--steps 150] [--seed 0] [--width 128] [--out DIR]
+
+Two network namespaces are the two machines, joined by a veth pair whose two ends a token bucket shapes to
+``--rate`` (``tc ... tbf``, as ``benchmarks/bandwidth.py`` shapes a loopback). Each machine runs 2 processes under
+``torchrun`` (gloo bound to its end of the link, ``GLOO_SOCKET_IFNAME``); inside a machine the processes talk over
+its own loopback, unshaped, as processes on one host do. Every method trains ``benchmarks/sharded.py``'s gpt task
+(ByteGPT, AdamW) from one seed for ``--steps`` steps, then measures the held-out loss:
+
+- ``stock``: Lightning's ``ModelParallelStrategy`` sharding over all 4 ranks, every collective across the link (what
+  Lightning offers for two machines);
+- ``none``: ``GraVACModelParallelStrategy("none", replica_groups=2)``, exact hybrid sharding: FSDP2's collectives
+  within a machine, an exact all-reduce of each shard's gradient between them (stock HSDP's traffic);
+- ``int8``: the same in ``int8`` block codes, gradients and parameters, the strategy's default;
+- ``int8-every4`` (``int8-every16``): each machine trains on its own and the two average their parameter changes every
+  4 (16) optimizer steps in ``int8`` (``replica_every``);
+- ``no communication``: each process alone with the whole model on its share of the data, nothing sent: the limit.
+
+Needs root (``ip netns``, ``tc``). Writes ``hsdp.json`` and ``hsdp.md`` under ``--out`` and prints the table: each
+method's seconds for the fit, over stock's and over the limit's.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.strategies import ModelParallelStrategy
+from sharded import ALONE, LAUNCHER, _data, _model, _ours  # the sharded benchmark's task and methods
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from lightning_gravac import GraVACModelParallelStrategy
+
+METHODS = ("stock", "none", "int8", "int8-every4", "int8-every16", ALONE)
+#: The two machines: their network namespaces, their ends of the link and their addresses.
+MACHINES = (("gravac-m0", "gravac-l0", "10.77.0.1"), ("gravac-m1", "gravac-l1", "10.77.0.2"))
+NODES, DEVICES = 2, 2
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def _link(rate: str) -> None:
+    """The two machines and the shaped link between them (any left from an interrupted run replaced)."""
+    _unlink()
+    (_, end_a, _), (_, end_b, _) = MACHINES
+    for namespace, *_ in MACHINES:
+        _ip("netns", "add", namespace)
+        _ip("-n", namespace, "link", "set", "lo", "up")
+    _ip("link", "add", end_a, "type", "veth", "peer", "name", end_b)
+    for namespace, end, address in MACHINES:
+        _ip("link", "set", end, "netns", namespace)
+        _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", end)
+        _ip("-n", namespace, "link", "set", end, "up")
+        if rate != "unlimited":
+            bits = float(rate.lower().replace("gbit", "e9").replace("mbit", "e6"))
+            burst = max(16 * 1024, int(bits / 8 * 0.004))  # 4 ms of traffic
+            tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
+            subprocess.run(["tc", "-n", namespace, "qdisc", "replace", "dev", end, "root", *tbf], check=True)
+
+
+def _unlink() -> None:
+    for namespace, *_ in MACHINES:
+        subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
+
+
+def _launch(args: argparse.Namespace, method: str, out: Path, port: int) -> dict[str, Any]:
+    """One method on the two machines, ``torchrun`` on each; rank 0's result."""
+    result = out / f"{method.replace(' ', '-')}.json"
+    result.unlink(missing_ok=True)
+    procs = []
+    for node, (namespace, end, _) in enumerate(MACHINES):
+        torchrun = ["-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(DEVICES),
+                    "--node-rank", str(node), "--master-addr", MACHINES[0][2], "--master-port", str(port)]  # fmt: skip
+        mine = ["--machine-process", "--method", method, "--result", str(result), "--steps", str(args.steps),
+                "--seed", str(args.seed), "--width", str(args.width)]  # fmt: skip
+        command = ["ip", "netns", "exec", namespace, "env", f"GLOO_SOCKET_IFNAME={end}", sys.executable, *torchrun,
+                   str(Path(__file__).resolve()), *mine]  # fmt: skip
+        procs.append(subprocess.Popen(command, cwd=Path(__file__).parent))
+    deadline = time.monotonic() + args.timeout
+    codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+    if any(codes) or not result.is_file():
+        raise SystemExit(f"hsdp_link.py: {method!r} failed on the machines (exit codes {codes}).")
+    return json.loads(result.read_text())
+
+
+def _node(args: argparse.Namespace) -> None:
+    """One process of one machine, under torchrun: train, time the fit, validate; rank 0 writes the result."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    pl.seed_everything(args.seed)
+    train, held, batch, held_batch = _data("gpt", args.steps, world, args.seed)
+    strategy: ModelParallelStrategy | str = "auto"
+    devices, nodes = DEVICES, NODES
+    if args.method == ALONE:  # alone: no process group, this rank's windows, the whole model
+        for name in LAUNCHER:
+            os.environ.pop(name, None)
+        model = _model("gpt", args.width, False, held)
+        data: Dataset = Subset(train, range(rank, len(train), world))
+        devices, nodes = 1, 1
+    else:
+        model, data = _model("gpt", args.width, True, held), train
+        sizes = {"data_parallel_size": world, "tensor_parallel_size": 1, "process_group_backend": "gloo"}
+        if args.method == "stock":
+            strategy = ModelParallelStrategy(**sizes)
+        else:
+            code, ours = _ours(args.method)
+            ours["all_gather_code"] = "auto"  # the strategy's default: int8 parameters under a block code
+            strategy = GraVACModelParallelStrategy(code, replica_groups=NODES, **sizes, **ours)
+    quiet = {f"enable_{part}": False for part in ("checkpointing", "progress_bar", "model_summary")}
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy, logger=False,
+                         max_steps=args.steps, num_sanity_val_steps=0, limit_val_batches=0, **quiet)  # fmt: skip
+    loader: DataLoader[Any] = DataLoader(data, batch, shuffle=False)
+    start = time.perf_counter()
+    trainer.fit(model, loader)
+    seconds = time.perf_counter() - start
+    trainer.limit_val_batches = 1.0
+    (metrics,) = trainer.validate(model, DataLoader(held, held_batch), verbose=False)
+    mine = isinstance(strategy, GraVACModelParallelStrategy)
+    if rank == 0:
+        row = {"method": args.method, "seed": args.seed, "seconds": seconds, "held_out": float(metrics["val_loss"]),
+               "bytes_between_groups": strategy.bytes_between_groups if mine else None}  # fmt: skip
+        Path(args.result).write_text(json.dumps(row))
+
+
+def _table(rows: list[dict[str, Any]], rate: str) -> list[str]:
+    by = {r["method"]: r for r in rows}
+    stock, alone = by["stock"], by.get(ALONE)
+    lines = [
+        f"\n{rate} between 2 machines of 2 ranks, {rows[0]['steps']} steps, seed {rows[0]['seed']}:\n",
+        "| method | held-out loss x stock's | seconds | x stock's time |" + " x the limit's |" * (alone is not None),
+        "|---|---|---|---|" + "---|" * (alone is not None),
+    ]
+    for row in rows:
+        gap = "not judged" if row["method"] == ALONE else f"{row['held_out'] / stock['held_out'] - 1:+.2%}"
+        line = f"| {row['method']} | {gap} | {row['seconds']:.1f} | {row['seconds'] / stock['seconds']:.2f}x |"
+        if alone is not None:
+            line += f" {row['seconds'] / alone['seconds']:.2f}x |"
+        lines.append(line)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--rate", default="100mbit", help="the link between the machines: unlimited, 1gbit, 100mbit")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds a method may take")
+    parser.add_argument("--out", default="benchmarks/results/hsdp-link")
+    parser.add_argument("--machine-process", action="store_true", help=argparse.SUPPRESS)  # a machine's process
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.machine_process:
+        _node(args)
+        return
+    if "stock" not in args.methods:
+        parser.error("--methods must include stock, which the others are measured against")
+    if os.geteuid() != 0:
+        sys.exit("benchmarks/hsdp_link.py needs root: it makes two network namespaces joined by a shaped veth pair.")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    try:
+        _link(args.rate)
+        for i, method in enumerate(args.methods):
+            row = {**_launch(args, method, out, 29600 + i), "steps": args.steps}
+            rows.append(row)
+            print(f"[{args.rate}] {method}: {row['seconds']:.1f} s, held-out {row['held_out']:.4f}", flush=True)
+    finally:
+        _unlink()
+    seconds = {r["method"]: r["seconds"] for r in rows}
+    text = "\n".join(_table(rows, args.rate))
+    print(text)
+    (out / "hsdp.md").write_text(text + "\n")
+    (out / "hsdp.json").write_text(json.dumps({"args": vars(args), "rows": rows, "seconds": seconds}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
