@@ -1,7 +1,11 @@
 """benchmarks/sharded.py's ``no communication`` row: each rank trains alone, no process group, and the table says its
 loss is not judged and gives every row's time over stock's and over it."""
 
+import json
 import math
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,3 +52,30 @@ def test_the_table_marks_the_limit_not_judged_and_gives_times_over_stock_and_the
     head, *_ = sharded._table(rows[:2], "100mbit")
     assert head.endswith("| seconds | x stock's time |")
     assert "seconds" not in sharded._table(rows, None)[0]
+
+
+def _can_make_namespaces() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    made = subprocess.run(["ip", "netns", "add", "gravac-probe"], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "del", "gravac-probe"], capture_output=True, check=False)
+    return made.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and network namespaces")
+def test_hybrid_sharding_between_two_emulated_machines_runs_each_method_and_tables_it(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "hsdp_link.py"
+    command = [sys.executable, str(script), "--steps", "2", "--width", "16", "--rate", "unlimited", "--out",
+               str(tmp_path), "--methods", "stock", "int8", "int8-every4", sharded.ALONE]  # fmt: skip
+    subprocess.run(command, check=True, timeout=600, capture_output=True)
+    result = json.loads((tmp_path / "hsdp.json").read_text())
+    rows = {row["method"]: row for row in result["rows"]}
+    assert rows.keys() == {"stock", "int8", "int8-every4", sharded.ALONE}
+    assert rows["stock"]["bytes_between_groups"] is None and rows["int8"]["bytes_between_groups"] > 0
+    assert all(math.isfinite(row["held_out"]) and row["seconds"] > 0 for row in rows.values())
+    table = (tmp_path / "hsdp.md").read_text()
+    assert "| stock | +0.00% |" in table and f"| {sharded.ALONE} | not judged |" in table
+    left = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout
+    assert "gravac-m" not in left  # the machines are taken down
