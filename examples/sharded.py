@@ -1,10 +1,10 @@
-"""Train a model sharded with FSDP2 on several machines, the gradients sent in 8-bit block codes: the script each node
-runs under torchrun.
+"""Train a model sharded with FSDP2 on several machines, gradients and parameters sent in 8-bit block codes: the script
+each node runs under torchrun.
 
 Each machine is one replica group: its processes shard the model among themselves (a reduce-scatter of the
-gradients in int8 codes over the machine's fast links), and the machines average their shards' gradients in int8
-codes over the slow link between them (hybrid sharding). 2 nodes x 4 processes, run on every node with its own
---node-rank:
+gradients and an all-gather of the parameters in int8 codes over the machine's fast links), and the machines average
+their shards' gradients in int8 codes over the slow link between them (hybrid sharding). 2 nodes x 4 processes, run
+on every node with its own --node-rank:
 
     torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST0 --master-port 29500 \\
         examples/sharded.py --nodes 2 --devices 4
