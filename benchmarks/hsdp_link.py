@@ -26,6 +26,7 @@ method's seconds for the fit, over stock's and over the limit's.
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -69,8 +70,9 @@ def _link(rate: str) -> None:
 
 
 def _unlink() -> None:
-    for namespace, *_ in MACHINES:
+    for namespace, end, _ in MACHINES:
         subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
+        subprocess.run(["ip", "link", "del", end], check=False, capture_output=True)  # left outside by an interruption
 
 
 def _launch(args: argparse.Namespace, method: str, out: Path, port: int) -> dict[str, Any]:
@@ -85,9 +87,19 @@ def _launch(args: argparse.Namespace, method: str, out: Path, port: int) -> dict
                 "--seed", str(args.seed), "--width", str(args.width)]  # fmt: skip
         command = ["ip", "netns", "exec", namespace, "env", f"GLOO_SOCKET_IFNAME={end}", sys.executable, *torchrun,
                    str(Path(__file__).resolve()), *mine]  # fmt: skip
-        procs.append(subprocess.Popen(command, cwd=Path(__file__).parent))
+        procs.append(subprocess.Popen(command, cwd=Path(__file__).parent, start_new_session=True))
     deadline = time.monotonic() + args.timeout
-    codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+    try:  # until both end, one fails (the other would wait for it) or the timeout
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    codes = [p.returncode for p in procs]
     if any(codes) or not result.is_file():
         raise SystemExit(f"hsdp_link.py: {method!r} failed on the machines (exit codes {codes}).")
     return json.loads(result.read_text())

@@ -1,5 +1,6 @@
 """The compression controllers drive GraVACModelParallelStrategy: FSDP2 through Lightning's Trainer on 2 CPU ranks."""
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,7 +11,10 @@ from sharded_models import EveryStep, ShardedMLP, sharded_kwargs, sharded_loader
 
 from lightning_gravac import Accordion, GraVAC, GraVACModelParallelStrategy, Static
 from lightning_gravac.launch import run_distributed
+from lightning_gravac.sharded import CodedReduceScatter
 from lightning_gravac.sharded.control import CODED, EXACT, ShardedCompressionState, Split
+from lightning_gravac.sharded.local_steps import ReplicaRounds
+from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
 from lightning_gravac.state import Factors
 
 STEPS = 6
@@ -44,7 +48,8 @@ def _fit(rank: int, world_size: int, method: str | None, controller: str | None)
         strategy=strategy, max_steps=STEPS, callbacks=[*controllers, steps, metrics], **sharded_kwargs(world_size)
     )
     trainer.fit(ShardedMLP(), sharded_loader())
-    layer_cf = dict(controllers[0].layer_cf) if isinstance(controllers[0:1] and controllers[0], Accordion) else None
+    accordion = next((c for c in controllers if isinstance(c, Accordion)), None)
+    layer_cf = dict(accordion.layer_cf) if accordion is not None else None
     return {
         "steps": steps.steps,
         "metrics": metrics.steps,
@@ -129,10 +134,43 @@ def test_the_decision_splits_a_chunk_by_parameter():
 
 def test_the_guards_reset_drops_every_residual():
     strategy = GraVACModelParallelStrategy("int8")
-    from lightning_gravac.sharded import CodedReduceScatter
-
     comm = CodedReduceScatter(strategy.compressor)
-    comm.residual = torch.ones(2, 4)
-    strategy.reduce_scatters[""] = comm
+    hook = CodedReplicaAllReduce(strategy.compressor, None)  # type: ignore[arg-type]  # never called here
+    rounds = ReplicaRounds.__new__(ReplicaRounds)  # its average's residual alone matters
+    rounds.average_changes = CodedReplicaAllReduce(strategy.compressor, None)  # type: ignore[arg-type]
+    for owed in (comm, hook, rounds.average_changes):
+        owed.residual = torch.ones(2, 4)
+    strategy.reduce_scatters[""], strategy.replica_all_reduces[""], strategy.local_steps = comm, hook, rounds
     strategy.compression_state.reset()
-    assert comm.residual is None
+    assert comm.residual is None and hook.residual is None and rounds.average_changes.residual is None
+
+
+def _accordion_resumed(rank: int, world_size: int, where: str) -> dict[str, Any]:
+    """Accordion over windows of 2 steps, 3 steps an epoch: two epochs in one fit, and one then a second resumed from
+    its checkpoint (saved mid-window, the window's sharded sums in it)."""
+    out: dict[str, Any] = {}
+    for run in ("whole", "first", "resumed"):
+        pl.seed_everything(0)
+        sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
+        strategy = GraVACModelParallelStrategy("int8", save_distributed_checkpoint=False, **sizes)
+        accordion, steps = Accordion(1, 4, 0.3, 2, "step"), EveryStep()
+        epochs = 1 if run == "first" else 2
+        trainer = pl.Trainer(strategy=strategy, max_epochs=epochs, callbacks=[accordion, steps],
+                             **sharded_kwargs(world_size))  # fmt: skip
+        path = str(Path(where, "epoch1.ckpt"))
+        trainer.fit(ShardedMLP(), sharded_loader(3 * 16 * world_size), ckpt_path=path if run == "resumed" else None)
+        if run == "first":
+            trainer.save_checkpoint(path)
+        out[run] = {"steps": steps.steps[-3:], "norms": dict(accordion.previous_norms), "sums": len(accordion._sums)}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_accordion_resumed_mid_window_under_sharding_is_the_uninterrupted_run_bit_for_bit(tmp_path):
+    for rank in run_distributed(_accordion_resumed, timeout=300, where=str(tmp_path)):
+        assert rank["first"]["sums"] > 0  # saved mid-window
+        assert rank["resumed"]["norms"] == rank["whole"]["norms"]  # from the restored sums, to the bit
+        for a, b in zip(rank["whole"]["steps"], rank["resumed"]["steps"], strict=True):
+            for name, p in a.items():
+                assert torch.equal(b[name], p), name

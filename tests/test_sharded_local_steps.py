@@ -11,7 +11,7 @@ import torch
 from pytorch_lightning import Callback
 from sharded_models import EveryStep, ShardedMLP, full_parameters, sharded_kwargs, sharded_loader
 
-from lightning_gravac import GraVACModelParallelStrategy
+from lightning_gravac import Accordion, GraVACModelParallelStrategy
 from lightning_gravac.launch import run_distributed
 
 WORLD = 4
@@ -165,3 +165,24 @@ def test_replica_every_is_refused_in_one_line(options, said):
     with pytest.raises(ValueError, match=said) as refused:
         GraVACModelParallelStrategy("int8", **options)
     assert "\n" not in str(refused.value)
+
+
+def _accordion_in_rounds(rank: int, world_size: int) -> dict[str, Any]:
+    pl.seed_everything(0)
+    strategy, accordion = _strategy("int8", 2, world_size), Accordion(1, 4, 0.3, 1, "step")
+    trainer = pl.Trainer(strategy=strategy, max_steps=6, callbacks=[accordion], **sharded_kwargs(world_size))
+    module = ShardedMLP()
+    trainer.fit(module, sharded_loader(SAMPLES * world_size))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gravac/") and "_ms" not in k}
+    return {"layer_cf": dict(accordion.layer_cf), "metrics": metrics, "end": _flat(full_parameters(module))}
+
+
+@pytest.mark.distributed
+def test_a_controller_under_local_steps_decides_within_each_group_and_every_rank_ends_alike():
+    ranks = run_distributed(_accordion_in_rounds, WORLD, timeout=300)
+    for first, second in ((0, 1), (2, 3)):  # a group's ranks decide from the group's own gradients
+        assert ranks[first]["layer_cf"] == ranks[second]["layer_cf"]
+        assert ranks[first]["metrics"] == ranks[second]["metrics"]
+    assert ranks[0]["layer_cf"] != ranks[2]["layer_cf"]  # here the groups decided apart, and nothing waited
+    for rank in ranks[1:]:
+        assert torch.equal(rank["end"], ranks[0]["end"])

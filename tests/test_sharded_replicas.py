@@ -5,11 +5,16 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from sharded_models import EveryStep, ShardedMLP, sharded_kwargs, sharded_loader, stock_strategy
 from test_sharded_trainer import assert_resumed_bit_for_bit, resumed
 
 from lightning_gravac import Accordion, GraVACModelParallelStrategy, Static
+from lightning_gravac.compressors import get_compressor
 from lightning_gravac.launch import run_distributed
+from lightning_gravac.sharded.control import ShardedCompressionState
+from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
+from lightning_gravac.state import Factors
 
 STEPS = 4
 WORLD = 4
@@ -106,3 +111,42 @@ def _three_groups_of_two_ranks(rank: int, world_size: int) -> None:
 def test_replica_groups_that_do_not_divide_the_ranks_are_refused_before_a_step():
     with pytest.raises(RuntimeError, match=r"`replica_groups` must divide the 2 data-parallel ranks, got 3"):
         run_distributed(_three_groups_of_two_ranks, 2, timeout=120)
+
+
+def _replica_split(rank: int, world_size: int) -> dict[str, Any]:
+    """One error-fed int8 average with "b" (the last 400 entries of the shard) at factor 1, then one all at 1."""
+    dist.init_process_group("gloo")
+    code = get_compressor("int8")
+    state = ShardedCompressionState(code, True, lambda: None)
+    state.decide(Factors(cf=4.0, param_cf={"b": 1.0}))
+    layout = [("replicas.w", 600), ("replicas.b", 400)]
+    hook = CodedReplicaAllReduce(code, dist.group.WORLD, True, layout, state, [("w", 600), ("b", 400)])
+    shards = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    first = shards[rank].clone()
+    hook(first)
+    assert hook.residual is not None
+    residual = hook.residual.clone()
+    state.decide(Factors(cf=1.0))
+    second = shards[rank].clone()
+    hook(second)
+    owed = [torch.empty(1000) for _ in range(world_size)]
+    dist.all_gather(owed, residual)
+    return {"first": first, "second": second, "shards": shards, "owed": owed, "residual": residual,
+            "after": hook.residual}  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_a_parameter_at_factor_1_is_averaged_exact_beside_the_codes_between_groups():
+    ranks = run_distributed(_replica_split, 2, timeout=120)
+    shards = ranks[0]["shards"]
+    mean = (shards[0] + shards[1]) * 0.5
+    for rank in ranks:
+        first = rank["first"]
+        assert torch.equal(first, ranks[0]["first"])  # every replica the same bits
+        assert torch.equal(first[600:], mean[600:])  # "b": the exact mean
+        assert 0 < (first[:600] - mean[:600]).abs().max() < 1e-2 * mean.abs().max()
+        assert rank["residual"][600:].abs().max() == 0 and rank["residual"][:600].abs().max() > 0
+        # All at factor 1: the exact mean of the shards plus what coding still owed, which is owed no more.
+        owed = rank["owed"]
+        torch.testing.assert_close(rank["second"], (shards[0] + owed[0] + shards[1] + owed[1]) * 0.5)
+        assert rank["after"] is None

@@ -7,7 +7,7 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -26,7 +26,9 @@ class Accordion(Controller):
     and gets ``low_cf``; the others get ``high_cf``. The first interval is critical (training starts light), and when
     the learning rate drops every layer goes back to ``low_cf`` until the next check. 1-D parameters (biases, norms)
     are never compressed. The gradients summed are the ones the optimizer applies, after the all-reduce, which are
-    bitwise identical on every rank: every rank makes the same per-layer decisions without a collective.
+    bitwise identical on every rank: every rank makes the same per-layer decisions without a collective. Under fully
+    sharded training each rank holds a shard of each sum: its norm is taken whole (a collective a parameter a window,
+    over the ranks that shard it), and a checkpoint saves the sums whole.
 
     ``cf`` is a ratio of bytes: Top-K that keeps 99% of the entries costs more than dense, so the "light" setting is
     ``low_cf=1`` (dense) or a small factor; ``high_cf`` is the authors' heavy setting (10x for CIFAR-10 Top-K).
@@ -115,6 +117,8 @@ class Accordion(Controller):
                 if p.grad is None or p.ndim <= 1:
                     continue
                 if name in self._sums:
+                    # A sum restored whole under sharding (a checkpoint's) is laid out as its gradient first.
+                    self._sums[name] = _laid_out(self._sums[name], p.grad)
                     self._sums[name].add_(p.grad)
                 else:
                     self._sums[name] = p.grad.detach().clone()
@@ -177,7 +181,7 @@ class Accordion(Controller):
             "lr_dropped": self.lr_dropped,
             "progress": self._progress,
             "last_lr": self._last_lr,
-            "sums": {name: s.detach().cpu().clone() for name, s in self._sums.items()},
+            "sums": {name: _whole(s).detach().cpu().clone() for name, s in self._sums.items()},
         }
 
     @override
@@ -197,6 +201,19 @@ class Accordion(Controller):
             f"Accordion(low_cf={self.low_cf:g}, high_cf={self.high_cf:g}, eta={self.eta}, window={self.window}, "
             f"interval={self.interval!r})"
         )
+
+
+def _whole(summed: Tensor) -> Tensor:
+    """A summed gradient whole: a sharded one's shards gathered (a collective every rank makes when saving)."""
+    return summed.full_tensor() if isinstance(summed, DTensor) else summed
+
+
+def _laid_out(summed: Tensor, grad: Tensor) -> Tensor:
+    """``summed`` laid out as ``grad`` is: a whole sum (restored) against a sharded gradient becomes its shard, cut on
+    this rank; otherwise ``summed`` itself."""
+    if isinstance(grad, DTensor) and not isinstance(summed, DTensor):
+        return distribute_tensor(summed.to(grad.device), grad.device_mesh, grad.placements, src_data_rank=None)
+    return summed
 
 
 def _norm(summed: Tensor) -> float:

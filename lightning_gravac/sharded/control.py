@@ -55,7 +55,7 @@ class ShardedCompressionState(CompressionState):
         #: Where the norms are all-reduced: the strategy's root device (NCCL reduces device tensors only).
         self.device = torch.device("cpu")
         self._measured = 0  # calls since the last :meth:`take_stats` that measured norms
-        self._splits: dict[tuple[int, tuple[bool, ...]], Split] = {}
+        self._splits: dict[tuple[tuple[tuple[str, int], ...], tuple[bool, ...]], Split] = {}
 
     def split(self, layout: Sequence[tuple[str, int]], device: torch.device) -> str | Split:
         """How a collective of ``layout`` (each parameter's name and its entries in a chunk, in order) sends this
@@ -67,7 +67,7 @@ class ShardedCompressionState(CompressionState):
             return CODED
         if not any(coded):
             return EXACT
-        key = (id(layout), coded)
+        key = (tuple(layout), coded)
         found = self._splits.get(key)
         if found is None:
             columns = torch.arange(sum(width for _, width in layout), device=device)
@@ -91,16 +91,21 @@ class ShardedCompressionState(CompressionState):
         self.record(BucketRecord(sent, dense, REDUCE, *norms, comm_s=seconds))
 
     def take_stats(self) -> StepStats | None:
-        """:meth:`CompressionState.take_stats`, the norms summed over every rank (one all-reduce, on the steps that
-        measured any: whether one did is the same on every rank, as the decision is)."""
+        """:meth:`CompressionState.take_stats`, the norms summed over the ranks that decide together (the state's
+        process group: every rank, or a replica group's under local steps; one all-reduce, on the steps that measured
+        any: whether one did is the same on those ranks, as their decision is)."""
         stats, measured = super().take_stats(), self._measured
         self._measured = 0
-        if stats is None or not measured or not dist.is_initialized() or dist.get_world_size() == 1:
+        if stats is None or not measured or not dist.is_initialized() or self.world_size == 1:
             return stats
         norms = torch.tensor([stats.sq_norm, stats.sq_norm_sent], dtype=torch.float64, device=self.device)
-        dist.all_reduce(norms)
+        dist.all_reduce(norms, group=self.process_group)
         total, sent = norms.cpu().tolist()
         return replace(stats, sq_norm=total, sq_norm_sent=sent)
+
+    def forget_splits(self) -> None:
+        """Drop the column splits kept for an earlier fit's collectives (a new fit installs new ones)."""
+        self._splits = {}
 
     def reset(self) -> None:
         super().reset()

@@ -124,18 +124,23 @@ class CodedReduceScatter(ReduceScatter):
         dense: int,
         began: float,
     ) -> dist.Work | None:
-        """FSDP's own reduce-scatter; what error feedback still owed goes with it, exact, and is owed no more."""
-        self.bytes_sent += dense
-        if self.state is not None:
-            self.state.record_call(dense, dense, began=began)
+        """FSDP's own reduce-scatter; what error feedback still owed goes with it, exact (in fp32), and is owed no
+        more."""
         if self.residual is None:
+            self._count(dense, dense, began)
             return dist.reduce_scatter_single(output=output, input=input_tensor, group=group, op=op, async_op=async_op)
         fed = self.residual.add_(input_tensor.view(self.residual.shape))
         self.residual = None
         out = torch.empty(output.shape, dtype=torch.float32, device=output.device)
         dist.reduce_scatter_single(output=out, input=fed.view(-1), group=group, op=op)
         output.copy_(out)
+        self._count(dense * fed.element_size() // input_tensor.element_size(), dense, began)
         return None
+
+    def _count(self, sent: int, dense: int, began: float) -> None:
+        self.bytes_sent += sent
+        if self.state is not None:
+            self.state.record_call(sent, dense, began=began)
 
     def _error_fed(self, rows: Tensor) -> Tensor:
         """The chunks plus the residual, in fp32: the residual's own buffer, which coding turns into the next one."""

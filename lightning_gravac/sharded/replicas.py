@@ -65,13 +65,15 @@ class CodedReplicaAllReduce:
             self.state.record_call(sent, dense, began=began)
 
     def _exact(self, shard: Tensor, dense: int) -> int:
-        """The exact average; what error feedback still owed goes with it, and is owed no more. The bytes sent."""
+        """The exact average; what error feedback still owed goes with it (in fp32), and is owed no more. The bytes
+        sent."""
         if self.residual is None:
             dist.all_reduce(shard, op=dist.ReduceOp.AVG, group=self.group)
         else:
             fed, self.residual = self.residual.add_(shard.view(self.residual.shape)), None
             dist.all_reduce(fed, op=dist.ReduceOp.AVG, group=self.group)
             shard.copy_(fed.view(shard.shape))
+            return dense * fed.element_size() // shard.element_size()  # in fp32
         return dense
 
     def _coded(self, shard: Tensor, how: str | Split) -> int:

@@ -78,7 +78,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
     Raises:
         ValueError: for a ``compressor`` other than the block codes and ``"none"``, an ``all_gather_code`` other
             than a block code, ``replica_groups`` not a whole number >= 1 (at setup: not dividing the data-parallel
-            ranks), or ``replica_every`` not a whole number >= 1 or without ``replica_groups > 1``.
+            ranks), or ``replica_every`` not a whole number >= 1 or without ``replica_groups > 1``; at setup, for a
+            ``GraVAC`` controller among the trainer's callbacks.
 
     Example::
 
@@ -144,6 +145,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         #: Each sharded module's all-reduce between replica groups, by the module's name (none without groups).
         self.replica_all_reduces: dict[str, CodedReplicaAllReduce] = {}
         self._replicas: torch.distributed.ProcessGroup | None = None  # this rank's shard's replicas
+        self._group: torch.distributed.ProcessGroup | None = None  # this rank's replica group
         self._restored: dict[str, torch.Tensor] | None = None  # this rank's residuals from a checkpoint
         #: What a compression controller (``Static``, ``Accordion``) reads and decides: by parameter, each step's
         #: gradients exact (factor 1) or in the code; the code without a controller.
@@ -182,7 +184,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         names = ("replicate", "data_parallel", "tensor_parallel")
         shape = (self.replica_groups, data // self.replica_groups, tensor)
         mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
-        self._replicas = mesh.get_group("replicate")
+        self._replicas, self._group = mesh.get_group("replicate"), mesh.get_group("data_parallel")
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh
 
@@ -233,7 +235,9 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                 )
             state = self.compression_state
             state.device, state.measures = self.root_device, bool(controllers)
-            state.bind(self.model)
+            # Under local steps each replica group trains, and decides, on its own: its statistics are its own.
+            state.bind(self.model, self._group if self.replica_every is not None else None)
+            state.forget_splits()
             self._install(self.model)
             rank_zero_info(self.said())
 
@@ -304,6 +308,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             comm.residual = None
         for hook in self.replica_all_reduces.values():
             hook.residual = None
+        if self.local_steps is not None:
+            self.local_steps.average_changes.residual = None
 
     def _residuals(self) -> dict[str, torch.Tensor]:
         comms = [comm.state_dict() for comm in self.reduce_scatters.values()]
