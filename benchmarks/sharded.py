@@ -7,8 +7,9 @@
 Each method trains the matrix's gpt task (``ByteGPT``, AdamW at lr 1e-3, 64-byte windows of the text Lightning ships
 with itself, the last tenth held out) with every transformer block and the whole model sharded by ``fully_shard``,
 from the same seed on the same data, for ``--steps`` steps, then measures the held-out loss. ``stock`` is Lightning's
-``ModelParallelStrategy``; ``none``, ``int8`` and ``int4`` are ``GraVACModelParallelStrategy``'s, and ``int8-w8``
-(``int4-w8``) gathers the parameters in 8-bit codes as well (``all_gather_code="int8"``). Seeds are paired:
+``ModelParallelStrategy``; ``none``, ``int8`` and ``int4`` are ``GraVACModelParallelStrategy``'s with FSDP2's own
+all-gather (``all_gather_code=None``, not the strategy's default), and ``int8-w8`` (``int4-w8``) gathers the
+parameters in 8-bit codes as well (``all_gather_code="int8"``). Seeds are paired:
 each seed's methods start from one initialization and read one order of windows; the table gives each method's
 held-out loss relative to stock's, seed by seed and their mean, and the bytes the gradient reduce-scatters sent (the
 parameters' all-gather not counted). With ``--replica-groups R`` ours shard within R groups of ranks and average
