@@ -119,7 +119,8 @@ class Controller(Callback):
         if not isinstance(state, CompressionState):
             raise ValueError(
                 f"{type(self).__name__} controls GraVACStrategy's compression, but the trainer's strategy is "
-                f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=GraVACStrategy(...))` or drop the callback."
+                f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=GraVACStrategy(...))` (or "
+                "`GraVACModelParallelStrategy(...)` for FSDP2) or drop the callback."
             )
         # A model that builds its layers in `configure_model` (sized by the data) has none yet: checked at fit start.
         # Only fitting communicates gradients: validating or testing a frozen model is fine.
