@@ -36,6 +36,12 @@ def read_row(row: Tensor, like: Payload) -> Payload:
     return like.with_wire((row[cut:end], row[:cut].view(torch.float32)))
 
 
+def exact_tail(row: Tensor, start: int) -> Tensor:
+    """The fp32 entries sent exact after the codes of a row (or of each row of rows), from byte ``start`` (a whole
+    number of fp32s: ``row_layout``'s padded length), in place."""
+    return row[..., start:].view(torch.float32)
+
+
 def coded(code: BlockCode, chunk: Tensor, error_feedback: bool) -> Payload:
     """``chunk`` (fp32) in ``code``; with ``error_feedback``, ``chunk`` becomes what coding dropped, in place (in the
     encode's own pass where the compiled kernel can)."""

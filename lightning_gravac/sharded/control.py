@@ -110,8 +110,3 @@ class ShardedCompressionState(CompressionState):
     def reset(self) -> None:
         super().reset()
         self._drop_residuals()
-
-
-def sq_norm(t: Tensor) -> Tensor:
-    """``||t||^2`` in fp64."""
-    return torch.linalg.vector_norm(t, dtype=torch.float64).square()

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from lightning_gravac.compressors.base import Payload
+from lightning_gravac.compressors.base import Payload, sq_norm
 from lightning_gravac.compressors.blockwise import BlockCode
-from lightning_gravac.sharded._rows import coded, read_row, row_layout, write_row
-from lightning_gravac.sharded.control import CODED, EXACT, ShardedCompressionState, Split, sq_norm
+from lightning_gravac.sharded._rows import coded, exact_tail, read_row, row_layout, write_row
+from lightning_gravac.sharded.control import CODED, EXACT, ShardedCompressionState, Split
 
 
 class CodedReduceScatter(ReduceScatter):
@@ -48,7 +48,8 @@ class CodedReduceScatter(ReduceScatter):
         self.error_feedback = error_feedback
         self.layout = tuple(layout)
         self.state = state
-        self._widths = tuple((name, per_chunk) for name, _, per_chunk in self.layout)
+        #: Each parameter's name and its entries in a chunk, the columns a controller's decision splits.
+        self.widths = tuple((name, per_chunk) for name, _, per_chunk in self.layout)
         #: ``(world, chunk)`` fp32: what this rank still owes each destination (its own row stays zero).
         self.residual: Tensor | None = None
         #: Bytes this rank has sent to the other ranks since it was made.
@@ -68,7 +69,7 @@ class CodedReduceScatter(ReduceScatter):
         world, rank = group.size(), group.rank()
         began = time.perf_counter()
         dense = input_tensor.numel() * input_tensor.element_size() * (world - 1) // world
-        how = CODED if self.state is None else self.state.split(self._widths, input_tensor.device)
+        how = CODED if self.state is None else self.state.split(self.widths, input_tensor.device)
         if self.code is None or how == EXACT:
             return self._exact(output_tensor, input_tensor, group, op, async_op, dense, began)
         if op == dist.ReduceOp.AVG:
@@ -87,7 +88,7 @@ class CodedReduceScatter(ReduceScatter):
         else:
             send, like = self._encode(fed, rank)
             exact = None
-        sent_sq = self._sent_sq(send, like, rank, own, how) if measures else None
+        sent_sq = self._sent_sq(send, like, rank, own, exact) if measures else None
         receive = torch.empty_like(send)
         dist.all_to_all_single(receive, send, group=group)
         self.bytes_sent += send[0].numel() * (world - 1)
@@ -100,7 +101,7 @@ class CodedReduceScatter(ReduceScatter):
                 part = torch.zeros(how.coded.numel(), dtype=torch.float32, device=rows.device)
                 self._add_row(part, receive[source], like, scale)
                 out.index_add_(0, how.coded, part)
-                out.index_add_(0, how.exact, receive[source, exact:].view(torch.float32), alpha=scale)
+                out.index_add_(0, how.exact, exact_tail(receive[source], exact), alpha=scale)
             else:
                 self._add_row(out, receive[source], like, scale)
         output_tensor.copy_(out)
@@ -178,21 +179,22 @@ class CodedReduceScatter(ReduceScatter):
         exact = codes.shape[1]  # a whole number of fp32s (`row_layout`)
         send = torch.empty(fed.shape[0], exact + 4 * split.exact.numel(), dtype=torch.uint8, device=fed.device)
         send[:, :exact].copy_(codes)
-        send[:, exact:].view(torch.float32).copy_(fed.index_select(1, split.exact))
+        exact_tail(send, exact).copy_(fed.index_select(1, split.exact))
         if self.error_feedback:
             fed.index_copy_(1, split.coded, coded_part).index_fill_(1, split.exact, 0.0)
         return send, like, exact
 
-    def _sent_sq(self, send: Tensor, like: Payload, rank: int, own: Tensor, how: str | Split) -> Tensor:
-        """``||what this rank sent, decoded||^2``, its own chunk included (exact): a decode of each payload sent."""
+    def _sent_sq(self, send: Tensor, like: Payload, rank: int, own: Tensor, exact: int | None) -> Tensor:
+        """``||what this rank sent, decoded||^2``, its own chunk included (exact): a decode of each payload sent
+        (``exact``: the byte its rows' exact entries begin at, ``None`` without)."""
         assert self.code is not None
         total = sq_norm(own)
         for destination, row in enumerate(send):
             if destination == rank:
                 continue
             total += self.code.sent_sq_norm(read_row(row, like))
-            if isinstance(how, Split):
-                total += sq_norm(row[row_layout(like)[2] :].view(torch.float32))
+            if exact is not None:
+                total += sq_norm(exact_tail(row, exact))
         return total
 
     def state_dict(self) -> dict[str, Tensor]:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_gravac.compressors.base import Payload
 from lightning_gravac.compressors.blockwise import BlockCode
-from lightning_gravac.sharded._rows import all_gather_payload, coded, read_row, row_layout, write_row
+from lightning_gravac.sharded._rows import all_gather_payload, coded, exact_tail, read_row, row_layout, write_row
 from lightning_gravac.sharded.control import CODED, EXACT, ShardedCompressionState, Split
 
 
@@ -100,10 +100,10 @@ class CodedReplicaAllReduce:
         for received in rows:  # replica order: every replica adds in one order
             one = read_row(received[:width], payload)
             self.code.aggregate_(part, one.with_wire([w.unsqueeze(0) for w in one.wire]), 1.0 / replicas)
-        if isinstance(how, Split):
+        if isinstance(how, Split) and width is not None:
             out.index_add_(0, how.coded, part)
             for received in rows:
-                out.index_add_(0, how.exact, received[width:].view(torch.float32), alpha=1.0 / replicas)
+                out.index_add_(0, how.exact, exact_tail(received, width), alpha=1.0 / replicas)
         shard.copy_(out.view(shard.shape))
         return rows.shape[1] * (replicas - 1)
 
@@ -114,7 +114,7 @@ class CodedReplicaAllReduce:
         row = torch.empty(width + 4 * split.exact.numel(), dtype=torch.uint8, device=flat.device)
         row[:width].zero_()
         write_row(row[:width], payload)
-        row[width:].view(torch.float32).copy_(flat.index_select(0, split.exact))
+        exact_tail(row, width).copy_(flat.index_select(0, split.exact))
         rows = torch.empty(self.group.size() * row.numel(), dtype=torch.uint8, device=row.device)
         dist.all_gather_single(rows, row, group=self.group)  # flat: gloo takes no rows
         return rows.view(self.group.size(), -1), width

@@ -256,15 +256,14 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                     for p in group.fsdp_params
                 ]
             comm = CodedReduceScatter(code, self.error_feedback, layout, self.compression_state)
+            widths = comm.widths  # each parameter's name and entries in a chunk: what the controllers decide by
             module.set_custom_reduce_scatter(comm)
             if self.all_gather_code is not None:
-                decided_by = [(name, per_chunk) for name, _, per_chunk in layout]
-                module.set_custom_all_gather(CodedAllGather(self.all_gather_code, self.compression_state, decided_by))
+                module.set_custom_all_gather(CodedAllGather(self.all_gather_code, self.compression_state, widths))
             if self._replicas is not None and self.replica_every is None:
-                pieces = [(REPLICAS + name, per_chunk) for name, _, per_chunk in layout]
-                decided_by = [(name, per_chunk) for name, _, per_chunk in layout]
+                pieces = [(REPLICAS + name, per_chunk) for name, per_chunk in widths]
                 hook = CodedReplicaAllReduce(
-                    code, self._replicas, self.error_feedback, pieces, self.compression_state, decided_by
+                    code, self._replicas, self.error_feedback, pieces, self.compression_state, widths
                 )
                 module.set_all_reduce_hook(hook)
                 self.replica_all_reduces[prefix] = hook
