@@ -150,3 +150,27 @@ def test_a_parameter_at_factor_1_goes_exact_beside_the_codes_and_a_step_all_at_1
         stats = result["stats"]
         assert stats.bytes_dense == 2 * CHUNK * 4 and 0 < stats.bytes_sent - CHUNK * 4 < CHUNK * 4
         assert 0.99 < stats.gain < 1.01
+
+
+def _owed_on_resume(rank: int, world: int) -> list[torch.Tensor]:
+    """One coded step after restoring a residual whose every row is owed, this rank's own included: what a resume on
+    another world size lays out. Returns what arrived, what the ranks still owe here, and the exact sum."""
+    dist.init_process_group("gloo")
+    comm = CodedReduceScatter(get_compressor("int4", block_size=BLOCK), True, [("flat", world * CHUNK, CHUNK)])
+    g = torch.Generator().manual_seed(100 + rank)
+    restored = torch.randn(world * CHUNK, generator=g) * 0.1
+    comm.load_state_dict({"flat": restored}, world, torch.device("cpu"))
+    mine = _inputs(world, 0)[rank]
+    out, reference = torch.empty(CHUNK), torch.empty(CHUNK)
+    comm(out, mine.clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+    dist.reduce_scatter_single(reference, mine + restored, op=dist.ReduceOp.SUM)
+    assert comm.residual is not None
+    residuals = [torch.empty(world, CHUNK) for _ in range(world)]
+    dist.all_gather(residuals, comm.residual)
+    return [out, sum(residual[rank] for residual in residuals), reference]
+
+
+@pytest.mark.distributed
+def test_a_restored_residual_owed_to_this_ranks_own_chunk_is_paid_not_dropped():
+    for out, owed, exact in run_distributed(_owed_on_resume, 2, timeout=120):
+        torch.testing.assert_close(out + owed, exact, rtol=1e-5, atol=1e-5)

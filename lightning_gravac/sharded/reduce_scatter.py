@@ -79,8 +79,10 @@ class CodedReduceScatter(ReduceScatter):
         else:
             raise ValueError(f"CodedReduceScatter: `op` must be SUM or AVG, got {op!r}.")
         rows = input_tensor.view(world, -1)
-        own = rows[rank].float()
         fed = self._error_fed(rows)
+        # This rank's own chunk, with what is still owed to it (non-zero only when a residual saved on another world
+        # size was laid out again), is added exact; coding then zeroes that row of the residual.
+        own = fed[rank].clone()
         measures = self.state is not None and self.state.measures
         sq = sq_norm(fed) if measures else None
         if isinstance(how, Split):
