@@ -18,7 +18,9 @@ from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
 from lightning_gravac.state import Factors
 
 STEPS = 6
-METRICS = ("gravac/cf", "gravac/achieved_cf", "gravac/gain", "gravac/bytes_sent")
+METRICS = ("gravac/cf", "gravac/achieved_cf", "gravac/gain", "gravac/bytes_sent", "gravac/collective")
+#: This rank's own host time: it differs between ranks.
+TIMES = ("gravac/compress_ms",)
 
 
 class Metrics(Callback):
@@ -28,7 +30,8 @@ class Metrics(Callback):
         self.steps: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.steps.append({k: float(trainer.callback_metrics[k]) for k in METRICS if k in trainer.callback_metrics})
+        got = trainer.callback_metrics
+        self.steps.append({k: float(got[k]) for k in (*METRICS, *TIMES) if k in got})
 
 
 def _controller(spec: str | None) -> list[Callback]:
@@ -66,6 +69,11 @@ def _assert_runs_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(tensor, after[name]), name
 
 
+def _shared(run: dict[str, Any]) -> list[dict[str, float]]:
+    """A run's metrics without this rank's own times."""
+    return [{k: m[k] for k in METRICS} for m in run["metrics"]]
+
+
 @pytest.mark.distributed
 def test_static_at_factor_1_is_stock_model_parallel_bit_for_bit():
     stock = run_distributed(_fit, method=None, controller=None, timeout=240)
@@ -73,6 +81,8 @@ def test_static_at_factor_1_is_stock_model_parallel_bit_for_bit():
     for s, e in zip(stock, exact, strict=True):
         _assert_runs_equal(s, e)
         assert all(m["gravac/cf"] == 1.0 and m["gravac/achieved_cf"] == 1.0 for m in e["metrics"])
+        # FSDP2's own reduce-scatter, summed on the wire, with nothing coded.
+        assert all(m["gravac/collective"] == 1.0 and m["gravac/compress_ms"] == 0.0 for m in e["metrics"])
 
 
 @pytest.mark.distributed
@@ -82,8 +92,10 @@ def test_static_at_the_codes_factor_is_the_code_bit_for_bit_with_its_statistics_
     for p, s in zip(plain, static, strict=True):
         _assert_runs_equal(p, s)
         assert p["sent"] == s["sent"]
-    assert static[0]["metrics"] == static[1]["metrics"]  # every rank reads the same statistics, to the bit
+    assert _shared(static[0]) == _shared(static[1])  # every rank reads the same statistics, to the bit
     for m in static[0]["metrics"]:
+        assert m["gravac/collective"] == 0.0  # payloads exchanged whole (an all-to-all), decoded before any sum
+        assert m["gravac/compress_ms"] > 0.0
         assert m["gravac/cf"] == 4.0
         assert 3.0 < m["gravac/achieved_cf"] < 4.0  # int8 with a scale each 128 entries, chunks padded
         assert 0.9 < m["gravac/gain"] < 1.1  # an 8-bit code keeps the error-fed gradient's energy
@@ -93,7 +105,7 @@ def test_static_at_the_codes_factor_is_the_code_bit_for_bit_with_its_statistics_
 def test_accordion_sends_critical_layers_and_biases_exact_and_the_rest_in_the_code_the_same_on_every_rank():
     first, second = run_distributed(_fit, method="int8", controller="accordion", timeout=240)
     assert first["layer_cf"] == second["layer_cf"]  # decided from the sharded gradients' whole norms
-    assert first["metrics"] == second["metrics"]
+    assert _shared(first) == _shared(second)
     for a, b in zip(first["steps"], second["steps"], strict=True):
         for name, tensor in a.items():
             assert torch.equal(tensor, b[name]), name

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gravac.compressors.base import Compressor
-from lightning_gravac.state import DENSE, REDUCE, BucketRecord, CompressionState, StepStats
+from lightning_gravac.state import DENSE, GATHER, REDUCE, BucketRecord, CompressionState, StepStats
 
 
 @dataclass(frozen=True)
@@ -77,18 +77,29 @@ class ShardedCompressionState(CompressionState):
         return found
 
     def record_call(
-        self, sent: int, dense: int, sq_norm: Tensor | None = None, sq_sent: Tensor | None = None, began: float = 0.0
+        self,
+        sent: int,
+        dense: int,
+        sq_norm: Tensor | None = None,
+        sq_sent: Tensor | None = None,
+        began: float = 0.0,
+        coded_at: float = 0.0,
     ) -> None:
-        """Record one collective call: the bytes it sent and stock's, this rank's norms (``None``: not measured), and
-        when its work began (``time.perf_counter``). Nothing while no controller reads them (:attr:`measures`)."""
+        """Record one collective call: the bytes it sent and stock's, this rank's norms (``None``: not measured), when
+        its work began and when its coding ended (``time.perf_counter``; ``coded_at`` 0: sent exact, by FSDP2's own
+        collective, which sums on the wire; else the payloads were exchanged whole, as a gather's are). Nothing while
+        no controller reads them (:attr:`measures`)."""
         if not self.measures:
             return
-        seconds = time.perf_counter() - began if began else 0.0
+        now = time.perf_counter()
+        compress_s = coded_at - began if began and coded_at else 0.0
+        comm_s = now - (coded_at or began) if began else 0.0
         norms = (0.0, 0.0)
         if sq_norm is not None and sq_sent is not None:
             norms = (float(sq_norm), float(sq_sent))
             self._measured += 1
-        self.record(BucketRecord(sent, dense, REDUCE, *norms, comm_s=seconds))
+        collective = GATHER if coded_at else REDUCE
+        self.record(BucketRecord(sent, dense, collective, *norms, compress_s=compress_s, comm_s=comm_s))
 
     def take_stats(self) -> StepStats | None:
         """:meth:`CompressionState.take_stats`, the norms summed over the ranks that decide together (the state's

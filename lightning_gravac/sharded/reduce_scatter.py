@@ -91,6 +91,7 @@ class CodedReduceScatter(ReduceScatter):
             send, like = self._encode(fed, rank)
             exact = None
         sent_sq = self._sent_sq(send, like, rank, own, exact) if measures else None
+        coded_at = time.perf_counter()
         receive = torch.empty_like(send)
         dist.all_to_all_single(receive, send, group=group)
         self.bytes_sent += send[0].numel() * (world - 1)
@@ -108,7 +109,7 @@ class CodedReduceScatter(ReduceScatter):
                 self._add_row(out, receive[source], like, scale)
         output_tensor.copy_(out)
         if self.state is not None:
-            self.state.record_call(send[0].numel() * (world - 1), dense, sq, sent_sq, began)
+            self.state.record_call(send[0].numel() * (world - 1), dense, sq, sent_sq, began, coded_at)
         return None
 
     def _add_row(self, out: Tensor, row: Tensor, like: Payload, scale: float) -> None:

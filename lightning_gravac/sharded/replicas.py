@@ -59,10 +59,13 @@ class CodedReplicaAllReduce:
         began = time.perf_counter()
         dense = shard.numel() * shard.element_size() * 2 * (replicas - 1) // replicas  # a ring's share
         how = CODED if self.state is None else self.state.split(self.decided_by, shard.device)
-        sent = self._exact(shard, dense) if self.code is None or how == EXACT else self._coded(shard, how)
+        if self.code is None or how == EXACT:
+            sent, coded_at = self._exact(shard, dense), 0.0
+        else:
+            sent, coded_at = self._coded(shard, how)
         self.bytes_sent += sent
         if self.state is not None:
-            self.state.record_call(sent, dense, began=began)
+            self.state.record_call(sent, dense, began=began, coded_at=coded_at)
 
     def _exact(self, shard: Tensor, dense: int) -> int:
         """The exact average; what error feedback still owed goes with it (in fp32), and is owed no more. The bytes
@@ -76,8 +79,9 @@ class CodedReplicaAllReduce:
             return dense * fed.element_size() // shard.element_size()  # in fp32
         return dense
 
-    def _coded(self, shard: Tensor, how: str | Split) -> int:
-        """The average in the code (``how`` a :class:`Split`: its exact columns in fp32 beside); the bytes sent."""
+    def _coded(self, shard: Tensor, how: str | Split) -> tuple[int, float]:
+        """The average in the code (``how`` a :class:`Split`: its exact columns in fp32 beside); the bytes sent and
+        when coding ended (``time.perf_counter``)."""
         assert self.code is not None
         replicas = self.group.size()
         if self.error_feedback:
@@ -89,6 +93,7 @@ class CodedReplicaAllReduce:
         flat = fed.view(-1)
         coded_part = flat.index_select(0, how.coded) if isinstance(how, Split) else flat
         payload = coded(self.code, coded_part, self.error_feedback)
+        coded_at = time.perf_counter()
         if isinstance(how, Split):
             rows, width = self._gather_split(payload, flat, how)
             if self.error_feedback:
@@ -105,7 +110,7 @@ class CodedReplicaAllReduce:
             for received in rows:
                 out.index_add_(0, how.exact, exact_tail(received, width), alpha=1.0 / replicas)
         shard.copy_(out.view(shard.shape))
-        return rows.shape[1] * (replicas - 1)
+        return rows.shape[1] * (replicas - 1), coded_at
 
     def _gather_split(self, payload: Payload, flat: Tensor, split: Split) -> tuple[Tensor, int]:
         """Every replica's row of ``payload`` (the coded columns) followed by its exact columns in fp32, gathered in
