@@ -52,9 +52,10 @@ class ShardedCompressionState(CompressionState):
         #: Whether a controller reads the statistics (set by the strategy at setup): only then do the collectives
         #: record each call, and measure the norms of the calls that code.
         self.measures = False
-        #: Where the norms are all-reduced: the strategy's root device (NCCL reduces device tensors only).
-        self.device = torch.device("cpu")
         self._measured = 0  # calls since the last :meth:`take_stats` that measured norms
+        #: Their ``(||fed||^2, ||sent||^2)`` summed, in float64 on the gradients' device: read on the host once a step,
+        #: in :meth:`take_stats`, not once a call.
+        self._norms: Tensor | None = None
         self._splits: dict[tuple[tuple[tuple[str, int], ...], tuple[bool, ...]], Split] = {}
 
     def split(self, layout: Sequence[tuple[str, int]], device: torch.device) -> str | Split:
@@ -94,23 +95,23 @@ class ShardedCompressionState(CompressionState):
         now = time.perf_counter()
         compress_s = coded_at - began if began and coded_at else 0.0
         comm_s = now - (coded_at or began) if began else 0.0
-        norms = (0.0, 0.0)
         if sq_norm is not None and sq_sent is not None:
-            norms = (float(sq_norm), float(sq_sent))
+            pair = torch.stack([sq_norm, sq_sent]).to(torch.float64)
+            self._norms = pair if self._norms is None else self._norms.add_(pair)
             self._measured += 1
         collective = GATHER if coded_at else REDUCE
-        self.record(BucketRecord(sent, dense, collective, *norms, compress_s=compress_s, comm_s=comm_s))
+        self.record(BucketRecord(sent, dense, collective, compress_s=compress_s, comm_s=comm_s))
 
     def take_stats(self) -> StepStats | None:
         """:meth:`CompressionState.take_stats`, the norms summed over the ranks that decide together (the state's
         process group: every rank, or a replica group's under local steps; one all-reduce, on the steps that measured
         any: whether one did is the same on those ranks, as their decision is)."""
-        stats, measured = super().take_stats(), self._measured
-        self._measured = 0
-        if stats is None or not measured or not dist.is_initialized() or self.world_size == 1:
+        stats, measured, norms = super().take_stats(), self._measured, self._norms
+        self._measured, self._norms = 0, None
+        if stats is None or not measured or norms is None:
             return stats
-        norms = torch.tensor([stats.sq_norm, stats.sq_norm_sent], dtype=torch.float64, device=self.device)
-        dist.all_reduce(norms, group=self.process_group)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(norms, group=self.process_group)
         total, sent = norms.cpu().tolist()
         return replace(stats, sq_norm=total, sq_norm_sent=sent)
 

@@ -234,7 +234,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                     "`Accordion(low_cf=1, high_cf=4)` (critical layers exact), or no controller."
                 )
             state = self.compression_state
-            state.device, state.measures = self.root_device, bool(controllers)
+            state.measures = bool(controllers)
             # Under local steps each replica group trains, and decides, on its own: its statistics are its own.
             state.bind(self.model, self._group if self.replica_every is not None else None)
             state.forget_splits()
