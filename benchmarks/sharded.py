@@ -16,7 +16,9 @@ parameters' all-gather not counted). With ``--replica-groups R`` ours shard with
 between them in the method's code (stock shards over every rank); the table adds the bytes sent between groups.
 ``int8-every4`` (``int8-every16``) has each group train on its own and average the groups' parameter changes every 4
 (16) optimizer steps in int8 with error feedback (``replica_every``; only with ``--replica-groups`` above 1);
-``none-every4`` (``none-every16``) averages them exactly (fp32), each group's own reduce-scatter FSDP2's.
+``none-every4`` (``none-every16``) averages them exactly (fp32), each group's own reduce-scatter FSDP2's;
+``int8-every4-diloco`` (``int8-every16-diloco``) moves the parameters by DiLoCo's outer step on the int8 average (lr
+0.7, Nesterov momentum 0.9) instead of the average itself.
 
 ``--task diamonds`` trains the matrix's diamonds classifier instead (``TabularClassifier``: 3 hidden ReLU layers of
 1100, 2.45M parameters, AdamW at lr 1e-3 and weight decay 0.01 as the matrix's ``--optimizer adamw``; ggplot2's
@@ -62,7 +64,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from lightning_gravac import GraVACModelParallelStrategy
+from lightning_gravac import GraVACModelParallelStrategy, LocalSteps
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.sharded.all_gather import CodedAllGather
 from lightning_gravac.zoo import TabularClassifier
@@ -72,7 +74,9 @@ _INSIDE = "GRAVAC_SHARDED_NETNS"
 ALONE = "no communication"
 #: Local steps between replica groups: every 4 or 16 optimizer steps, the average in int8 or exact.
 LOCAL_STEPS = tuple(f"{code}-every{h}" for code in ("int8", "none") for h in (4, 16))
-METHODS = ("stock", "none", "int8", "int4", "int8-w8", "int4-w8", *LOCAL_STEPS, ALONE)
+#: The same in int8 with DiLoCo's outer step (lr 0.7, Nesterov momentum 0.9) in place of the plain average.
+DILOCO = tuple(f"int8-every{h}-diloco" for h in (4, 16))
+METHODS = ("stock", "none", "int8", "int4", "int8-w8", "int4-w8", *LOCAL_STEPS, *DILOCO, ALONE)
 TASKS = ("gpt", "diamonds")
 #: What a launcher sets: a rank alone drops it, so that its Trainer starts no process group.
 LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
@@ -150,12 +154,14 @@ def _model(task: str, width: int, sharded: bool, data: Dataset) -> pl.LightningM
 
 def _ours(method: str) -> tuple[str, dict[str, Any]]:
     """A method's code and the strategy's options: ``int8-w8`` gathers the parameters in int8, ``int8-every4``
-    averages between replica groups every 4 steps."""
+    averages between replica groups every 4 steps, ``int8-every4-diloco`` with DiLoCo's outer step."""
     code, *options = method.split("-")
     ours: dict[str, Any] = {"all_gather_code": None, "replica_every": None}
     for option in options:
         if option.startswith("every"):
             ours["replica_every"] = int(option.removeprefix("every"))
+        elif option == "diloco":
+            ours["replica_every"] = LocalSteps(every=ours["replica_every"], lr=0.7, momentum=0.9, nesterov=True)
         else:
             ours["all_gather_code"] = f"int{option.removeprefix('w')}"
     return code, ours
@@ -175,7 +181,11 @@ def _train(
     width: int,
     replica_groups: int = 1,
     task: str = "gpt",
+    nodes: int = 1,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One method's fit and validation on this rank (one of ``nodes`` machines' ``world_size`` ranks, ``options``
+    over the method's own strategy options); the row of the table."""
     pl.seed_everything(seed)
     train, held, batch, held_batch = _data(task, steps, world_size, seed)
     strategy: ModelParallelStrategy | str = "auto"
@@ -190,14 +200,14 @@ def _train(
         model, data = _model(task, width, True, held), train
         sizes = {"data_parallel_size": world_size, "tensor_parallel_size": 1}
         code, ours = _ours(method)
-        ours["replica_groups"] = replica_groups
+        ours.update(replica_groups=replica_groups, **(options or {}))
         strategy = (
             ModelParallelStrategy(**sizes) if code == "stock" else GraVACModelParallelStrategy(code, **sizes, **ours)
         )
     quiet = {f"enable_{part}": False for part in ("checkpointing", "progress_bar", "model_summary")}
-    devices = 1 if method == ALONE else world_size
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, **quiet)  # fmt: skip
+    devices, nodes = (1, 1) if method == ALONE else (world_size // nodes, nodes)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy, max_steps=steps,
+                         logger=False, num_sanity_val_steps=0, limit_val_batches=0, **quiet)  # fmt: skip
     start = time.perf_counter()
     trainer.fit(model, DataLoader(data, batch, shuffle=False))
     seconds = time.perf_counter() - start

@@ -11,15 +11,22 @@ import torch
 from pytorch_lightning import Callback
 from sharded_models import EveryStep, ShardedMLP, full_parameters, sharded_kwargs, sharded_loader
 
-from lightning_gravac import Accordion, GraVACModelParallelStrategy
+from lightning_gravac import Accordion, GraVACModelParallelStrategy, LocalSteps
 from lightning_gravac.launch import run_distributed
+from lightning_gravac.sharded.local_steps import ReplicaRounds
 
 WORLD = 4
 #: Samples a rank reads an epoch: 4 batches of 16.
 SAMPLES = 64
 
 
-def _strategy(method: str, every: int | None, world_size: int, **kwargs: Any) -> GraVACModelParallelStrategy:
+#: Rounds of 3 steps with DiLoCo's outer step.
+DILOCO = LocalSteps(every=3, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def _strategy(
+    method: str, every: int | LocalSteps | None, world_size: int, **kwargs: Any
+) -> GraVACModelParallelStrategy:
     return GraVACModelParallelStrategy(
         method, replica_groups=2, replica_every=every, data_parallel_size=world_size, tensor_parallel_size=1, **kwargs
     )
@@ -95,12 +102,13 @@ class SaveAtStep4(Callback):
 def _resumed(
     rank: int, world_size: int, where: str, distributed: bool, runs: tuple[str, ...] = ("whole", "resumed")
 ) -> dict[str, Any]:
-    """7 steps (averages after 3, 6 and at the end) saved after step 4, and steps 5 to 7 resumed from that."""
+    """7 steps (averages after 3, 6 and at the end, DiLoCo's outer step) saved after step 4, and steps 5 to 7 resumed
+    from that."""
     path = str(Path(where, "step4.ckpt"))
     out = {}
     for run in runs:
         pl.seed_everything(0)
-        strategy = _strategy("int8", 3, world_size, save_distributed_checkpoint=distributed)
+        strategy = _strategy("int8", DILOCO, world_size, save_distributed_checkpoint=distributed)
         after = EveryStep()
         callbacks: list[Callback] = [after, SaveAtStep4(path)] if run == "whole" else [after]
         trainer = pl.Trainer(strategy=strategy, max_steps=7, callbacks=callbacks, **sharded_kwargs(world_size))
@@ -111,6 +119,7 @@ def _resumed(
             "steps": [_flat(s) for s in after.steps[-3:]],
             "end": _flat(full_parameters(module)),
             "outer": strategy.local_steps.average_changes.residual,
+            "velocity": strategy.local_steps.velocity,
             "since": strategy.local_steps.since,
         }
     return out
@@ -127,13 +136,14 @@ def test_a_run_resumed_mid_round_is_the_uninterrupted_run_bit_for_bit(tmp_path, 
             assert torch.equal(a, b)
         assert torch.equal(whole["end"], again["end"])
         assert whole["outer"].abs().sum() > 0 and torch.equal(whole["outer"], again["outer"])
+        assert whole["velocity"].abs().sum() > 0 and torch.equal(whole["velocity"], again["velocity"])
     assert not torch.equal(ranks[0]["whole"]["steps"][0], ranks[2]["whole"]["steps"][0])  # step 5: mid-round
 
 
 def _on_two_ranks(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """Steps 5 and 6 on 2 ranks (2 groups of 1) from the 4 ranks' checkpoint of step 4."""
     pl.seed_everything(0)
-    strategy = _strategy("int8", 3, world_size, save_distributed_checkpoint=False)
+    strategy = _strategy("int8", DILOCO, world_size, save_distributed_checkpoint=False)
     trainer = pl.Trainer(strategy=strategy, max_steps=6, **sharded_kwargs(world_size))
     module = ShardedMLP()
     with warnings.catch_warnings(record=True) as said:
@@ -149,16 +159,26 @@ def test_local_steps_resumed_on_another_world_size_restart_the_round_and_say_so(
     run_distributed(_resumed, WORLD, timeout=300, where=str(tmp_path), distributed=False, runs=("whole",))
     ranks = run_distributed(_on_two_ranks, 2, timeout=300, path=str(Path(tmp_path, "step4.ckpt")))
     said = " ".join(ranks[0]["said"])
-    assert "the anchors restart from the restored parameters, the outer residual from zero" in said
+    assert "the anchors restart from the restored parameters, the outer residual and momentum from zero" in said
     assert torch.equal(ranks[0]["end"], ranks[1]["end"])  # the replicas (one rank each) end alike
 
 
 @pytest.mark.parametrize(
     ("options", "said"),
     [
-        ({"replica_groups": 2, "replica_every": 0}, r"`replica_every` must be a whole number >= 1 or None, got 0\."),
-        ({"replica_groups": 2, "replica_every": 2.5}, r"`replica_every` must be a whole number >= 1 or None, got 2\.5"),
+        (
+            {"replica_groups": 2, "replica_every": 0},
+            r"`replica_every` must be a whole number >= 1, a `LocalSteps` or None, got 0\.",
+        ),
+        (
+            {"replica_groups": 2, "replica_every": 2.5},
+            r"`replica_every` must be a whole number >= 1, a `LocalSteps` or None, got 2\.5",
+        ),
         ({"replica_every": 4}, r"`replica_every=4` averages between replica groups, so it needs `replica_groups` > 1"),
+        (
+            {"replica_groups": 2, "replica_every": LocalSteps(every=4, overlap=True)},
+            r"`replica_every=LocalSteps\(overlap=True\)` is not supported between replica groups",
+        ),
     ],
 )
 def test_replica_every_is_refused_in_one_line(options, said):
@@ -186,3 +206,69 @@ def test_a_controller_under_local_steps_decides_within_each_group_and_every_rank
     assert ranks[0]["layer_cf"] != ranks[2]["layer_cf"]  # here the groups decided apart, and nothing waited
     for rank in ranks[1:]:
         assert torch.equal(rank["end"], ranks[0]["end"])
+
+
+def _outer_steps(rank: int, world_size: int, lr: float, momentum: float, nesterov: bool) -> dict[str, Any]:
+    """Three rounds of one step on a plain module, each rank moving the parameters by its own change, averaged
+    exactly: the parameters at the start and after each round, what each rank moved by, and round 3 again from a
+    copy resumed from round 2's state."""
+    torch.distributed.init_process_group("gloo")
+    model = torch.nn.Linear(3, 2)
+    params = list(model.parameters())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape))
+    flat = lambda: torch.cat([p.detach().flatten().clone() for p in params])  # noqa: E731
+    start = flat()
+
+    def move(seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            mine = [torch.randn(p.shape, generator=g) for p in params]
+            for p, d in zip(params, mine, strict=True):
+                p.add_(d)
+        return torch.cat([d.flatten() for d in mine])
+
+    group = torch.distributed.group.WORLD
+    rounds = ReplicaRounds(1, None, group, True, model, lr=lr, momentum=momentum, nesterov=nesterov)
+    rounds.start()
+    moved, after, saved = [], [], {}
+    for k in range(3):
+        moved.append(move(10 * k + rank))
+        rounds.stepped()
+        after.append(flat())
+        if k == 1:
+            saved = {name: t.clone() for name, t in rounds.state_dict([]).items()}
+    again = ReplicaRounds(1, None, group, True, model, lr=lr, momentum=momentum, nesterov=nesterov)
+    again.load_state_dict(saved, 0, [], torch.device("cpu"))  # the parameters as round 2 left them, too
+    move(20 + rank)
+    again.stepped()
+    return {"start": start, "moved": moved, "after": after, "resumed": flat()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("lr", "momentum", "nesterov"), [(1.0, 0.0, False), (0.7, 0.9, True), (0.5, 0.8, False)])
+def test_the_outer_step_moves_the_anchor_by_sgd_on_the_averaged_change(lr, momentum, nesterov):
+    ranks = run_distributed(_outer_steps, 2, timeout=120, lr=lr, momentum=momentum, nesterov=nesterov)
+    anchor, velocity = ranks[0]["start"], None
+    for k in range(3):
+        change = (ranks[0]["moved"][k] + ranks[1]["moved"][k]) / 2
+        update = change
+        if momentum:
+            velocity = change.clone() if velocity is None else velocity * momentum + change
+            update = change + momentum * velocity if nesterov else velocity
+        anchor = anchor + lr * update
+        for rank in ranks:
+            torch.testing.assert_close(rank["after"][k], anchor, rtol=1e-6, atol=1e-6)
+    # Resumed after round 2 (its anchor and momentum from the checkpoint), round 3 is the uninterrupted one's.
+    for rank in ranks:
+        assert torch.equal(rank["resumed"], rank["after"][2])
+
+
+def test_the_fit_start_line_names_the_outer_step_and_an_exact_average():
+    diloco = _strategy("int8", LocalSteps(every=16, lr=0.7, momentum=0.9, nesterov=True), WORLD).said()
+    assert diloco.endswith("averaged every 16 steps in int8 block codes with error feedback, the outer step at lr 0.7 "
+                           "with Nesterov momentum 0.9.")  # fmt: skip
+    assert _strategy("int8", LocalSteps(every=16, cf=1), WORLD).said().endswith("averaged every 16 steps exactly.")
+    assert _strategy("int8", 4, WORLD).said().endswith("every 4 steps in int8 block codes with error feedback.")

@@ -1,11 +1,14 @@
 """Local steps between replica groups: each group trains on its own, and every few optimizer steps each rank averages
-the change of its parameter shards with its replicas' (DiLoCo's structure, the outer step a plain average).
+the change of its parameter shards with its replicas' (DiLoCo's structure).
 
-Each rank keeps an anchor, one fp32 copy of its local shards, taken at fit start and after each average. At the end
+Each rank keeps an anchor, one fp32 copy of its local shards, taken at fit start and after each round. At the end
 of a round the change since the anchor, all this rank's shards as one flat vector, is averaged with the replicas' in
 the strategy's block code with error feedback (:class:`~lightning_gravac.sharded.replicas.CodedReplicaAllReduce`: one
-collective a round; exact for ``"none"``), and each shard becomes anchor + averaged change: every replica of a shard
-ends the round with the same bits. The optimizers and their states stay each group's own.
+collective a round; exact for ``"none"``), and the outer step moves the anchor by it, ``anchor <- anchor + lr *
+update``, the update the averaged change itself or with the outer momentum (Nesterov's where asked; DiLoCo's outer
+step is ``lr=0.7, momentum=0.9, nesterov=True``), as the DDP strategy's local steps do. Every shard becomes its
+anchor: every replica of a shard ends the round with the same bits. The optimizers and their states stay each group's
+own.
 """
 
 from collections.abc import Iterable, Sequence
@@ -19,7 +22,7 @@ from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
 
 #: Prefixes of this rank's state in a checkpoint, by parameter name.
-ANCHOR, OUTER, LOCAL = "anchor.", "outer.", "local."
+ANCHOR, OUTER, LOCAL, VELOCITY = "anchor.", "outer.", "local.", "velocity."
 
 
 def _local(p: Tensor) -> Tensor:
@@ -49,12 +52,26 @@ class ReplicaRounds:
         group: the ranks that hold this rank's shards, one in each replica group.
         error_feedback: keep what coding dropped and add it to the next round's change.
         model: the sharded module (its parameters' local shards are averaged in place).
+        lr: the outer step's learning rate (1: the anchor moves by the averaged change).
+        momentum: the outer step's momentum (0: none).
+        nesterov: Nesterov's form of the outer momentum.
     """
 
     def __init__(
-        self, every: int, code: BlockCode | None, group: dist.ProcessGroup, error_feedback: bool, model: nn.Module
+        self,
+        every: int,
+        code: BlockCode | None,
+        group: dist.ProcessGroup,
+        error_feedback: bool,
+        model: nn.Module,
+        lr: float = 1.0,
+        momentum: float = 0.0,
+        nesterov: bool = False,
     ) -> None:
         self.every, self.model = every, model
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        #: The outer momentum, flat, fp32, the anchor's layout (the same on every replica); ``None`` before a round.
+        self.velocity: Tensor | None = None
         layout = [(OUTER + name, t.numel()) for name, t in self._locals()]
         #: The all-reduce of the change between replicas (its residual is the outer step's error feedback).
         self.average_changes = CodedReplicaAllReduce(code, group, error_feedback, layout)
@@ -87,12 +104,13 @@ class ReplicaRounds:
 
     @torch.no_grad()
     def average(self) -> None:
-        """Each local shard becomes anchor + the change since the anchor averaged over the replicas; a new anchor."""
+        """Average the change since the anchor over the replicas, take the outer step from it, and make every local
+        shard the new anchor."""
         assert self.anchor is not None, "ReplicaRounds.start() takes the anchor at fit start"
         change = self._flat().sub_(self.anchor)
         if change.numel():
             self.average_changes(change)
-        averaged = self.anchor.add_(change)
+        averaged = self.anchor.add_(self._outer_update(change), alpha=self.lr)
         locals_ = self._locals()
         pieces = torch.split(averaged, [t.numel() for _, t in locals_])
         for (_, t), piece in zip(locals_, pieces, strict=True):
@@ -100,9 +118,20 @@ class ReplicaRounds:
         self.anchor = self._flat()  # as the parameters hold it (rounded, for parameters below fp32)
         self.since = 0
 
+    def _outer_update(self, change: Tensor) -> Tensor:
+        """What the anchor moves by, over ``lr``: the averaged change, or with the outer momentum (SGD's recurrence on
+        the change, whose first round's momentum is the change itself)."""
+        if self.momentum == 0:
+            return change
+        if self.velocity is None:
+            self.velocity = change.clone()
+        else:
+            self.velocity.mul_(self.momentum).add_(change)
+        return change.add(self.velocity, alpha=self.momentum) if self.nesterov else self.velocity
+
     def state_dict(self, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, Tensor]:
-        """This rank's anchor, outer residual, local shards and optimizers' state, by parameter name, each flat and
-        zero-padded to the largest rank's shard (:func:`_padded`).
+        """This rank's anchor, outer residual and momentum, local shards and optimizers' state, by parameter name,
+        each flat and zero-padded to the largest rank's shard (:func:`_padded`).
 
         The shards and optimizer states differ between replica groups in a round (and the states always), where a
         Lightning checkpoint keeps one replica's: a run resumed from these is the uninterrupted run.
@@ -114,6 +143,10 @@ class ReplicaRounds:
             pieces = torch.split(self.anchor, [t.numel() for _, t in locals_])
             for (name, _), piece in zip(locals_, pieces, strict=True):
                 out[ANCHOR + name] = _pad(piece, entries[name])
+        if self.velocity is not None:
+            pieces = torch.split(self.velocity, [t.numel() for _, t in locals_])
+            for (name, _), piece in zip(locals_, pieces, strict=True):
+                out[VELOCITY + name] = _pad(piece, entries[name])
         out.update({LOCAL + name: _pad(t, entries[name]) for name, t in locals_})
         names = {id(p): name for name, p in self.model.named_parameters()}
         for i, optimizer in enumerate(optimizers):
@@ -144,6 +177,8 @@ class ReplicaRounds:
                             mine.copy_(saved.reshape(-1)[: mine.numel()].view(mine.shape))
         if all(ANCHOR + name in state for name, _ in locals_):
             self.anchor = torch.cat([state[ANCHOR + name][: t.numel()].to(device) for name, t in locals_])
+        if all(VELOCITY + name in state for name, _ in locals_):
+            self.velocity = torch.cat([state[VELOCITY + name][: t.numel()].to(device) for name, t in locals_])
         outer = {OUTER + name: state[OUTER + name][: t.numel()] for name, t in locals_ if OUTER + name in state}
         self.average_changes.load_state_dict(outer, device)
         self.since = since

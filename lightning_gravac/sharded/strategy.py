@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_gravac._flavours import mixed_up, visible_to_the_other_trainer
+from lightning_gravac.adaptations import LocalSteps
 from lightning_gravac.callbacks.controller import controllers_of
 from lightning_gravac.callbacks.gravac import GraVAC
 from lightning_gravac.compressors.base import Compressor, get_compressor
@@ -66,10 +67,13 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             each step; each group trains on its own (its own reduce-scatter, optimizer steps and states), and after
             every ``replica_every``-th optimizer step each rank averages the change of its parameter shards since
             the last average with its replicas', in ``compressor``'s code with error feedback, one collective a
-            round (:class:`~lightning_gravac.sharded.local_steps.ReplicaRounds`; DiLoCo's structure, the outer step a
-            plain average). A round left partial is averaged at the fit's end (the strategy's ``on_train_end``,
-            after the callbacks'): every replica ends with the same parameters. ``None``: the gradients averaged
-            between groups every step.
+            round (:class:`~lightning_gravac.sharded.local_steps.ReplicaRounds`; DiLoCo's structure, the outer step
+            the average itself). A :class:`~lightning_gravac.LocalSteps` sets the round (``every``) and the outer step
+            as the DDP strategy's local steps take it (``lr``, ``momentum``, ``nesterov``; DiLoCo's is ``lr=0.7,
+            momentum=0.9, nesterov=True``; ``cf=1`` averages exactly, any other in ``compressor``'s code); no round
+            is undone here (``guard`` and ``cooldown`` do not apply) and ``overlap`` is refused. A round left
+            partial is averaged at the fit's end (the strategy's ``on_train_end``, after the callbacks'): every
+            replica ends with the same parameters. ``None``: the gradients averaged between groups every step.
         data_parallel_size: the ranks that shard the model (``ModelParallelStrategy``'s; ``"auto"`` is the number of
             nodes, so on one machine pass the number of devices).
         tensor_parallel_size: ``ModelParallelStrategy``'s.
@@ -78,7 +82,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
     Raises:
         ValueError: for a ``compressor`` other than the block codes and ``"none"``, an ``all_gather_code`` other
             than a block code, ``replica_groups`` not a whole number >= 1 (at setup: not dividing the data-parallel
-            ranks), or ``replica_every`` not a whole number >= 1 or without ``replica_groups > 1``; at setup, for a
+            ranks), or ``replica_every`` neither a whole number >= 1 nor a ``LocalSteps`` without ``overlap``, or
+            without ``replica_groups > 1``; at setup, for a
             ``GraVAC`` controller among the trainer's callbacks.
 
     Example::
@@ -94,7 +99,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         error_feedback: bool = True,
         all_gather_code: str | BlockCode | None = "auto",
         replica_groups: int = 1,
-        replica_every: int | None = None,
+        replica_every: int | LocalSteps | None = None,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
         **kwargs: Any,
@@ -119,14 +124,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             raise ValueError(
                 f"GraVACModelParallelStrategy: `replica_groups` must be a whole number >= 1, got {replica_groups!r}."
             )
-        if replica_every is not None and (
-            isinstance(replica_every, bool) or not isinstance(replica_every, int) or replica_every < 1
-        ):
-            raise ValueError(
-                "GraVACModelParallelStrategy: `replica_every` must be a whole number >= 1 or None, got "
-                f"{replica_every!r}."
-            )
-        if replica_every is not None and replica_groups == 1:
+        rounds = _rounds(replica_every)
+        if rounds is not None and replica_groups == 1:
             raise ValueError(
                 f"GraVACModelParallelStrategy: `replica_every={replica_every}` averages between replica groups, so it "
                 "needs `replica_groups` > 1, got 1."
@@ -136,7 +135,10 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         self.error_feedback = error_feedback
         self.all_gather_code = gather
         self.replica_groups = replica_groups
-        self.replica_every = replica_every
+        #: The rounds of local steps between replica groups and their outer step (``None``: none).
+        self.replica_rounds = rounds
+        #: Optimizer steps a round between replica groups (``None``: the groups average every step's gradients).
+        self.replica_every = None if rounds is None else rounds.every
         #: The parameter average between replica groups every ``replica_every`` steps (made at fit setup).
         self.local_steps: ReplicaRounds | None = None
         self._restored_local: tuple[dict[str, torch.Tensor], int] | None = None  # this rank's, from a checkpoint
@@ -203,15 +205,20 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         gather = self.all_gather_code
         params = f"parameters gathered in {gather.name} block codes" if gather else "parameters gathered as they are"
         groups = f"; {self.replica_groups} replica groups, averaged in the same code" if self.replica_groups > 1 else ""
-        if self.replica_every is not None:
+        rounds = self.replica_rounds
+        if rounds is not None:
             how = "exactly"
-            if isinstance(method, BlockCode):
+            if isinstance(method, BlockCode) and rounds.cf != 1:
                 how = f"in {method.name} block codes {feedback} error feedback"
-            every = f"every {self.replica_every} steps" if self.replica_every > 1 else "every step"
+            every = f"every {rounds.every} steps" if rounds.every > 1 else "every step"
             groups = (
                 f"; {self.replica_groups} replica groups, each training on its own, their parameter changes averaged "
                 f"{every} {how}"
             )
+            if rounds.lr != 1 or rounds.momentum:
+                kind = "Nesterov momentum" if rounds.nesterov else "momentum"
+                groups += f", the outer step at lr {rounds.lr:g}" + (f" with {kind} {rounds.momentum:g}" * bool(
+                    rounds.momentum))  # fmt: skip
         return f"GraVACModelParallelStrategy: {grads}; {params}{groups}."
 
     @override
@@ -278,7 +285,18 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         if self._restored is not None:
             self._load_residuals(self._restored)
         if self._replicas is not None and self.replica_every is not None:
-            self.local_steps = ReplicaRounds(self.replica_every, code, self._replicas, self.error_feedback, model)
+            rounds = self.replica_rounds
+            assert rounds is not None
+            self.local_steps = ReplicaRounds(
+                rounds.every,
+                None if rounds.cf == 1 else code,
+                self._replicas,
+                self.error_feedback,
+                model,
+                rounds.lr,
+                rounds.momentum,
+                rounds.nesterov,
+            )
             if self._restored_local is not None:
                 self.local_steps.load_state_dict(*self._restored_local, self.optimizers, self.root_device)
 
@@ -371,8 +389,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         if saved["world_size"] != self.world_size:
             rank_zero_warn(
                 f"GraVACModelParallelStrategy: resuming local steps on {self.world_size} ranks from a checkpoint of "
-                f"{saved['world_size']}; the anchors restart from the restored parameters, the outer residual from "
-                "zero, and a new round starts."
+                f"{saved['world_size']}; the anchors restart from the restored parameters, the outer residual and "
+                "momentum from zero, and a new round starts."
             )
             return
         self._restored_local = ({n: rows[self.global_rank] for n, rows in local["rows"].items()}, local["since"])
@@ -387,3 +405,23 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             cls,
             description="FSDP2 (ModelParallelStrategy) whose gradient reduce-scatter sends 8-bit block codes",
         )
+
+
+def _rounds(replica_every: object) -> LocalSteps | None:
+    """``replica_every`` as the rounds it asks for: a whole number is ``LocalSteps(every=n)``, the outer step the
+    average itself."""
+    if replica_every is None:
+        return None
+    if isinstance(replica_every, LocalSteps):
+        if replica_every.overlap:
+            raise ValueError(
+                "GraVACModelParallelStrategy: `replica_every=LocalSteps(overlap=True)` is not supported between "
+                "replica groups; each round's average is applied when the round ends (`overlap=False`)."
+            )
+        return replica_every
+    if isinstance(replica_every, bool) or not isinstance(replica_every, int) or replica_every < 1:
+        raise ValueError(
+            "GraVACModelParallelStrategy: `replica_every` must be a whole number >= 1, a `LocalSteps` or None, got "
+            f"{replica_every!r}."
+        )
+    return LocalSteps(every=replica_every)
