@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 import torch
 from sharded_models import EveryStep, ShardedMLP, sharded_kwargs
 
-from lightning_gravac import GraVACModelParallelStrategy
+from lightning_gravac import GraVACModelParallelStrategy, LocalSteps
 from lightning_gravac.cli import RefusedArgument, cli_main
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.launch import run_distributed
@@ -87,3 +87,14 @@ def test_a_compressor_the_strategy_refuses_is_said_in_one_line_naming_the_strate
     assert str(refused.value).startswith(
         "GraVACModelParallelStrategy: `compressor` must be 'int8', 'int4', 'int2', a BlockCode"
     )
+
+
+def test_local_steps_between_replica_groups_with_diloco_s_outer_step_from_lightning_cli():
+    args = [*MODEL, "--trainer.strategy", "lightning_gravac.GraVACModelParallelStrategy"]
+    args += ["--trainer.strategy.replica_groups", "2", "--trainer.strategy.replica_every", "{every: 8, lr: 0.7, "
+             "momentum: 0.9, nesterov: true}"]  # fmt: skip
+    strategy = cli_main(args, run=False).trainer.strategy
+    assert isinstance(strategy, GraVACModelParallelStrategy) and strategy.replica_every == 8
+    assert strategy.replica_rounds == LocalSteps(every=8, lr=0.7, momentum=0.9, nesterov=True)
+    args[-1] = "4"
+    assert cli_main(args, run=False).trainer.strategy.replica_rounds == LocalSteps(every=4)
