@@ -33,12 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
-from pytorch_lightning.strategies import ModelParallelStrategy
-from sharded import ALONE, LAUNCHER, _data, _model, _ours  # the sharded benchmark's task and methods
-from torch.utils.data import DataLoader, Dataset, Subset
-
-from lightning_gravac import GraVACModelParallelStrategy
+from sharded import ALONE, _train  # the sharded benchmark's task, methods and fit
 
 METHODS = ("stock", "none", "int8", "int8-every4", "int8-every16", ALONE)
 #: The two machines: their network namespaces, their ends of the link and their addresses.
@@ -106,40 +101,13 @@ def _launch(args: argparse.Namespace, method: str, out: Path, port: int) -> dict
 
 
 def _node(args: argparse.Namespace) -> None:
-    """One process of one machine, under torchrun: train, time the fit, validate; rank 0 writes the result."""
+    """One process of one machine, under torchrun: the sharded benchmark's fit and validation on the two machines;
+    rank 0 writes the result."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    pl.seed_everything(args.seed)
-    train, held, batch, held_batch = _data("gpt", args.steps, world, args.seed)
-    strategy: ModelParallelStrategy | str = "auto"
-    devices, nodes = DEVICES, NODES
-    if args.method == ALONE:  # alone: no process group, this rank's windows, the whole model
-        for name in LAUNCHER:
-            os.environ.pop(name, None)
-        model = _model("gpt", args.width, False, held)
-        data: Dataset = Subset(train, range(rank, len(train), world))
-        devices, nodes = 1, 1
-    else:
-        model, data = _model("gpt", args.width, True, held), train
-        sizes = {"data_parallel_size": world, "tensor_parallel_size": 1, "process_group_backend": "gloo"}
-        if args.method == "stock":
-            strategy = ModelParallelStrategy(**sizes)
-        else:
-            code, ours = _ours(args.method)
-            ours["all_gather_code"] = "auto"  # the strategy's default: int8 parameters under a block code
-            strategy = GraVACModelParallelStrategy(code, replica_groups=NODES, **sizes, **ours)
-    quiet = {f"enable_{part}": False for part in ("checkpointing", "progress_bar", "model_summary")}
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy, logger=False,
-                         max_steps=args.steps, num_sanity_val_steps=0, limit_val_batches=0, **quiet)  # fmt: skip
-    loader: DataLoader[Any] = DataLoader(data, batch, shuffle=False)
-    start = time.perf_counter()
-    trainer.fit(model, loader)
-    seconds = time.perf_counter() - start
-    trainer.limit_val_batches = 1.0
-    (metrics,) = trainer.validate(model, DataLoader(held, held_batch), verbose=False)
-    mine = isinstance(strategy, GraVACModelParallelStrategy)
+    # Ours gather the parameters as the strategy does by default: in int8 under a block code.
+    row = _train(rank, world, args.method, args.seed, args.steps, args.width, replica_groups=NODES, nodes=NODES,
+                 options={"all_gather_code": "auto"})  # fmt: skip
     if rank == 0:
-        row = {"method": args.method, "seed": args.seed, "seconds": seconds, "held_out": float(metrics["val_loss"]),
-               "bytes_between_groups": strategy.bytes_between_groups if mine else None}  # fmt: skip
         Path(args.result).write_text(json.dumps(row))
 
 
