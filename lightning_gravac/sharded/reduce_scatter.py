@@ -50,7 +50,8 @@ class CodedReduceScatter(ReduceScatter):
         self.state = state
         #: Each parameter's name and its entries in a chunk, the columns a controller's decision splits.
         self.widths = tuple((name, per_chunk) for name, _, per_chunk in self.layout)
-        #: ``(world, chunk)`` fp32: what this rank still owes each destination (its own row stays zero).
+        #: ``(world, chunk)`` fp32: what this rank still owes each destination (its own row zero after every coded
+        #: call; non-zero only as laid out from a checkpoint of another world size, and paid at the next call).
         self.residual: Tensor | None = None
         #: Bytes this rank has sent to the other ranks since it was made.
         self.bytes_sent = 0
@@ -81,8 +82,8 @@ class CodedReduceScatter(ReduceScatter):
         rows = input_tensor.view(world, -1)
         fed = self._error_fed(rows)
         # This rank's own chunk, with what is still owed to it (non-zero only when a residual saved on another world
-        # size was laid out again), is added exact; coding then zeroes that row of the residual.
-        own = fed[rank].clone()
+        # size was laid out again), is added exact, and its row of the residual zeroed once added.
+        own = fed[rank]
         measures = self.state is not None and self.state.measures
         sq = sq_norm(fed) if measures else None
         if isinstance(how, Split):
@@ -95,22 +96,34 @@ class CodedReduceScatter(ReduceScatter):
         receive = torch.empty_like(send)
         dist.all_to_all_single(receive, send, group=group)
         self.bytes_sent += send[0].numel() * (world - 1)
-        out = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
-        for source in range(world):  # rank order: every rank adds in one order
+        out = self._sum(receive, rank, own, how, like, exact, scale)
+        if self.error_feedback:  # sent exact: nothing owed
+            own.zero_()
+            if isinstance(how, Split):
+                fed.index_fill_(1, how.exact, 0.0)
+        output_tensor.copy_(out)
+        if self.state is not None:
+            self.state.record_call(send[0].numel() * (world - 1), dense, sq, sent_sq, began, coded_at)
+        return None
+
+    def _sum(
+        self, receive: Tensor, rank: int, own: Tensor, how: str | Split, like: Payload, exact: int | None, scale: float
+    ) -> Tensor:
+        """``scale`` times the sum of this rank's ``own`` chunk and every other rank's row of ``receive``, decoded
+        (``how`` a :class:`Split`: each row's exact columns from the byte ``exact`` on), in fp32."""
+        out = torch.zeros(own.numel(), dtype=torch.float32, device=own.device)
+        for source in range(receive.shape[0]):  # rank order: every rank adds in one order
             if source == rank:
                 out.add_(own, alpha=scale)
             elif isinstance(how, Split):
                 assert exact is not None
-                part = torch.zeros(how.coded.numel(), dtype=torch.float32, device=rows.device)
+                part = torch.zeros(how.coded.numel(), dtype=torch.float32, device=own.device)
                 self._add_row(part, receive[source], like, scale)
                 out.index_add_(0, how.coded, part)
                 out.index_add_(0, how.exact, exact_tail(receive[source], exact), alpha=scale)
             else:
                 self._add_row(out, receive[source], like, scale)
-        output_tensor.copy_(out)
-        if self.state is not None:
-            self.state.record_call(send[0].numel() * (world - 1), dense, sq, sent_sq, began, coded_at)
-        return None
+        return out
 
     def _add_row(self, out: Tensor, row: Tensor, like: Payload, scale: float) -> None:
         """Add ``scale`` times the payload another rank wrote as ``row`` (``like``'s layout), decoded, to ``out``."""
@@ -131,8 +144,9 @@ class CodedReduceScatter(ReduceScatter):
         """FSDP's own reduce-scatter; what error feedback still owed goes with it, exact (in fp32), and is owed no
         more."""
         if self.residual is None:
-            self._count(dense, dense, began)
-            return dist.reduce_scatter_single(output=output, input=input_tensor, group=group, op=op, async_op=async_op)
+            work = dist.reduce_scatter_single(output=output, input=input_tensor, group=group, op=op, async_op=async_op)
+            self._count(dense, dense, began)  # after the collective when it is synchronous (FSDP2 calls it so)
+            return work
         fed = self.residual.add_(input_tensor.view(self.residual.shape))
         self.residual = None
         out = torch.empty(output.shape, dtype=torch.float32, device=output.device)
@@ -155,8 +169,9 @@ class CodedReduceScatter(ReduceScatter):
         return self.residual.add_(rows)
 
     def _encode(self, fed: Tensor, rank: int) -> tuple[Tensor, Payload]:
-        """Every other chunk's payload as one row of bytes; with error feedback ``fed`` becomes the residual. Returns
-        the rows and one payload, whose layout every row shares."""
+        """Every other chunk's payload as one row of bytes; with error feedback ``fed``'s other rows become the
+        residual (this rank's own row is left as it was). Returns the rows and one payload, whose layout every row
+        shares."""
         assert self.code is not None
         payloads: list[Payload | None] = []
         for destination, chunk in enumerate(fed):
@@ -164,8 +179,6 @@ class CodedReduceScatter(ReduceScatter):
                 payloads.append(None)
                 continue
             payloads.append(coded(self.code, chunk, self.error_feedback))
-        if self.error_feedback:
-            fed[rank].zero_()  # sent exact: nothing owed
         like = next(p for p in payloads if p is not None)
         send = torch.zeros(len(payloads), row_layout(like)[2], dtype=torch.uint8, device=fed.device)
         for row, payload in zip(send, payloads, strict=True):
@@ -175,8 +188,8 @@ class CodedReduceScatter(ReduceScatter):
 
     def _encode_split(self, fed: Tensor, rank: int, split: Split) -> tuple[Tensor, Payload, int]:
         """:meth:`_encode` of ``split``'s coded columns, each row followed by its exact columns in fp32; the byte at
-        which those begin. With error feedback ``fed`` becomes the residual: the coded columns' rounding, zero for the
-        exact ones."""
+        which those begin. With error feedback ``fed``'s coded columns of the other rows become their rounding (the
+        caller zeroes the exact ones once the sum has read this rank's own row)."""
         coded_part = fed.index_select(1, split.coded)
         codes, like = self._encode(coded_part, rank)
         exact = codes.shape[1]  # a whole number of fp32s (`row_layout`)
@@ -184,7 +197,7 @@ class CodedReduceScatter(ReduceScatter):
         send[:, :exact].copy_(codes)
         exact_tail(send, exact).copy_(fed.index_select(1, split.exact))
         if self.error_feedback:
-            fed.index_copy_(1, split.coded, coded_part).index_fill_(1, split.exact, 0.0)
+            fed.index_copy_(1, split.coded, coded_part)
         return send, like, exact
 
     def _sent_sq(self, send: Tensor, like: Payload, rank: int, own: Tensor, exact: int | None) -> Tensor:
