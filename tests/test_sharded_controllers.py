@@ -144,17 +144,19 @@ def test_the_decision_splits_a_chunk_by_parameter():
     assert split.coded.tolist() == [0, 1, 2, 4, 5] and split.exact.tolist() == [3]
 
 
-def test_the_guards_reset_drops_every_residual():
+def test_the_guards_reset_drops_every_residual_and_the_outer_momentum():
     strategy = GraVACModelParallelStrategy("int8")
     comm = CodedReduceScatter(strategy.compressor)
     hook = CodedReplicaAllReduce(strategy.compressor, None)  # type: ignore[arg-type]  # never called here
-    rounds = ReplicaRounds.__new__(ReplicaRounds)  # its average's residual alone matters
+    rounds = ReplicaRounds.__new__(ReplicaRounds)  # its average's residual and momentum alone matter
     rounds.average_changes = CodedReplicaAllReduce(strategy.compressor, None)  # type: ignore[arg-type]
+    rounds._drop_velocity = False
     for owed in (comm, hook, rounds.average_changes):
         owed.residual = torch.ones(2, 4)
     strategy.reduce_scatters[""], strategy.replica_all_reduces[""], strategy.local_steps = comm, hook, rounds
     strategy.compression_state.reset()
     assert comm.residual is None and hook.residual is None and rounds.average_changes.residual is None
+    assert rounds._drop_velocity  # dropped at the round's end, on every replica alike
 
 
 def _accordion_resumed(rank: int, world_size: int, where: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch
 from pytorch_lightning import Callback
 from sharded_models import EveryStep, ShardedMLP, full_parameters, sharded_kwargs, sharded_loader
 
-from lightning_gravac import Accordion, GraVACModelParallelStrategy, LocalSteps
+from lightning_gravac import Accordion, GraVACModelParallelStrategy, LocalSteps, LocalStepsDiverged
 from lightning_gravac.launch import run_distributed
 from lightning_gravac.sharded.local_steps import ReplicaRounds
 
@@ -272,3 +272,51 @@ def test_the_fit_start_line_names_the_outer_step_and_an_exact_average():
                            "with Nesterov momentum 0.9.")  # fmt: skip
     assert _strategy("int8", LocalSteps(every=16, cf=1), WORLD).said().endswith("averaged every 16 steps exactly.")
     assert _strategy("int8", 4, WORLD).said().endswith("every 4 steps in int8 block codes with error feedback.")
+
+
+def _lost_rounds(rank: int, world_size: int) -> dict[str, Any]:
+    """Rounds of one step, exact average, DiLoCo's outer step: round 2 has rank 1 move by NaN; round 3 is finite
+    again, with the guard's reset on rank 0 alone before it; rounds 4 and 5 are both NaN on rank 1."""
+    torch.distributed.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    params = list(model.parameters())
+    flat = lambda: torch.cat([p.detach().flatten().clone() for p in params])  # noqa: E731
+    rounds = ReplicaRounds(1, None, torch.distributed.group.WORLD, True, model, lr=0.7, momentum=0.9, nesterov=True)
+    rounds.start()
+    out: dict[str, Any] = {"after": [], "said": [], "velocity": []}
+    for k in range(5):
+        g = torch.Generator().manual_seed(10 * k + rank)
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=g) * (float("nan") if rank == 1 and k in (1, 3, 4) else 1.0))
+        if k == 2 and rank == 0:
+            rounds.drop_momentum()
+        try:
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                rounds.stepped()
+        except LocalStepsDiverged as stopped:
+            out["stopped"] = (k, str(stopped))
+            break
+        out["said"].append([str(w.message) for w in said])
+        out["after"].append(flat())
+        out["velocity"].append(None if rounds.velocity is None else rounds.velocity.clone())
+    return out
+
+
+@pytest.mark.distributed
+def test_a_non_finite_round_is_lost_on_every_rank_two_in_a_row_stop_the_fit_and_the_guard_drops_the_momentum():
+    ranks = run_distributed(_lost_rounds, 2, timeout=120)
+    for rank in ranks:
+        after, velocity = rank["after"], rank["velocity"]
+        # Round 2 lost: every rank back on round 1's parameters, its momentum kept, said once.
+        assert torch.equal(after[1], after[0]) and torch.equal(velocity[1], velocity[0])
+        # Round 3: the guard's reset on rank 0 reached rank 1 too: the momentum restarts as the change itself.
+        change = (after[2] - after[1]) / (0.7 * 1.9)  # Nesterov's first step: change + 0.9 * change
+        torch.testing.assert_close(velocity[2], change, rtol=1e-5, atol=1e-6)
+        # Rounds 4 and 5 lost: the second stops the fit, on both ranks at the same round.
+        assert rank["stopped"][0] == 4 and "cannot go on" in rank["stopped"][1]
+        assert torch.isfinite(after[3]).all() and torch.equal(after[3], after[2])
+    assert torch.equal(ranks[0]["velocity"][2], ranks[1]["velocity"][2])
+    assert any("averaged change was not finite; every rank goes on" in m for m in ranks[0]["said"][1])

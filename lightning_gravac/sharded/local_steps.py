@@ -15,14 +15,18 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_gravac.adaptations.round_guard import LocalStepsDiverged
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
 
 #: Prefixes of this rank's state in a checkpoint, by parameter name.
 ANCHOR, OUTER, LOCAL, VELOCITY = "anchor.", "outer.", "local.", "velocity."
+#: The round ends in a row lost to a non-finite change (:attr:`ReplicaRounds.stalled`), in a checkpoint.
+STALLED = "stalled"
 
 
 def _local(p: Tensor) -> Tensor:
@@ -79,6 +83,11 @@ class ReplicaRounds:
         self.anchor: Tensor | None = None
         #: Optimizer steps since the last average.
         self.since = 0
+        #: Round ends in a row whose averaged change was not finite somewhere (each went on from the anchor).
+        self.stalled = 0
+        #: The divergence guard dropped the residuals in this rank's group: the outer momentum goes too, on every
+        #: replica alike, at the round's end (:meth:`drop_momentum`).
+        self._drop_velocity = False
 
     def _locals(self) -> list[tuple[str, Tensor]]:
         return [(name, _local(p)) for name, p in self.model.named_parameters()]
@@ -102,21 +111,59 @@ class ReplicaRounds:
         if self.since > 0:
             self.average()
 
+    def drop_momentum(self) -> None:
+        """Drop the outer momentum at the round's end (the divergence guard's remedy, in one replica group: the
+        round's end tells every replica, so all drop it together)."""
+        self._drop_velocity = True
+
     @torch.no_grad()
     def average(self) -> None:
         """Average the change since the anchor over the replicas, take the outer step from it, and make every local
-        shard the new anchor."""
+        shard the new anchor. Where any rank's averaged change is not finite, every rank goes on from its anchor
+        instead (the round lost, the residual dropped), as the DDP strategy's local steps do.
+
+        Raises:
+            LocalStepsDiverged: on every rank, at the second round end in a row that was lost so.
+        """
         assert self.anchor is not None, "ReplicaRounds.start() takes the anchor at fit start"
         change = self._flat().sub_(self.anchor)
         if change.numel():
             self.average_changes(change)
-        averaged = self.anchor.add_(self._outer_update(change), alpha=self.lr)
+        # One decision for every rank (the shards differ between ranks; every rank ends its rounds at one step).
+        flags = torch.stack(
+            [change.isfinite().all().logical_not(), torch.tensor(self._drop_velocity, device=change.device)]
+        ).float()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        lost, drop = (bool(v) for v in flags.tolist())
+        self._drop_velocity = False
+        if drop:
+            self.velocity = None
+        self.since = 0
+        if lost:
+            self.average_changes.residual = None
+            self._write(self.anchor)
+            self.stalled += 1
+            if self.stalled >= 2:
+                raise LocalStepsDiverged(
+                    "Local steps between replica groups cannot go on: the last two rounds' averaged change was not "
+                    "finite, so the parameters would stay where they are for the rest of the fit. Try a smaller "
+                    "learning rate, shorter rounds, or `replica_every=None` (every step's gradients averaged)."
+                )
+            rank_zero_warn(
+                "GraVACModelParallelStrategy: the replica groups' averaged change was not finite; every rank goes on "
+                "from the last round's parameters."
+            )
+            return
+        self.stalled = 0
+        self._write(self.anchor.add_(self._outer_update(change), alpha=self.lr))
+        self.anchor = self._flat()  # as the parameters hold it (rounded, for parameters below fp32)
+
+    def _write(self, flat: Tensor) -> None:
+        """Every local shard from ``flat`` (the anchor's layout)."""
         locals_ = self._locals()
-        pieces = torch.split(averaged, [t.numel() for _, t in locals_])
+        pieces = torch.split(flat, [t.numel() for _, t in locals_])
         for (_, t), piece in zip(locals_, pieces, strict=True):
             t.copy_(piece.view(t.shape))
-        self.anchor = self._flat()  # as the parameters hold it (rounded, for parameters below fp32)
-        self.since = 0
 
     def _outer_update(self, change: Tensor) -> Tensor:
         """What the anchor moves by, over ``lr``: the averaged change, or with the outer momentum (SGD's recurrence on
@@ -148,6 +195,7 @@ class ReplicaRounds:
             for (name, _), piece in zip(locals_, pieces, strict=True):
                 out[VELOCITY + name] = _pad(piece, entries[name])
         out.update({LOCAL + name: _pad(t, entries[name]) for name, t in locals_})
+        out[STALLED] = torch.tensor([self.stalled], dtype=torch.int64)
         names = {id(p): name for name, p in self.model.named_parameters()}
         for i, optimizer in enumerate(optimizers):
             for p, state in optimizer.state.items():
@@ -182,3 +230,4 @@ class ReplicaRounds:
         outer = {OUTER + name: state[OUTER + name][: t.numel()] for name, t in locals_ if OUTER + name in state}
         self.average_changes.load_state_dict(outer, device)
         self.since = since
+        self.stalled = int(state[STALLED].reshape(-1)[0]) if STALLED in state else 0

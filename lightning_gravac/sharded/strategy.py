@@ -320,13 +320,15 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             self.local_steps.finish()
 
     def _drop_residuals(self) -> None:
-        """Drop what coding still owes (the divergence guard's remedy, through the compression state's ``reset``)."""
+        """Drop what coding still owes and the outer momentum (the divergence guard's remedy, through the compression
+        state's ``reset``)."""
         for comm in self.reduce_scatters.values():
             comm.residual = None
         for hook in self.replica_all_reduces.values():
             hook.residual = None
         if self.local_steps is not None:
             self.local_steps.average_changes.residual = None
+            self.local_steps.drop_momentum()
 
     def _residuals(self) -> dict[str, torch.Tensor]:
         comms = [comm.state_dict() for comm in self.reduce_scatters.values()]
