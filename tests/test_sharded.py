@@ -1,5 +1,6 @@
 """GraVACModelParallelStrategy: FSDP2 through Lightning's Trainer on 2 CPU ranks (gloo), against stock."""
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -107,6 +108,23 @@ def test_the_lightning_flavour_has_its_own_registered():
 def test_an_all_gather_code_that_is_not_a_block_code_is_refused():
     with pytest.raises(ValueError, match=r"`all_gather_code` must be 'auto', 'int8', 'int4', 'int2'.*got 'topk'"):
         GraVACModelParallelStrategy("int8", all_gather_code="topk")
+    with pytest.raises(ValueError, match=r"`all_gather_code` must be 'auto', 'int8', 'int4', 'int2'.*got 'int16'"):
+        GraVACModelParallelStrategy("int8", all_gather_code="int16")  # no compressor's name: not quietly FSDP2's
+
+
+def test_a_name_no_compressor_has_is_refused_naming_what_the_strategy_takes():
+    with pytest.raises(ValueError, match=r"^GraVACModelParallelStrategy: `compressor` must be 'int8', 'int4', 'int2', "
+                       r"a BlockCode or 'none', got 'int16'"):  # fmt: skip
+        GraVACModelParallelStrategy("int16")
+
+
+def test_an_argument_neither_strategy_takes_is_refused_naming_this_one_and_the_closest():
+    with pytest.raises(TypeError, match=r"^GraVACModelParallelStrategy takes no argument `replica_group`; did you "
+                       r"mean `replica_groups`\?$"):  # fmt: skip
+        GraVACModelParallelStrategy(replica_group=2)
+    with pytest.raises(TypeError, match=r"takes no argument `zzz`; it takes `all_gather_code`, `compressor`"):
+        GraVACModelParallelStrategy(zzz=1)
+    assert GraVACModelParallelStrategy(timeout=timedelta(seconds=30))._timeout == timedelta(seconds=30)  # passed on
 
 
 def test_it_says_what_each_collective_sends():

@@ -248,17 +248,38 @@ def test_when_a_rank_dies_or_stalls_mid_step_the_other_raises_within_the_timeout
     assert survivor["seconds"] < 70, survivor  # the process group's 10 s, not the stalled rank's 80 s
 
 
-def _auto_sizes(rank: int, world_size: int) -> list[str]:
+def _sizes(rank: int, world_size: int, **sizes: Any) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        strategy = GraVACModelParallelStrategy("int8")  # ModelParallelStrategy's "auto": 1 data-parallel rank here
+        strategy = GraVACModelParallelStrategy(**sizes)
         pl.Trainer(strategy=strategy, max_steps=1, **sharded_kwargs(world_size)).fit(ShardedMLP(), sharded_loader())
-    return [str(w.message) for w in caught if "data-parallel rank" in str(w.message)]
+    mesh = strategy.device_mesh
+    return {
+        "said": [str(w.message) for w in caught if "data-parallel rank" in str(w.message)],
+        "mesh": (mesh["data_parallel"].size(), mesh["tensor_parallel"].size()),
+        "sent": strategy.bytes_sent,
+        "between": strategy.bytes_between_groups,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sizes", [{}, {"data_parallel_size": 2}], ids=["no-arguments", "data-parallel-only"])
+def test_the_sizes_default_to_sharding_over_every_process(sizes):
+    for rank in run_distributed(_sizes, timeout=120, **sizes):
+        assert rank["mesh"] == (2, 1) and rank["said"] == [] and rank["sent"] > 0
+
+
+@pytest.mark.distributed
+def test_replica_groups_alone_split_every_process_into_groups():
+    for rank in run_distributed(_sizes, timeout=120, replica_groups=2):  # 2 groups of 1 rank: replicas only
+        assert rank["said"] == [] and rank["between"] > 0
 
 
 @pytest.mark.distributed
 def test_one_data_parallel_rank_of_several_is_said():
-    said, _ = run_distributed(_auto_sizes, timeout=120)
+    first, _ = run_distributed(_sizes, timeout=120, data_parallel_size=1)
+    said = first["said"]
+    assert first["mesh"] == (1, 2) and first["sent"] == 0
     assert said == [
         "GraVACModelParallelStrategy: 1 data-parallel rank of 2, so `fully_shard` on `device_mesh['data_parallel']` "
         "shards nothing and no gradient is sent; pass `data_parallel_size=2, tensor_parallel_size=1` to shard over "

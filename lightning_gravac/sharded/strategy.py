@@ -1,5 +1,7 @@
 """GraVACModelParallelStrategy: fully sharded training (FSDP2) whose gradient reduce-scatter sends block codes."""
 
+import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -19,7 +21,7 @@ from lightning_gravac._flavours import mixed_up, visible_to_the_other_trainer
 from lightning_gravac.adaptations import LocalSteps
 from lightning_gravac.callbacks.controller import controllers_of
 from lightning_gravac.callbacks.gravac import GraVAC
-from lightning_gravac.compressors.base import Compressor, get_compressor
+from lightning_gravac.compressors.base import Compressor, get_compressor, list_compressors
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.compressors.none import NoCompression
 from lightning_gravac.sharded.all_gather import CodedAllGather
@@ -74,9 +76,10 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             is undone here (``guard`` and ``cooldown`` do not apply) and ``overlap`` is refused. A round left
             partial is averaged at the fit's end (the strategy's ``on_train_end``, after the callbacks'): every
             replica ends with the same parameters. ``None``: the gradients averaged between groups every step.
-        data_parallel_size: the ranks that shard the model (``ModelParallelStrategy``'s; ``"auto"`` is the number of
-            nodes, so on one machine pass the number of devices).
-        tensor_parallel_size: ``ModelParallelStrategy``'s.
+        data_parallel_size: the ranks that shard the model. ``"auto"``: every rank the tensor-parallel size leaves
+            (all of them by default; ``ModelParallelStrategy``'s own ``"auto"`` is the number of nodes).
+        tensor_parallel_size: ``ModelParallelStrategy``'s. ``"auto"``: 1 (each rank holds a whole replica's shard),
+            or what the world size leaves beside an explicit ``data_parallel_size``.
         **kwargs: everything else ``ModelParallelStrategy`` takes (``save_distributed_checkpoint``, ``timeout``, ...).
 
     Raises:
@@ -88,7 +91,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
 
     Example::
 
-        Trainer(accelerator="cpu", devices=2, strategy=GraVACModelParallelStrategy("int8", data_parallel_size=2))
+        Trainer(accelerator="cpu", devices=2, strategy=GraVACModelParallelStrategy())  # int8, sharded over both
     """
 
     strategy_name = "gravac_model_parallel"
@@ -105,7 +108,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         **kwargs: Any,
     ) -> None:
         visible_to_the_other_trainer(type(self), pl.__name__)
-        method = get_compressor(compressor) if isinstance(compressor, str) else compressor
+        _refuse_unknown(kwargs)
+        method = _named(compressor) if isinstance(compressor, str) else compressor
         if not isinstance(method, BlockCode | NoCompression):
             raise ValueError(
                 f"GraVACModelParallelStrategy: `compressor` must be 'int8', 'int4', 'int2', a BlockCode or 'none', got "
@@ -114,8 +118,8 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             )
         if all_gather_code == "auto":
             all_gather_code = "int8" if isinstance(method, BlockCode) else None
-        gather = get_compressor(all_gather_code) if isinstance(all_gather_code, str) else all_gather_code
-        if gather is not None and not isinstance(gather, BlockCode):
+        gather = _named(all_gather_code) if isinstance(all_gather_code, str) else all_gather_code
+        if not isinstance(gather, BlockCode) and (gather is not None or isinstance(all_gather_code, str)):
             raise ValueError(
                 "GraVACModelParallelStrategy: `all_gather_code` must be 'auto', 'int8', 'int4', 'int2', a BlockCode or "
                 f"None, got {all_gather_code!r}."
@@ -166,10 +170,18 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # The sizes' "auto" made data-parallel: every rank shards the model (ModelParallelStrategy's own "auto" puts a
+        # machine's processes in the tensor-parallel dimension, where `fully_shard` on the data-parallel mesh shards
+        # nothing); an explicit size leaves the other what the world size allows.
+        asked_data, asked_tensor = self._data_parallel_size, self._tensor_parallel_size
+        if asked_tensor != "auto":
+            tensor = asked_tensor
+        else:
+            tensor = 1 if asked_data == "auto" else max(1, self.world_size // asked_data)
+        data = max(1, self.world_size // tensor) if asked_data == "auto" else asked_data
+        self._data_parallel_size, self._tensor_parallel_size = data, tensor
         super().setup_environment()
-        data, tensor = self.device_mesh["data_parallel"].size(), self.device_mesh["tensor_parallel"].size()
         if data == 1 < self.world_size:
-            # ModelParallelStrategy's "auto" on one machine: every process in the tensor-parallel dimension.
             rank_zero_warn(
                 f"GraVACModelParallelStrategy: 1 data-parallel rank of {self.world_size}, so `fully_shard` on "
                 "`device_mesh['data_parallel']` shards nothing and no gradient is sent; pass "
@@ -427,3 +439,22 @@ def _rounds(replica_every: object) -> LocalSteps | None:
             f"{replica_every!r}."
         )
     return LocalSteps(every=replica_every)
+
+
+def _named(name: str) -> Compressor | None:
+    """The compressor ``name`` names, or ``None`` for a name that is none (the caller's message then says what is
+    taken here, where the registry's would list every compressor, most of which this strategy refuses)."""
+    return get_compressor(name) if name in list_compressors() else None
+
+
+def _refuse_unknown(kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword argument neither this strategy nor ``ModelParallelStrategy`` takes, naming this strategy and
+    the closest name (where ``ModelParallelStrategy.__init__`` would name itself)."""
+    known = [*inspect.signature(GraVACModelParallelStrategy.__init__).parameters]
+    known += [*inspect.signature(ModelParallelStrategy.__init__).parameters]
+    known = sorted({name for name in known if name not in ("self", "kwargs")})
+    for name in kwargs:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean `{near[0]}`?" if near else f"; it takes {', '.join(f'`{k}`' for k in known)}."
+            raise TypeError(f"GraVACModelParallelStrategy takes no argument `{name}`{hint}")
