@@ -1,8 +1,9 @@
 """Argument checks shared by the public constructors: each raises ValueError naming the argument and what is allowed."""
 
+import inspect
 import math
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeVar
 
 _T = TypeVar("_T")
 
@@ -34,3 +35,13 @@ def nonnegative(value: float, argument: str) -> float:
     if not (math.isfinite(number) and number >= 0):
         raise ValueError(f"`{argument}` must be a finite number >= 0, got {value}.")
     return number
+
+
+def argument_names(*takers: Callable[..., Any], skip: Collection[str] = ("self",)) -> set[str]:
+    """The arguments ``takers`` take by name: their parameters but ``*args``, ``**kwargs`` and ``skip``."""
+    return {
+        name
+        for taker in takers
+        for name, parameter in inspect.signature(taker).parameters.items()
+        if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL) and name not in skip
+    }

@@ -388,11 +388,7 @@ class OuterUpdate(Adaptation):
             update = change
             if mu > 0:
                 velocity = self.velocity.kept.get(name)
-                if velocity is None:
-                    velocity = self.velocity.kept[name] = change.clone()
-                else:
-                    velocity.mul_(mu).add_(change)
-                update = change.add(velocity, alpha=mu) if self.config.nesterov else velocity
+                update, self.velocity.kept[name] = outer_momentum(change, velocity, mu, self.config.nesterov)
             self.anchor.kept[name].sub_(update, alpha=lr)
         return True
 
@@ -438,6 +434,16 @@ class OuterUpdate(Adaptation):
         self.rounds = int(state["rounds"]) if "rounds" in state else 0
         self.guard.load_state_dict(state)
         self.mid_round.load_state_dict(state)
+
+
+def outer_momentum(change: Tensor, velocity: Tensor | None, momentum: float, nesterov: bool) -> tuple[Tensor, Tensor]:
+    """SGD's momentum on an outer step's averaged ``change``: the update and the velocity (the change itself at the
+    first round, ``velocity`` updated in place after; Nesterov's update where asked)."""
+    if velocity is None:
+        velocity = change.clone()
+    else:
+        velocity.mul_(momentum).add_(change)
+    return (change.add(velocity, alpha=momentum) if nesterov else velocity), velocity
 
 
 def _never() -> bool:

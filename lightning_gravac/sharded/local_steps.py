@@ -19,6 +19,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_gravac.adaptations.local_steps import outer_momentum
 from lightning_gravac.adaptations.round_guard import LocalStepsDiverged
 from lightning_gravac.compressors.blockwise import BlockCode
 from lightning_gravac.sharded.replicas import CodedReplicaAllReduce
@@ -170,11 +171,8 @@ class ReplicaRounds:
         the change, whose first round's momentum is the change itself)."""
         if self.momentum == 0:
             return change
-        if self.velocity is None:
-            self.velocity = change.clone()
-        else:
-            self.velocity.mul_(self.momentum).add_(change)
-        return change.add(self.velocity, alpha=self.momentum) if self.nesterov else self.velocity
+        update, self.velocity = outer_momentum(change, self.velocity, self.momentum, self.nesterov)
+        return update
 
     def state_dict(self, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, Tensor]:
         """This rank's anchor, outer residual and momentum, local shards and optimizers' state, by parameter name,

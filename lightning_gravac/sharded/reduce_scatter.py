@@ -95,7 +95,8 @@ class CodedReduceScatter(ReduceScatter):
         coded_at = time.perf_counter()
         receive = torch.empty_like(send)
         dist.all_to_all_single(receive, send, group=group)
-        self.bytes_sent += send[0].numel() * (world - 1)
+        sent = send[0].numel() * (world - 1)
+        self.bytes_sent += sent
         out = self._sum(receive, rank, own, how, like, exact, scale)
         if self.error_feedback:  # sent exact: nothing owed
             own.zero_()
@@ -103,7 +104,7 @@ class CodedReduceScatter(ReduceScatter):
                 fed.index_fill_(1, how.exact, 0.0)
         output_tensor.copy_(out)
         if self.state is not None:
-            self.state.record_call(send[0].numel() * (world - 1), dense, sq, sent_sq, began, coded_at)
+            self.state.record_call(sent, dense, sq, sent_sq, began, coded_at)
         return None
 
     def _sum(

@@ -1,7 +1,6 @@
 """GraVACModelParallelStrategy: fully sharded training (FSDP2) whose gradient reduce-scatter sends block codes."""
 
 import difflib
-import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -18,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_gravac._flavours import mixed_up, visible_to_the_other_trainer
+from lightning_gravac._validation import argument_names
 from lightning_gravac.adaptations import LocalSteps
 from lightning_gravac.callbacks.controller import controllers_of
 from lightning_gravac.callbacks.gravac import GraVAC
@@ -141,8 +141,6 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         self.replica_groups = replica_groups
         #: The rounds of local steps between replica groups and their outer step (``None``: none).
         self.replica_rounds = rounds
-        #: Optimizer steps a round between replica groups (``None``: the groups average every step's gradients).
-        self.replica_every = None if rounds is None else rounds.every
         #: The parameter average between replica groups every ``replica_every`` steps (made at fit setup).
         self.local_steps: ReplicaRounds | None = None
         self._restored_local: tuple[dict[str, torch.Tensor], int] | None = None  # this rank's, from a checkpoint
@@ -156,6 +154,11 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
         #: What a compression controller (``Static``, ``Accordion``) reads and decides: by parameter, each step's
         #: gradients exact (factor 1) or in the code; the code without a controller.
         self.compression_state = ShardedCompressionState(method, error_feedback, self._drop_residuals)
+
+    @property
+    def replica_every(self) -> int | None:
+        """Optimizer steps a round between replica groups (``None``: the groups average every step's gradients)."""
+        return None if self.replica_rounds is None else self.replica_rounds.every
 
     @property
     def bytes_sent(self) -> int:
@@ -228,9 +231,9 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
                 f"{every} {how}"
             )
             if rounds.lr != 1 or rounds.momentum:
-                kind = "Nesterov momentum" if rounds.nesterov else "momentum"
-                groups += f", the outer step at lr {rounds.lr:g}" + (f" with {kind} {rounds.momentum:g}" * bool(
-                    rounds.momentum))  # fmt: skip
+                groups += f", the outer step at lr {rounds.lr:g}"
+            if rounds.momentum:
+                groups += f" with {'Nesterov ' if rounds.nesterov else ''}momentum {rounds.momentum:g}"
         return f"GraVACModelParallelStrategy: {grads}; {params}{groups}."
 
     @override
@@ -296,9 +299,7 @@ class GraVACModelParallelStrategy(ModelParallelStrategy):
             )
         if self._restored is not None:
             self._load_residuals(self._restored)
-        if self._replicas is not None and self.replica_every is not None:
-            rounds = self.replica_rounds
-            assert rounds is not None
+        if self._replicas is not None and (rounds := self.replica_rounds) is not None:
             self.local_steps = ReplicaRounds(
                 rounds.every,
                 None if rounds.cf == 1 else code,
@@ -450,9 +451,7 @@ def _named(name: str) -> Compressor | None:
 def _refuse_unknown(kwargs: dict[str, Any]) -> None:
     """Refuse a keyword argument neither this strategy nor ``ModelParallelStrategy`` takes, naming this strategy and
     the closest name (where ``ModelParallelStrategy.__init__`` would name itself)."""
-    known = [*inspect.signature(GraVACModelParallelStrategy.__init__).parameters]
-    known += [*inspect.signature(ModelParallelStrategy.__init__).parameters]
-    known = sorted({name for name in known if name not in ("self", "kwargs")})
+    known = sorted(argument_names(GraVACModelParallelStrategy.__init__, ModelParallelStrategy.__init__))
     for name in kwargs:
         if name not in known:
             near = difflib.get_close_matches(name, known, n=1)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gravac._validation import whole
+from lightning_gravac._validation import argument_names, whole
 
 #: DDP's switch for syncing buffers at every forward: ``forward_sync_buffers`` where torch has it, else the older
 #: ``broadcast_buffers`` (both a constructor argument and an attribute).
@@ -45,12 +45,7 @@ def refuse_arguments(kwargs: dict[str, Any], *takers: Callable[..., Any]) -> Non
         ValueError: naming the argument, with the closest name where one is near, else where a factor is set.
     """
     refuse_own_hook(kwargs)
-    known = {
-        name
-        for taker in (*takers, DistributedDataParallel.__init__)
-        for name, parameter in inspect.signature(taker).parameters.items()
-        if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL) and name not in ("self", "module")
-    }
+    known = argument_names(*takers, DistributedDataParallel.__init__, skip=("self", "module"))
     for name in kwargs:
         if name in known:
             continue
